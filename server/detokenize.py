@@ -1,0 +1,73 @@
+"""Incremental detokenization with stop strings.
+
+Text grows token by token by decoding a short window (a few tokens of context, then the new ones) and taking what
+the window adds; a window whose text ends in U+FFFD (an incomplete UTF-8 character) waits for the next token.
+Stop strings are searched in the text as it grows (so one split across tokens is caught); the tail that could still
+become a stop string is held back from the stream, and nothing after a stop string is ever released.
+"""
+
+from __future__ import annotations
+
+CONTEXT_TOKENS = 6  # prompt tokens kept as context so the first output token decodes with its leading space
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer, prompt_ids: list[int], stop: list[str], skip_special_tokens: bool = True):
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.tokens: list[int] = list(prompt_ids[-CONTEXT_TOKENS:])
+        self.prefix_offset = 0
+        self.read_offset = len(self.tokens)
+        self.stop = [s for s in stop if s]
+        self.max_stop = max((len(s) for s in self.stop), default=0)
+        self.text = ""  # all output text so far (cut at a stop string once one is found)
+        self.released = 0  # characters of `text` handed out so far
+        self.stopped_by: str | None = None
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens,
+                                     clean_up_tokenization_spaces=False)
+
+    def add(self, token_id: int) -> None:
+        """Append one generated token; afterwards `stopped_by` tells whether a stop string appeared."""
+        if self.stopped_by is not None:
+            return
+        self.tokens.append(token_id)
+        prefix = self._decode(self.tokens[self.prefix_offset : self.read_offset])
+        full = self._decode(self.tokens[self.prefix_offset :])
+        if len(full) <= len(prefix) or full.endswith("\ufffd"):
+            return  # nothing new yet, or half a character: wait for more bytes
+        old_len = len(self.text)
+        self.text += full[len(prefix) :]
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.tokens)
+        if self.stop:
+            self._find_stop(max(0, old_len - self.max_stop + 1))
+
+    def _find_stop(self, search_from: int) -> None:
+        best = None
+        for s in self.stop:
+            i = self.text.find(s, search_from)
+            if i >= 0 and (best is None or i < best[0]):
+                best = (i, s)
+        if best is not None:
+            self.text = self.text[: best[0]]
+            self.stopped_by = best[1]
+
+    def _held_back(self) -> int:
+        """Length of the longest tail of `text` that is a proper prefix of a stop string."""
+        if self.stopped_by is not None or not self.stop:
+            return 0
+        for n in range(min(self.max_stop - 1, len(self.text)), 0, -1):
+            tail = self.text[-n:]
+            if any(s.startswith(tail) for s in self.stop):
+                return n
+        return 0
+
+    def release(self, final: bool = False) -> str:
+        """The text that can be sent now and was not sent before; `final` flushes what was held back."""
+        end = len(self.text) if final else len(self.text) - self._held_back()
+        if end <= self.released:
+            return ""
+        out = self.text[self.released : end]
+        self.released = end
+        return out

@@ -1,0 +1,199 @@
+"""Rank 0's engine: the scheduler, the model runner and the sampler, stepping in a thread of their own.
+
+Requests enter through `add()` from any thread; each step's new text reaches its sequence's `emit` callback from the
+engine thread. When idle the engine sends a heartbeat to the other ranks every second, so they can tell a quiet
+server from a dead one. If a step fails (a rank died, a collective timed out) the engine is dead: every sequence ends
+with finish_reason "error" and `on_fatal` is called.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from typing import Callable
+
+from sharding.runner import ModelRunner
+from sharding.step import Step
+from server.sampling import SampleRow, sample
+from server.scheduler import Scheduler, Sequence
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+HEARTBEAT_S = 1.0
+
+
+def eos_token_ids(model_path: str, tokenizer) -> frozenset[int]:
+    """EOS ids from generation_config.json (an int or a list) and the tokenizer."""
+    ids: set[int] = set()
+    try:
+        from transformers import GenerationConfig
+
+        gen = GenerationConfig.from_pretrained(model_path)
+        eos = gen.eos_token_id
+        ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    except OSError:
+        pass
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return frozenset(ids)
+
+
+class Engine:
+    def __init__(self, runner: ModelRunner, tokenizer, max_num_batched_tokens: int | None = None,
+                 on_fatal: Callable[[str], None] | None = None):
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.max_model_len = runner.max_model_len
+        self.scheduler = Scheduler(runner.cfg.max_num_seqs, runner.max_model_len,
+                                   max_num_batched_tokens or max(2048, runner.max_model_len))
+        self.eos_ids = eos_token_ids(runner.cfg.model, tokenizer)
+        self.on_fatal = on_fatal
+        self.dead: str | None = None
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.step_listeners: list[Callable[[float, int], None]] = []  # (seconds, tokens) after each step
+
+    # ---- requests (any thread) ---------------------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        seq.eos_ids = self.eos_ids
+        self._inbox.put(("add", seq))
+        self._wake.set()
+
+    def abort(self, seq: Sequence) -> None:
+        self._inbox.put(("abort", seq))
+        self._wake.set()
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting) + self._inbox.qsize()
+
+    def kv_usage(self) -> float:
+        return len(self.scheduler.running) / self.scheduler.max_num_seqs
+
+    # ---- the loop ----------------------------------------------------------------------------------------------
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                kind, seq = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add":
+                if self.dead:
+                    self._finish(seq, "error")
+                else:
+                    self.scheduler.add(seq)
+            elif not seq.finished:
+                seq.aborted = True
+                self._finish(seq, "abort")
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        seq.finish_reason = reason
+        self.scheduler.free(seq)
+        try:
+            seq.emit(seq, seq.detok.release(final=True) if reason not in ("abort", "error") else "", True)
+        except Exception:  # noqa: BLE001 - a client's callback must not take the engine down
+            logger.exception("emit failed")
+
+    def step(self) -> bool:
+        """Run one step if there is work; False when there was none."""
+        self._drain_inbox()
+        batch = self.scheduler.schedule()
+        if not batch:
+            return False
+        t0 = time.perf_counter()
+        ids, table = [], []
+        for seq in batch:
+            tokens, start = seq.next_input()
+            ids.extend(tokens)
+            table.append((seq.slot, len(tokens), start))
+        step = Step(torch.tensor(ids, dtype=torch.int64), torch.tensor(table, dtype=torch.int64))
+        logits = self.runner.run(step)
+        rows = [SampleRow(s.params, s.generator, s.prompt_ids, s.output_ids, s.banned_ids()) for s in batch]
+        sampled = sample(logits, rows)
+        now = time.monotonic()
+        for i, seq in enumerate(batch):
+            seq.num_cached += table[i][1]
+            self._append(seq, sampled.token_ids[i], now)
+            if sampled.logprobs is not None and seq.params.logprobs is not None:
+                seq.token_logprobs.append(sampled.logprobs[i])
+                seq.top_logprobs.append(sampled.top_logprobs[i] if sampled.top_logprobs else [])
+            if seq.finished:
+                self.scheduler.free(seq)
+                seq.emit(seq, seq.detok.release(final=True), True)
+            else:
+                seq.emit(seq, seq.detok.release(), False)
+        dt = time.perf_counter() - t0
+        for listener in self.step_listeners:
+            listener(dt, len(ids))
+        return True
+
+    def _append(self, seq: Sequence, token: int, now: float) -> None:
+        p = seq.params
+        seq.output_ids.append(token)
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+        seq.last_token_time = now
+        if not p.ignore_eos and token in self.eos_ids:
+            seq.finish_reason = "stop"
+            return
+        if token in p.stop_token_ids:
+            seq.finish_reason = "stop"
+            return
+        seq.detok.add(token)
+        if seq.detok.stopped_by is not None:
+            seq.finish_reason = "stop"
+        elif len(seq.output_ids) >= p.max_tokens or seq.num_cached + 1 >= self.max_model_len:
+            seq.finish_reason = "length"
+
+    def run_until_idle(self) -> None:
+        """Step until every added sequence has finished (the offline path, in the caller's thread)."""
+        while self.step():
+            pass
+
+    # ---- background thread (the server) -------------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="tpserve-engine", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        last = time.monotonic()
+        try:
+            while not self._stop.is_set():
+                if self.step():
+                    last = time.monotonic()
+                    continue
+                self._wake.wait(timeout=HEARTBEAT_S)
+                self._wake.clear()
+                if not self._inbox.empty() or self._stop.is_set():
+                    continue
+                if time.monotonic() - last >= HEARTBEAT_S:
+                    self.runner.heartbeat()
+                    last = time.monotonic()
+        except Exception as e:  # noqa: BLE001 - a dead rank or a failed collective: nothing can step any more
+            self._die(f"engine step failed: {e}")
+
+    def _die(self, reason: str) -> None:
+        logger.error("%s", reason)
+        self.dead = reason
+        for seq in list(self.scheduler.running) + list(self.scheduler.waiting):
+            self._finish(seq, "error")
+        self._drain_inbox()
+        if self.on_fatal is not None:
+            self.on_fatal(reason)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop the loop thread (requests in flight are not waited for: drain first)."""
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout)

@@ -1,0 +1,147 @@
+"""Start the ranks: check the checkpoint on rank 0, spawn ranks 1..N-1 on this host, join the group as rank 0.
+
+Under torchrun every process is already one rank (RANK/WORLD_SIZE set by torchrun): nothing is spawned, ranks > 0
+enter the worker loop and only rank 0 returns an engine. A watcher thread notices a spawned rank that exits
+unexpectedly and reports it within a fraction of a second.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from loaders.checkpoint import Checkpoint
+from loaders.default_model import ensure_default_model
+from sharding.dist import Dist, init_dist
+from sharding.runner import EngineConfig, build_model, start_rank
+
+logger = logging.getLogger(__name__)
+
+
+def under_torchrun() -> bool:
+    return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ
+                                                   and "MASTER_ADDR" in os.environ)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def resolve_model(model: str | None) -> str:
+    return str(ensure_default_model()) if not model else model
+
+
+def validate(cfg: EngineConfig, tp: int) -> None:
+    """Everything that can be checked before any other rank exists: folder, files, architecture, names, shapes,
+    the TP degree. Raises ValueError with a message for the user."""
+    if tp < 1:
+        raise ValueError("--tensor-parallel-size must be at least 1")
+    with Checkpoint(cfg.model) as ckpt:
+        ckpt.resolve_dtype(cfg.dtype)
+        import torch
+
+        build_model(cfg, Dist(rank=0, world_size=tp, device=torch.device("meta")), ckpt)
+
+
+@dataclass
+class Workers:
+    """The ranks > 0 this process spawned, and a watcher that reports one that exits on its own."""
+
+    procs: list[subprocess.Popen] = field(default_factory=list)
+    on_death: Callable[[str], None] | None = None
+    _closing: bool = False
+
+    def watch(self) -> None:
+        def loop() -> None:
+            while not self._closing:
+                for rank, p in enumerate(self.procs, start=1):
+                    code = p.poll()
+                    if code is not None and not self._closing:
+                        msg = f"rank {rank} (pid {p.pid}) exited with code {code}"
+                        logger.error("%s", msg)
+                        if self.on_death is not None:
+                            self.on_death(msg)
+                        return
+                time.sleep(0.1)
+
+        threading.Thread(target=loop, name="tpserve-rank-watch", daemon=True).start()
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Wait for the ranks to leave (after a shutdown message), then terminate and kill what is left."""
+        self._closing = True
+        deadline = time.monotonic() + timeout
+        for p in self.procs:
+            try:
+                p.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.terminate()
+        for p in self.procs:
+            try:
+                p.wait(2.0)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+
+def spawn_workers(cfg: EngineConfig, tp: int) -> Workers:
+    """Ranks 1..tp-1 as `python -m sharding.worker`, sharing this host's rendezvous; sets this process as rank 0."""
+    port = free_port()
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(tp),
+               LOCAL_WORLD_SIZE=str(tp))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(tp), RANK="0", LOCAL_RANK="0",
+                      LOCAL_WORLD_SIZE=str(tp))
+    workers = Workers()
+    for rank in range(1, tp):
+        workers.procs.append(subprocess.Popen(
+            [sys.executable, "-m", "sharding.worker", *cfg.to_argv()],
+            env=dict(env, RANK=str(rank), LOCAL_RANK=str(rank)),
+            start_new_session=False))
+    return workers
+
+
+def _fail_fast(msg: str) -> None:
+    """Before the engine exists a dead rank leaves rank 0 waiting in the rendezvous: stop the process."""
+    print(f"tpserve: {msg} while starting; stopping", file=sys.stderr, flush=True)
+    os._exit(1)
+
+
+def launch(cfg: EngineConfig, tp: int):
+    """Start every rank. Returns (runner, dist, workers) on rank 0; on ranks > 0 under torchrun, runs the worker
+    loop and exits the process when it ends."""
+    if under_torchrun():
+        dist = init_dist()
+        if dist.world_size != tp:
+            raise ValueError(f"--tensor-parallel-size {tp} does not match torchrun's world size {dist.world_size}")
+        if not dist.is_first:
+            runner = start_rank(cfg, dist)
+            runner.worker_loop()
+            dist.shutdown()
+            sys.exit(0)
+        return start_rank(cfg, dist), dist, Workers()
+    validate(cfg, tp)
+    workers = spawn_workers(cfg, tp) if tp > 1 else Workers()
+    workers.on_death = _fail_fast
+    workers.watch()
+    dist = init_dist()
+    try:
+        runner = start_rank(cfg, dist)
+    except BaseException:
+        workers.close(timeout=5)
+        raise
+    return runner, dist, workers
+
+
+def kill_workers(workers: Workers) -> None:
+    for p in workers.procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGKILL)

@@ -1,0 +1,71 @@
+"""Offline generation without HTTP: `LLM(model, tensor_parallel_size=N).generate(prompts, params)`.
+
+The calling process becomes rank 0; the other ranks are spawned on this host (or come from torchrun).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from server.engine import Engine
+from server.launcher import Workers, launch, resolve_model
+from server.detokenize import IncrementalDetokenizer
+from server.sampling import SamplingParams
+from server.scheduler import Sequence
+from server.tokenizer import load_tokenizer
+from sharding.runner import EngineConfig
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class Completion:
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+
+
+class LLM:
+    def __init__(self, model: str | None = None, tensor_parallel_size: int = 1, dtype: str = "auto",
+                 max_num_seqs: int = 32, max_model_len: int | None = None):
+        self.cfg = EngineConfig(resolve_model(model), dtype, max_num_seqs, max_model_len)
+        self.runner, self.dist, self.workers = launch(self.cfg, tensor_parallel_size)
+        self.tokenizer = load_tokenizer(self.cfg.model)
+        self.engine = Engine(self.runner, self.tokenizer)
+
+    def generate(self, prompts: list[str | list[int]], params: SamplingParams | None = None) -> list[Completion]:
+        params = params or SamplingParams()
+        seqs = []
+        for prompt in prompts:
+            ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+            if not ids or len(ids) >= self.engine.max_model_len:
+                raise ValueError(f"prompt of {len(ids)} tokens does not fit max_model_len {self.engine.max_model_len}")
+            detok = IncrementalDetokenizer(self.tokenizer, ids, params.stop, params.skip_special_tokens)
+            seq = Sequence(ids, params, detok, emit=lambda *_: None)
+            self.engine.add(seq)
+            seqs.append(seq)
+        self.engine.run_until_idle()
+        return [Completion(s.prompt_ids, s.output_ids, s.detok.text, s.finish_reason,
+                           s.token_logprobs if params.logprobs is not None else None,
+                           s.top_logprobs if params.logprobs is not None else None) for s in seqs]
+
+    def chat(self, messages: list[dict], params: SamplingParams | None = None) -> Completion:
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                 return_dict=False)
+        return self.generate([list(ids)], params)[0]
+
+    def close(self) -> None:
+        if self.dist.world_size > 1:
+            self.runner.stop_workers()
+        self.workers.close()
+        self.dist.shutdown()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

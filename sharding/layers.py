@@ -1,0 +1,204 @@
+"""Tensor-parallel layers. Each one owns a block of a Hugging Face weight and knows how to read exactly that block.
+
+Megatron's recipe: a column-parallel linear (q/k/v, gate/up) keeps a block of output rows and needs no collective;
+the row-parallel linear that follows (o_proj, down_proj) keeps the matching block of input columns, so its partial
+outputs sum to the full result with one all-reduce. Embedding and LM head keep a block of vocabulary rows.
+
+Every layer lists the HF tensors it reads (`expected()`: name -> full shape) and loads its block with `load()`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from loaders.checkpoint import Checkpoint
+from loaders.partition import split_evenly
+from sharding.dist import Dist
+
+
+@dataclass(slots=True, frozen=True)
+class Piece:
+    """Rows [start, stop) along the split dimension of HF tensor `name` (without `.weight`), whose full weight
+    shape is `full` ([out, in], or [in, out] when `transposed`, as GPT-2's Conv1D stores it)."""
+
+    name: str
+    start: int
+    stop: int
+    full: tuple[int, ...]
+    transposed: bool = False
+
+
+def _empty(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
+
+
+class ColumnParallelLinear(nn.Module):
+    """y_local = x @ W[rows]^T (+ b[rows]): the output is split over ranks by rows of W; no collective.
+
+    Several pieces are fused into one matmul (q/k/v, gate/up): each piece is a block of rows of its own HF tensor, or
+    of one fused HF tensor (Phi-3's qkv_proj), concatenated in order.
+    """
+
+    def __init__(self, in_features: int, pieces: list[Piece], bias: bool, dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        self.pieces = pieces
+        self.out_sizes = [p.stop - p.start for p in pieces]
+        self.weight = _empty(sum(self.out_sizes), in_features, dtype=dtype, device=device)
+        self.bias = _empty(sum(self.out_sizes), dtype=dtype, device=device) if bias else None
+
+    def expected(self) -> dict[str, tuple[int, ...]]:
+        out = {}
+        for p in self.pieces:
+            out[p.name + ".weight"] = p.full
+            if self.bias is not None:
+                out[p.name + ".bias"] = (p.full[1] if p.transposed else p.full[0],)
+        return out
+
+    def load(self, ckpt: Checkpoint) -> None:
+        ws, bs = [], []
+        for p in self.pieces:
+            ranges = [(p.start, p.stop)]
+            if p.transposed:
+                ws.append(ckpt.read(p.name + ".weight", 1, ranges).t())
+            else:
+                ws.append(ckpt.read(p.name + ".weight", 0, ranges))
+            if self.bias is not None:
+                bs.append(ckpt.read(p.name + ".bias", 0, ranges))
+        # Group contiguous blocks of one fused tensor are still separate reads; cat copies once into the parameter.
+        self.weight.data.copy_(torch.cat(ws, 0) if len(ws) > 1 else ws[0])
+        if self.bias is not None:
+            self.bias.data.copy_(torch.cat(bs, 0) if len(bs) > 1 else bs[0])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class RowParallelLinear(nn.Module):
+    """y = all_reduce(x_local @ W[:, cols]^T) + b: the input is split over ranks by columns of W; one all-reduce,
+    then the (replicated) bias is added once."""
+
+    def __init__(self, piece: Piece, bias: bool, dist: Dist, dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        self.piece = piece
+        self.dist = dist
+        out_features = piece.full[1] if piece.transposed else piece.full[0]
+        self.weight = _empty(out_features, piece.stop - piece.start, dtype=dtype, device=device)
+        self.bias = _empty(out_features, dtype=dtype, device=device) if bias else None
+
+    def expected(self) -> dict[str, tuple[int, ...]]:
+        out = {self.piece.name + ".weight": self.piece.full}
+        if self.bias is not None:
+            out[self.piece.name + ".bias"] = (self.weight.shape[0],)
+        return out
+
+    def load(self, ckpt: Checkpoint) -> None:
+        p = self.piece
+        if p.transposed:
+            w = ckpt.read(p.name + ".weight", 0, [(p.start, p.stop)]).t()
+        else:
+            w = ckpt.read(p.name + ".weight", 1, [(p.start, p.stop)])
+        self.weight.data.copy_(w)
+        if self.bias is not None:
+            self.bias.data.copy_(ckpt.read(p.name + ".bias"))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.dist.all_reduce(F.linear(x, self.weight))
+        return y + self.bias if self.bias is not None else y
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Rows [start, stop) of the embedding table; ids outside the block give zeros; one all-reduce sums the blocks."""
+
+    def __init__(self, name: str, vocab_size: int, hidden: int, dist: Dist, dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        self.name = name
+        self.dist = dist
+        self.vocab_size = vocab_size
+        self.start, self.stop = split_evenly(vocab_size, dist.world_size, dist.rank)
+        self.weight = _empty(self.stop - self.start, hidden, dtype=dtype, device=device)
+
+    def expected(self) -> dict[str, tuple[int, ...]]:
+        return {self.name: (self.vocab_size, self.weight.shape[1])}
+
+    def load(self, ckpt: Checkpoint) -> None:
+        self.weight.data.copy_(ckpt.read(self.name, 0, [(self.start, self.stop)]))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.dist.world_size == 1:
+            return F.embedding(ids, self.weight)
+        inside = (ids >= self.start) & (ids < self.stop)
+        local = torch.where(inside, ids - self.start, torch.zeros_like(ids))
+        out = F.embedding(local, self.weight) * inside.unsqueeze(-1).to(self.weight.dtype)
+        return self.dist.all_reduce(out)
+
+
+class ParallelLMHead(nn.Module):
+    """logits[:, start:stop] = h @ W[start:stop]^T on each rank; the blocks are gathered to rank 0, which samples.
+
+    With tied embeddings it shares the embedding's block (same rows), so nothing more is read."""
+
+    def __init__(self, name: str, vocab_size: int, hidden: int, dist: Dist, dtype: torch.dtype,
+                 device: torch.device, tied_to: VocabParallelEmbedding | None = None, bias: bool = False):
+        super().__init__()
+        self.name = name
+        self.dist = dist
+        self.vocab_size = vocab_size
+        self.sizes = [b - a for a, b in (split_evenly(vocab_size, dist.world_size, r) for r in range(dist.world_size))]
+        self.start, self.stop = split_evenly(vocab_size, dist.world_size, dist.rank)
+        self.tied = tied_to is not None
+        self.weight = tied_to.weight if tied_to is not None else _empty(self.stop - self.start, hidden, dtype=dtype,
+                                                                         device=device)
+        self.bias = _empty(self.stop - self.start, dtype=dtype, device=device) if bias else None
+
+    def expected(self) -> dict[str, tuple[int, ...]]:
+        out = {} if self.tied else {self.name + ".weight": (self.vocab_size, self.weight.shape[1])}
+        if self.bias is not None:
+            out[self.name + ".bias"] = (self.vocab_size,)
+        return out
+
+    def load(self, ckpt: Checkpoint) -> None:
+        if not self.tied:
+            self.weight.data.copy_(ckpt.read(self.name + ".weight", 0, [(self.start, self.stop)]))
+        if self.bias is not None:
+            self.bias.data.copy_(ckpt.read(self.name + ".bias", 0, [(self.start, self.stop)]))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor | None:
+        """Full-vocabulary float32 logits on rank 0, None elsewhere."""
+        local = F.linear(h, self.weight, self.bias).float()
+        return self.dist.gather_last_dim(local, self.sizes)
+
+
+class Replicated(nn.Module):
+    """A parameter every rank holds whole (norm weights, GPT-2's position table)."""
+
+    def __init__(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        self.name = name
+        self.weight = _empty(*shape, dtype=dtype, device=device)
+
+    def expected(self) -> dict[str, tuple[int, ...]]:
+        return {self.name: tuple(self.weight.shape)}
+
+    def load(self, ckpt: Checkpoint) -> None:
+        self.weight.data.copy_(ckpt.read(self.name))
+
+
+class RMSNorm(Replicated):
+    """Llama's RMSNorm, computed in float32 exactly as transformers does; `offset` is 1.0 for Gemma's (1 + w)."""
+
+    def __init__(self, name: str, dim: int, eps: float, dtype: torch.dtype, device: torch.device, offset: float = 0.0):
+        super().__init__(name, (dim,), dtype, device)
+        self.eps = eps
+        self.offset = offset
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.offset:
+            return (x32 * (self.offset + self.weight.float())).to(dtype)
+        return self.weight * x32.to(dtype)

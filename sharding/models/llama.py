@@ -1,0 +1,152 @@
+"""Llama and the models that share its layout: Llama 2/3, SmolLM2, Mistral (same file, same names).
+
+Per layer: input RMSNorm -> fused q/k/v (column-parallel, by heads) -> rotary -> attention over the KV cache ->
+o_proj (row-parallel, all-reduce) -> residual -> RMSNorm -> fused gate/up (column-parallel) -> SiLU(gate) * up ->
+down_proj (row-parallel, all-reduce) -> residual. Two all-reduces per layer, one more for the embedding.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from loaders.partition import shard_heads, split_evenly
+from sharding.attention import AttentionMetadata, KVCache, RotaryTable, apply_rotary, attend
+from sharding.dist import Dist
+from sharding.layers import (ColumnParallelLinear, ParallelLMHead, Piece, RMSNorm, RowParallelLinear,
+                             VocabParallelEmbedding)
+
+
+class LlamaAttention(nn.Module):
+    qkv_bias_default = False
+
+    def __init__(self, config, prefix: str, dist: Dist, dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        self.total_num_heads = config.num_attention_heads
+        self.total_num_kv_heads = getattr(config, "num_key_value_heads", None) or self.total_num_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.total_num_heads
+        heads = shard_heads(self.total_num_heads, self.total_num_kv_heads, dist.world_size, dist.rank)
+        self.num_heads, self.num_kv_heads = heads.num_heads, heads.num_kv_heads
+        same = heads.num_heads == heads.num_kv_heads
+        self.register_buffer("kv_for_q", None if same else torch.tensor(heads.kv_for_q, device=device),
+                             persistent=False)
+        hd, hidden = self.head_dim, config.hidden_size
+        self.qkv_proj = ColumnParallelLinear(hidden, self.qkv_pieces(config, prefix, heads), self.qkv_bias(config),
+                                             dtype, device)
+        self.o_proj = RowParallelLinear(
+            Piece(f"{prefix}.o_proj", heads.q_start * hd, heads.q_stop * hd, (hidden, self.total_num_heads * hd)),
+            bias=getattr(config, "attention_bias", False), dist=dist, dtype=dtype, device=device)
+        self.scale = self.head_dim ** -0.5
+        self.cache: KVCache | None = None
+
+    def qkv_bias(self, config) -> bool:
+        return bool(getattr(config, "attention_bias", self.qkv_bias_default))
+
+    def qkv_pieces(self, config, prefix: str, heads) -> list[Piece]:
+        hd, hidden = self.head_dim, config.hidden_size
+        q_full, kv_full = (self.total_num_heads * hd, hidden), (self.total_num_kv_heads * hd, hidden)
+        return [
+            Piece(f"{prefix}.q_proj", heads.q_start * hd, heads.q_stop * hd, q_full),
+            Piece(f"{prefix}.k_proj", heads.kv_start * hd, heads.kv_stop * hd, kv_full),
+            Piece(f"{prefix}.v_proj", heads.kv_start * hd, heads.kv_stop * hd, kv_full),
+        ]
+
+    def project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        n = x.shape[0]
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
+        return (q.reshape(n, self.num_heads, self.head_dim), k.reshape(n, self.num_kv_heads, self.head_dim),
+                v.reshape(n, self.num_kv_heads, self.head_dim))
+
+    def norm_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-head normalisation of queries and keys before rotary (none for Llama)."""
+        return q, k
+
+    def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        q, k, v = self.project_qkv(x)
+        q, k = self.norm_qk(q, k)
+        q, k = apply_rotary(q, meta.cos, meta.sin), apply_rotary(k, meta.cos, meta.sin)
+        self.cache.write(meta, k, v)
+        return self.o_proj(attend(q, self.cache, meta, self.kv_for_q, self.scale))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config, prefix: str, dist: Dist, dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        hidden, inter = config.hidden_size, config.intermediate_size
+        a, b = split_evenly(inter, dist.world_size, dist.rank)
+        bias = getattr(config, "mlp_bias", False)
+        self.local_inter = b - a
+        self.gate_up_proj = ColumnParallelLinear(hidden, self.gate_up_pieces(prefix, a, b, inter, hidden), bias,
+                                                 dtype, device)
+        self.down_proj = RowParallelLinear(Piece(f"{prefix}.down_proj", a, b, (hidden, inter)), bias, dist, dtype,
+                                           device)
+
+    def gate_up_pieces(self, prefix: str, a: int, b: int, inter: int, hidden: int) -> list[Piece]:
+        return [Piece(f"{prefix}.gate_proj", a, b, (inter, hidden)), Piece(f"{prefix}.up_proj", a, b, (inter, hidden))]
+
+    def act(self, gate: torch.Tensor) -> torch.Tensor:
+        return F.silu(gate)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split([self.local_inter, self.local_inter], dim=-1)
+        return self.down_proj(self.act(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    attention_cls = LlamaAttention
+    mlp_cls = LlamaMLP
+
+    def __init__(self, config, prefix: str, dist: Dist, dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        eps = config.rms_norm_eps
+        self.input_layernorm = RMSNorm(f"{prefix}.input_layernorm.weight", config.hidden_size, eps, dtype, device)
+        self.self_attn = self.attention_cls(config, f"{prefix}.self_attn", dist, dtype, device)
+        self.post_attention_layernorm = RMSNorm(f"{prefix}.post_attention_layernorm.weight", config.hidden_size, eps,
+                                                dtype, device)
+        self.mlp = self.mlp_cls(config, f"{prefix}.mlp", dist, dtype, device)
+
+    def forward(self, h: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), meta)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaForCausalLM(nn.Module):
+    """The whole model on one rank. `forward(step ids, metadata)` returns rank 0's last-token logits."""
+
+    layer_cls = LlamaDecoderLayer
+
+    def __init__(self, config, dist: Dist, dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        self.config = config
+        self.dist = dist
+        self.embed_tokens = VocabParallelEmbedding("model.embed_tokens.weight", config.vocab_size, config.hidden_size,
+                                                   dist, dtype, device)
+        self.layers = nn.ModuleList(
+            self.layer_cls(config, f"model.layers.{i}", dist, dtype, device) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm("model.norm.weight", config.hidden_size, config.rms_norm_eps, dtype, device)
+        tied = self.embed_tokens if getattr(config, "tie_word_embeddings", False) else None
+        self.lm_head = ParallelLMHead("lm_head", config.vocab_size, config.hidden_size, dist, dtype, device, tied)
+
+    # what the engine needs to know to build the cache and the metadata
+    @property
+    def attention_layers(self) -> list[nn.Module]:
+        return [layer.self_attn for layer in self.layers]
+
+    def sliding_window(self) -> int | None:
+        return getattr(self.config, "sliding_window", None)
+
+    def ignored_tensors(self) -> set[str]:
+        """Checkpoint tensors that are fine to skip (a tied head stored anyway)."""
+        return {"lm_head.weight"} if self.lm_head.tied else set()
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(ids)
+
+    def forward(self, ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor | None:
+        h = self.embed(ids)
+        for layer in self.layers:
+            h = layer(h, meta)
+        h = self.norm(h[meta.logits_indices])
+        return self.lm_head(h)
