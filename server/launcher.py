@@ -7,6 +7,7 @@ unexpectedly and reports it within a fraction of a second.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -27,8 +28,23 @@ logger = logging.getLogger(__name__)
 
 
 def under_torchrun() -> bool:
-    return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ
-                                                   and "MASTER_ADDR" in os.environ)
+    """torchrun (or a hand-made equivalent) set this process's rank; tpserve's own launcher never leaves these set."""
+    return "TORCHELASTIC_RUN_ID" in os.environ or all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR"))
+
+
+@contextlib.contextmanager
+def environment(values: dict[str, str]):
+    """Set environment variables for the duration of the block (rank 0's rendezvous), then restore them."""
+    old = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def free_port() -> int:
@@ -93,20 +109,15 @@ class Workers:
                 p.wait()
 
 
-def spawn_workers(cfg: EngineConfig, tp: int) -> Workers:
-    """Ranks 1..tp-1 as `python -m sharding.worker`, sharing this host's rendezvous; sets this process as rank 0."""
-    port = free_port()
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(tp),
-               LOCAL_WORLD_SIZE=str(tp))
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(tp), RANK="0", LOCAL_RANK="0",
-                      LOCAL_WORLD_SIZE=str(tp))
+def spawn_workers(cfg: EngineConfig, tp: int) -> tuple[Workers, dict[str, str]]:
+    """Ranks 1..tp-1 as `python -m sharding.worker`; returns them and rank 0's rendezvous environment."""
+    rdzv = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(tp), LOCAL_WORLD_SIZE=str(tp))
     workers = Workers()
     for rank in range(1, tp):
         workers.procs.append(subprocess.Popen(
             [sys.executable, "-m", "sharding.worker", *cfg.to_argv()],
-            env=dict(env, RANK=str(rank), LOCAL_RANK=str(rank)),
-            start_new_session=False))
-    return workers
+            env=dict(os.environ, **rdzv, RANK=str(rank), LOCAL_RANK=str(rank))))
+    return workers, dict(rdzv, RANK="0", LOCAL_RANK="0")
 
 
 def _fail_fast(msg: str) -> None:
@@ -129,10 +140,11 @@ def launch(cfg: EngineConfig, tp: int):
             sys.exit(0)
         return start_rank(cfg, dist), dist, Workers()
     validate(cfg, tp)
-    workers = spawn_workers(cfg, tp) if tp > 1 else Workers()
+    workers, rdzv = spawn_workers(cfg, tp) if tp > 1 else (Workers(), {})
     workers.on_death = _fail_fast
     workers.watch()
-    dist = init_dist()
+    with environment(rdzv):
+        dist = init_dist()
     try:
         runner = start_rank(cfg, dist)
     except BaseException:

@@ -1,0 +1,41 @@
+"""Run tpserve's offline LLM on several checkpoints at one TP degree; JSON spec on stdin, JSON results written to spec['out'].
+
+Spec: {"tp": 2, "jobs": [{"model": path, "prompts": [[ids...]], "max_tokens": 32, "logprobs": 5, "temperature": 0,
+"seed": null, "dtype": "auto"}]}. Used by the tests so each TP degree starts its ranks in a fresh process.
+"""
+
+import json
+import sys
+
+from loaders.checkpoint import Checkpoint
+from server.llm import LLM
+from server.sampling import SamplingParams
+
+
+def main() -> None:
+    spec = json.load(sys.stdin)
+    results = []
+    for job in spec["jobs"]:
+        try:
+            llm = LLM(job.get("model"), tensor_parallel_size=spec["tp"], dtype=job.get("dtype", "auto"),
+                      max_num_seqs=job.get("max_num_seqs", 8), max_model_len=job.get("max_model_len"))
+        except Exception as e:  # reported to the test, which asserts on the message
+            results.append({"error": f"{type(e).__name__}: {e}"})
+            continue
+        params = SamplingParams(max_tokens=job.get("max_tokens", 32), temperature=job.get("temperature", 0.0),
+                                seed=job.get("seed"), logprobs=job.get("logprobs"), ignore_eos=True)
+        prompts = job.get("prompts") or [list(llm.tokenizer.apply_chat_template(
+            job["messages"], add_generation_prompt=True, tokenize=True, return_dict=False))]
+        if "messages" in job:
+            params.ignore_eos = False
+        outs = llm.generate(prompts, params)
+        results.append({"outputs": [{"token_ids": o.token_ids, "text": o.text, "top_logprobs": o.top_logprobs}
+                                    for o in outs], "bytes_read": llm.runner.bytes_read,
+                        "checkpoint_bytes": Checkpoint(llm.cfg.model).total_bytes})
+        llm.close()
+    with open(spec["out"], "w") as f:
+        json.dump(results, f)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,92 @@
+"""Tiny random checkpoints and a tiny tokenizer, made with transformers and tokenizers in a temporary folder."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+TEXT = [
+    "The capital of France is Paris. The capital of Italy is Rome.",
+    "Hello world! How are you today? I am fine, thank you.",
+    "Tensor parallelism splits every weight matrix over several ranks.",
+    "日本語のテキストも少し含めます。中文也有一点。",
+    "Emoji: 😀 🚀 🌍 ✨ and accents: café, naïve, Ærø.",
+    "def add(a, b):\n    return a + b\n",
+    "0 1 2 3 4 5 6 7 8 9 10 100 1000",
+]
+
+SPECIALS = ["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
+
+
+def make_tokenizer(folder: Path, vocab_size: int = 384) -> None:
+    """A byte-level BPE tokenizer trained on a few lines, saved as tokenizer.json with a chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIALS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(TEXT * 4, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
+                                   pad_token="</s>")
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(str(folder))
+
+
+ARCHS: dict[str, dict] = {
+    # name: (transformers config class name, config overrides)
+    "llama": dict(cls="LlamaConfig", num_attention_heads=8, num_key_value_heads=4),
+    "mistral": dict(cls="MistralConfig", num_attention_heads=8, num_key_value_heads=2, sliding_window=4096),
+    "qwen2": dict(cls="Qwen2Config", num_attention_heads=6, num_key_value_heads=2),
+    "qwen3": dict(cls="Qwen3Config", num_attention_heads=8, num_key_value_heads=4, head_dim=16),
+    "llama_mha_bias": dict(cls="LlamaConfig", num_attention_heads=4, num_key_value_heads=4, attention_bias=True,
+                           mlp_bias=True),
+    "llama_tied": dict(cls="LlamaConfig", num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True),
+}
+
+
+def make_checkpoint(folder: Path, arch: str = "llama", dtype: torch.dtype = torch.float32, seed: int = 0,
+                    max_shard_size: str | None = None, **overrides) -> Path:
+    """A random model of `arch` (see ARCHS), saved with save_pretrained(safe_serialization=True) plus the tokenizer."""
+    import transformers
+
+    folder.mkdir(parents=True, exist_ok=True)
+    make_tokenizer(folder)
+    vocab = len(json.loads((folder / "tokenizer.json").read_text())["model"]["vocab"])
+    spec = dict(ARCHS[arch])
+    cls = getattr(transformers, spec.pop("cls"))
+    kw = dict(vocab_size=vocab + 3, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+              max_position_embeddings=256, initializer_range=0.2, tie_word_embeddings=False,
+              bos_token_id=1, eos_token_id=2, pad_token_id=2, rms_norm_eps=1e-6)
+    kw.update(spec)
+    kw.update(overrides)
+    config = cls(**kw)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+    save_kw = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(str(folder), safe_serialization=True, **save_kw)
+    return folder
+
+
+def hf_greedy(folder: Path, prompt_ids: list[int], max_new_tokens: int) -> tuple[list[int], torch.Tensor]:
+    """transformers' greedy continuation (EOS ignored) and the log-softmax of its logits at every step."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
+    model.generation_config.eos_token_id = None
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False,
+                             output_logits=True, return_dict_in_generate=True, pad_token_id=0,
+                             attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long))
+    tokens = out.sequences[0, len(prompt_ids):].tolist()
+    logprobs = torch.log_softmax(torch.stack(out.logits, 0)[:, 0].float(), dim=-1)
+    return tokens, logprobs
