@@ -109,6 +109,14 @@ class Workers:
                 p.wait()
 
 
+def _die_with_parent() -> None:
+    """In the child before exec: on Linux, get SIGKILL when rank 0 dies, so no rank is ever orphaned."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
 def spawn_workers(cfg: EngineConfig, tp: int) -> tuple[Workers, dict[str, str]]:
     """Ranks 1..tp-1 as `python -m sharding.worker`; returns them and rank 0's rendezvous environment."""
     rdzv = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(tp), LOCAL_WORLD_SIZE=str(tp))
@@ -116,7 +124,7 @@ def spawn_workers(cfg: EngineConfig, tp: int) -> tuple[Workers, dict[str, str]]:
     for rank in range(1, tp):
         workers.procs.append(subprocess.Popen(
             [sys.executable, "-m", "sharding.worker", *cfg.to_argv()],
-            env=dict(os.environ, **rdzv, RANK=str(rank), LOCAL_RANK=str(rank))))
+            env=dict(os.environ, **rdzv, RANK=str(rank), LOCAL_RANK=str(rank)), preexec_fn=_die_with_parent))
     return workers, dict(rdzv, RANK="0", LOCAL_RANK="0")
 
 

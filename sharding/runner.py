@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import time
 from dataclasses import dataclass
 
@@ -177,6 +178,8 @@ def worker_main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-num-seqs", type=int, default=32)
     ap.add_argument("--max-model-len", type=int, default=None)
     args = ap.parse_args(argv)
+    # Ctrl-C in a terminal reaches every process of the group: rank 0 alone decides when the ranks stop
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     dist = init_dist()
     logging.basicConfig(level=logging.WARNING, format=f"[rank {dist.rank}] %(levelname)s %(message)s")
     cfg = EngineConfig(args.model, args.dtype, args.max_num_seqs, args.max_model_len)

@@ -1,0 +1,202 @@
+"""The `tpserve` command: `serve` (the OpenAI-compatible server), `generate` (offline), `prepare` (default model).
+
+`tpserve serve` launches its own ranks on this host; under torchrun each process is one rank and only rank 0 serves
+HTTP. On SIGTERM/SIGINT the server drains: /health answers 503, new requests get 503, requests in flight finish
+(up to --shutdown-timeout), then every rank exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import threading
+import time
+
+logger = logging.getLogger("tpserve")
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", nargs="?", default=None,
+                   help="a local Hugging Face checkpoint folder (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--model", dest="model_flag", default=None, help=argparse.SUPPRESS)
+    p.add_argument("-tp", "--tensor-parallel-size", type=int, default=1, help="number of ranks (default 1)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="weights and activations dtype (auto: the checkpoint's)")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="longest prompt + completion in tokens (default: min(model maximum, 2048))")
+    p.add_argument("--max-num-seqs", type=int, default=32, help="sequences decoded together (KV-cache slots)")
+
+
+def positive(name: str, value: int | None) -> None:
+    if value is not None and value < 1:
+        raise SystemExit(f"tpserve: error: {name} must be at least 1 (got {value})")
+
+
+def engine_config(args):
+    from server.launcher import resolve_model
+    from sharding.runner import EngineConfig
+
+    positive("--tensor-parallel-size", args.tensor_parallel_size)
+    positive("--max-num-seqs", args.max_num_seqs)
+    positive("--max-model-len", args.max_model_len)
+    model = args.model or args.model_flag
+    return EngineConfig(resolve_model(model), args.dtype, args.max_num_seqs, args.max_model_len)
+
+
+def serve(args) -> int:
+    import uvicorn
+
+    from server.app import ServerState, build_app
+    from server.engine import Engine
+    from server.launcher import kill_workers, launch
+    from server.tokenizer import load_tokenizer
+
+    api_key = args.api_key or os.environ.get("TPSERVE_API_KEY") or None
+    cfg = engine_config(args)
+    runner, dist, workers = launch(cfg, args.tensor_parallel_size)
+    tokenizer = load_tokenizer(cfg.model)
+    name = args.served_model_name or os.path.basename(os.path.normpath(cfg.model))
+    exit_code = {"code": 0}
+    server_ref: dict = {}
+
+    def fatal(reason: str) -> None:
+        """A rank died or hung: fail everything in flight, then stop the whole server non-zero."""
+        logger.error("fatal: %s; stopping", reason)
+        exit_code["code"] = 1
+        if engine.dead is None:
+            engine.dead = reason
+        def stop_later() -> None:
+            time.sleep(1.0)  # let in-flight streams receive their error event
+            kill_workers(workers)
+            srv = server_ref.get("server")
+            if srv is not None:
+                srv.should_exit = True
+            time.sleep(args.shutdown_timeout + 5)
+            os._exit(1)  # uvicorn did not stop in time
+        threading.Thread(target=stop_later, daemon=True).start()
+
+    engine = Engine(runner, tokenizer, on_fatal=fatal)
+    state = ServerState(engine, tokenizer, name, runner.vocab_size, api_key=api_key,
+                        max_queued_requests=args.max_queued_requests, max_body_bytes=args.max_body_bytes)
+    engine.step_listeners.append(lambda dt, _: state.metrics.step_seconds.observe(dt))
+    workers.on_death = lambda msg: (engine._die(msg) if engine.dead is None else None)
+    workers.watch()
+    engine.start()
+    app = build_app(state)
+
+    class DrainingServer(uvicorn.Server):
+        """First SIGTERM/SIGINT: drain (503 for new work) until idle or --shutdown-timeout, then stop; a second
+        signal stops at once. (uvicorn's own handler would re-raise the signal after shutdown, killing this process
+        before it can stop the other ranks.)"""
+
+        def handle_exit(self, sig, frame) -> None:
+            if state.draining or exit_code["code"]:
+                self.should_exit = self.force_exit = True
+                return
+            state.draining = True
+            logger.info("draining: waiting up to %.0f s for %d request(s) in flight", args.shutdown_timeout,
+                        engine.num_running + engine.num_waiting)
+
+            def wait() -> None:
+                deadline = time.monotonic() + args.shutdown_timeout
+                while time.monotonic() < deadline and (engine.num_running or engine.num_waiting):
+                    time.sleep(0.05)
+                time.sleep(0.2)  # let the last responses flush
+                self.should_exit = True
+
+            threading.Thread(target=wait, daemon=True).start()
+
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
+                            timeout_graceful_shutdown=5, limit_concurrency=args.max_connections)
+    server = DrainingServer(config)
+    server_ref["server"] = server
+    print(f"tpserve: serving {name} on http://{args.host}:{args.port} (tensor parallel size "
+          f"{args.tensor_parallel_size}, KV cache {runner.kv_cache_bytes() / 2**20:.0f} MiB per rank)", flush=True)
+    try:
+        server.run()
+    finally:
+        engine.stop()
+        if engine.dead is None and dist.world_size > 1:
+            try:
+                runner.stop_workers()
+            except Exception:  # noqa: BLE001 - a rank already gone
+                exit_code["code"] = exit_code["code"] or 1
+        workers.close(timeout=10)
+        dist.shutdown()
+    if engine.dead is not None:
+        exit_code["code"] = 1
+    return exit_code["code"]
+
+
+def generate(args) -> int:
+    from server.llm import LLM
+    from server.sampling import SamplingParams
+
+    prompts = list(args.prompt) or [line.rstrip("\n") for line in sys.stdin if line.strip()]
+    if not prompts:
+        raise SystemExit("tpserve: error: give --prompt (repeatable) or prompts on standard input, one per line")
+    cfg = engine_config(args)
+    llm = LLM(cfg.model, args.tensor_parallel_size, cfg.dtype, cfg.max_num_seqs, cfg.max_model_len)
+    try:
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
+        if args.chat:
+            outs = [llm.chat([{"role": "user", "content": p}], params) for p in prompts]
+        else:
+            outs = llm.generate(prompts, params)
+        for p, o in zip(prompts, outs):
+            if args.json:
+                print(json.dumps({"prompt": p, "text": o.text, "token_ids": o.token_ids,
+                                  "finish_reason": o.finish_reason}))
+            else:
+                print(o.text)
+    finally:
+        llm.close()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="tpserve", description="A readable tensor-parallel LLM server")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    s = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
+    add_engine_args(s)
+    s.add_argument("--host", default="0.0.0.0")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--served-model-name", default=None, help="the model id clients use (default: folder name)")
+    s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 (or TPSERVE_API_KEY)")
+    s.add_argument("--max-queued-requests", type=int, default=256, help="waiting sequences before answering 429")
+    s.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024, help="largest request body (413 above)")
+    s.add_argument("--max-connections", type=int, default=1024, help="open connections before uvicorn answers 503")
+    s.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds to finish requests on SIGTERM")
+    s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    g = sub.add_parser("generate", help="generate offline (no HTTP)")
+    add_engine_args(g)
+    g.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable); else stdin, one per line")
+    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--chat", action="store_true", help="wrap each prompt as a user message in the chat template")
+    g.add_argument("--json", action="store_true", help="one JSON object per prompt")
+    sub.add_parser("prepare", help="convert the embedded default model into the cache folder and print its path")
+    args = ap.parse_args(argv)
+    rank = os.environ.get("RANK", "0")
+    logging.basicConfig(level=logging.INFO if rank == "0" else logging.WARNING,
+                        format=f"%(asctime)s [rank {rank}] %(levelname)s %(name)s: %(message)s")
+    try:
+        if args.cmd == "serve":
+            return serve(args)
+        if args.cmd == "generate":
+            return generate(args)
+        from loaders.default_model import ensure_default_model
+
+        print(ensure_default_model())
+        return 0
+    except (ValueError, FileNotFoundError) as e:
+        print(f"tpserve: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

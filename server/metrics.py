@@ -1,0 +1,28 @@
+"""Prometheus metrics (prometheus-client), one registry per server so tests can run several in one process."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.running = Gauge("tpserve_requests_running", "Sequences in the running batch", registry=r)
+        self.waiting = Gauge("tpserve_requests_waiting", "Sequences waiting for a KV-cache slot", registry=r)
+        self.kv_usage = Gauge("tpserve_kv_cache_usage_ratio", "Fraction of KV-cache slots in use", registry=r)
+        self.finished = Counter("tpserve_requests_finished", "Finished sequences by finish reason", ["reason"],
+                                registry=r)
+        self.prompt_tokens = Counter("tpserve_prompt_tokens", "Prompt tokens processed", registry=r)
+        self.generation_tokens = Counter("tpserve_generation_tokens", "Tokens generated", registry=r)
+        self.ttft = Histogram("tpserve_time_to_first_token_seconds", "Time to first token", buckets=LATENCY_BUCKETS,
+                              registry=r)
+        self.itl = Histogram("tpserve_inter_token_latency_seconds", "Time between two tokens of a sequence",
+                             buckets=LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("tpserve_e2e_request_latency_seconds", "Request latency, arrival to last token",
+                             buckets=LATENCY_BUCKETS, registry=r)
+        self.step_seconds = Histogram("tpserve_step_seconds", "Duration of one engine step", buckets=LATENCY_BUCKETS,
+                                      registry=r)
