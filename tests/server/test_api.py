@@ -1,0 +1,165 @@
+"""The OpenAI API through the official `openai` client against a real `tpserve serve` at TP 1 and 2."""
+
+import asyncio
+
+import httpx
+import openai
+import pytest
+from transformers import AutoTokenizer
+
+from tiny import hf_greedy
+
+PROMPT = "The capital of France is"
+
+
+@pytest.fixture(scope="module", params=[1, 2], ids=["tp1", "tp2"])
+def srv(request, server_factory, checkpoints):
+    folder = checkpoints("llama")
+    s = server_factory(folder, request.param, "--max-model-len", "256", "--max-num-seqs", "8")
+    s.folder = folder
+    s.tok = AutoTokenizer.from_pretrained(str(folder))
+    return s
+
+
+@pytest.fixture(scope="module")
+def client(srv):
+    return openai.OpenAI(base_url=srv.v1, api_key="unused", max_retries=0, timeout=120)
+
+
+def complete(client, srv, **kw):
+    kw.setdefault("model", srv.model_name)
+    kw.setdefault("temperature", 0)
+    return client.completions.create(**kw)
+
+
+def stream_text(client, srv, **kw):
+    chunks = list(complete(client, srv, stream=True, stream_options={"include_usage": True}, **kw))
+    texts = [c.choices[0].text for c in chunks if c.choices]
+    finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    return "".join(texts), finish, chunks[-1].usage, texts
+
+
+def test_models_and_health(srv, client):
+    assert [m.id for m in client.models.list().data] == [srv.model_name]
+    assert httpx.get(srv.url + "/health").status_code == 200
+
+
+def test_greedy_completion_equals_transformers(srv, client):
+    ids = srv.tok.encode(PROMPT)
+    ref_tokens, _ = hf_greedy(srv.folder, ids, 16)
+    r = complete(client, srv, prompt=ids, max_tokens=16, extra_body={"ignore_eos": True}, logprobs=0)
+    assert r.usage.completion_tokens == 16 and r.usage.prompt_tokens == len(ids)
+    assert r.choices[0].finish_reason == "length"
+    assert r.choices[0].logprobs.tokens == [srv.tok.decode([t]) for t in ref_tokens]
+    # the string prompt tokenizes to the same ids and gives the same answer
+    assert complete(client, srv, prompt=PROMPT, max_tokens=16, extra_body={"ignore_eos": True}).choices[0].text \
+        == r.choices[0].text
+
+
+def test_stream_concatenation_equals_non_streamed(srv, client):
+    full = complete(client, srv, prompt=PROMPT, max_tokens=24, extra_body={"ignore_eos": True})
+    text, finish, usage, _ = stream_text(client, srv, prompt=PROMPT, max_tokens=24, extra_body={"ignore_eos": True})
+    assert text == full.choices[0].text
+    assert finish == ["length"]
+    assert usage.completion_tokens == 24 and usage.prompt_tokens == full.usage.prompt_tokens
+
+
+def test_chat_streamed_and_not(srv, client):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello world!"}]
+    expected_ids = srv.tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    r = client.chat.completions.create(model=srv.model_name, messages=messages, max_tokens=12, temperature=0)
+    assert r.usage.prompt_tokens == len(expected_ids)
+    assert r.choices[0].message.role == "assistant"
+    chunks = list(client.chat.completions.create(model=srv.model_name, messages=messages, max_tokens=12,
+                                                 temperature=0, stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == r.choices[0].message.content
+    assert chunks[-1].usage.completion_tokens == r.usage.completion_tokens
+    # content as a list of text parts renders the same prompt
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Hello "}, {"type": "text", "text": "world!"}]}]
+    r2 = client.chat.completions.create(model=srv.model_name, messages=[messages[0]] + parts, max_tokens=12,
+                                        temperature=0)
+    assert r2.choices[0].message.content == r.choices[0].message.content
+
+
+def test_concurrent_requests_equal_alone(srv):
+    prompts = [" ".join(["word"] * (1 + 3 * i)) + f" {i}" for i in range(16)]
+    lengths = [4 + (i % 5) * 3 for i in range(16)]
+
+    async def run():
+        ac = openai.AsyncOpenAI(base_url=srv.v1, api_key="x", max_retries=0, timeout=120)
+        async def one(p, n, **kw):
+            r = await ac.completions.create(model=srv.model_name, prompt=p, max_tokens=n, extra_body={"ignore_eos": True},
+                                            **kw)
+            return r.choices[0].text
+        alone = [await one(p, n, temperature=0) for p, n in zip(prompts, lengths)]
+        together = await asyncio.gather(*(one(p, n, temperature=0) for p, n in zip(prompts, lengths)))
+        seeded_alone = [await one(p, 8, temperature=1.0, seed=100 + i) for i, p in enumerate(prompts[:6])]
+        seeded_together = await asyncio.gather(*(one(p, 8, temperature=1.0, seed=100 + i)
+                                                 for i, p in enumerate(prompts[:6])))
+        return alone, together, seeded_alone, seeded_together
+
+    alone, together, seeded_alone, seeded_together = asyncio.run(run())
+    assert together == alone
+    assert seeded_together == seeded_alone
+    assert len(set(seeded_alone)) > 1  # sampling did sample
+
+
+def test_stop_string_spanning_tokens(srv, client):
+    ids = srv.tok.encode(PROMPT)
+    base = complete(client, srv, prompt=ids, max_tokens=20, extra_body={"ignore_eos": True}, logprobs=0)
+    toks = base.choices[0].logprobs.tokens
+    text = base.choices[0].text
+    # a stop string made of the end of token 3 and the start of token 4 (both non-empty pieces)
+    k = next(i for i in range(2, len(toks) - 1) if len(toks[i]) >= 1 and len(toks[i + 1]) >= 1
+             and text.count(toks[i][-1:] + toks[i + 1][:1]) == 1)
+    stop = toks[k][-1:] + toks[k + 1][:1]
+    cut = text.index(stop)
+    r = complete(client, srv, prompt=ids, max_tokens=20, stop=[stop], extra_body={"ignore_eos": True})
+    assert r.choices[0].text == text[:cut] and r.choices[0].finish_reason == "stop"
+    streamed, finish, _, pieces = stream_text(client, srv, prompt=ids, max_tokens=20, stop=stop,
+                                              extra_body={"ignore_eos": True})
+    assert streamed == text[:cut] and finish == ["stop"]
+    assert all(stop not in p for p in pieces)
+
+
+def test_parameters(srv, client):
+    ids = srv.tok.encode(PROMPT)
+    r = complete(client, srv, prompt=PROMPT, max_tokens=5, logprobs=3, echo=True, n=2, temperature=0.8, seed=7)
+    assert len(r.choices) == 2 and all(c.text.startswith(PROMPT) for c in r.choices)
+    assert all(len(c.logprobs.top_logprobs) == len(c.logprobs.tokens) for c in r.choices)
+    # up to 3 alternatives each (two ids that decode to the same string share one key, as with OpenAI)
+    assert all(1 <= len(alts) <= 3 for alts in r.choices[0].logprobs.top_logprobs)
+    assert r.usage.completion_tokens == sum(len(c.logprobs.tokens) for c in r.choices)
+    # batched prompts: a list of strings and a list of token-id lists
+    rb = complete(client, srv, prompt=[PROMPT, "Hello"], max_tokens=3)
+    assert [c.index for c in rb.choices] == [0, 1]
+    rc = complete(client, srv, prompt=[ids, ids], max_tokens=3)
+    assert rc.choices[0].text == rc.choices[1].text == rb.choices[0].text
+    # top_k=1 is greedy whatever the temperature
+    greedy = complete(client, srv, prompt=ids, max_tokens=8, extra_body={"ignore_eos": True}).choices[0].text
+    assert complete(client, srv, prompt=ids, max_tokens=8, temperature=1.5, extra_body={"top_k": 1, "ignore_eos": True}
+                    ).choices[0].text == greedy
+    # penalties reach the sampler: rewarding repeats (repetition_penalty < 1) changes the greedy output
+    plain = complete(client, srv, prompt=ids, max_tokens=12, extra_body={"ignore_eos": True})
+    for extra in ({"repetition_penalty": 0.05}, {"presence_penalty": -2.0, "frequency_penalty": -2.0}):
+        r = complete(client, srv, prompt=ids, max_tokens=12, extra_body={"ignore_eos": True, **extra})
+        assert r.usage.completion_tokens == 12
+        assert r.choices[0].text != plain.choices[0].text, extra
+    # min_tokens with a stop token id: the stop id cannot end the output before min_tokens
+    first = srv.tok.encode(greedy)[0]
+    mt = complete(client, srv, prompt=ids, max_tokens=6, extra_body={"stop_token_ids": [first], "min_tokens": 3})
+    assert mt.usage.completion_tokens >= 3
+    # chat logprobs
+    ch = client.chat.completions.create(model=srv.model_name, messages=[{"role": "user", "content": "hi"}],
+                                        max_tokens=4, temperature=0, logprobs=True, top_logprobs=2)
+    assert len(ch.choices[0].logprobs.content) == ch.usage.completion_tokens
+    assert all(len(e.top_logprobs) == 2 for e in ch.choices[0].logprobs.content)
+
+
+def test_metrics_exposes_gauges(srv):
+    body = httpx.get(srv.url + "/metrics").text
+    for name in ("tpserve_requests_running", "tpserve_requests_waiting", "tpserve_kv_cache_usage_ratio",
+                 "tpserve_time_to_first_token_seconds_bucket", "tpserve_requests_finished_total"):
+        assert name in body
