@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from sharding import shm_allreduce
+
 logger = logging.getLogger(__name__)
 
 
@@ -104,11 +106,21 @@ def init_dist(timeout_s: float | None = None) -> Dist:
         return Dist(device=device)
     timeout = datetime.timedelta(seconds=timeout_s or float(os.environ.get("TPSERVE_COLLECTIVE_TIMEOUT", "600")))
     backend = "nccl" if device.type == "cuda" else "gloo"
+    use_shm = shm_allreduce.wanted(backend, world_size, local_world_size)  # a bad setting fails before joining
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group(backend=backend, rank=rank, world_size=world_size, timeout=timeout)
     device_group = dist.group.WORLD
     cpu_group = device_group if backend == "gloo" else dist.new_group(backend="gloo", timeout=timeout)
     d = Dist(rank, world_size, local_world_size, device, cpu_group, device_group)
-    logger.debug("rank %d/%d on %s (%s), %d threads", rank, world_size, device, backend, torch.get_num_threads())
+    if use_shm:
+        try:
+            d.fast_all_reduce = shm_allreduce.ShmAllReduce(rank, world_size, cpu_group,
+                                                           timeout_s=timeout.total_seconds())
+        except RuntimeError as e:  # raised on every rank alike, so all ranks fall back together
+            if os.environ.get("TPSERVE_SHM_ALLREDUCE") == "1":
+                raise
+            logger.warning("rank %d: %s; all-reduce goes through gloo", rank, e)
+    logger.debug("rank %d/%d on %s (%s), %d threads, all-reduce via %s", rank, world_size, device, backend,
+                 torch.get_num_threads(), "shared memory" if d.fast_all_reduce is not None else backend)
     return d

@@ -43,8 +43,9 @@ def check_rank(rank: int, world: int, port: int, queue) -> None:
         small = ShmAllReduce(rank, world, d.cpu_group, slot_bytes=SMALL_SLOT, timeout_s=30)
         assert not ours(os.getpid()), "the /dev/shm name must be unlinked right after set-up"
         mismatches, digests = [], []
-        cases = [(fast, s, dt) for s, dt in CASES] + [(small, (2500,), torch.float32), (small, (5, 1000), torch.bfloat16),
-                                                     (fast, (300_000,), torch.float32)]  # 1.2 MB > the 1 MiB slot
+        cases = [(fast, s, dt) for s, dt in CASES] + [
+            (small, (2500,), torch.float32), (small, (5, 1000), torch.bfloat16),  # chunks of 1024 / 2048
+            (fast, (300_000,), torch.float32)]  # 1.2 MB > the default 1 MiB slot
         for k, (ar, shape, dtype) in enumerate(cases):
             g = torch.Generator().manual_seed(1000 * k + rank)
             x = torch.randint(-8, 8, shape, generator=g).to(dtype)  # integer sums: exact in any order
