@@ -1,0 +1,59 @@
+"""Incremental detokenization with the real byte-level tokenizer: no broken characters, stop strings caught."""
+
+import pytest
+from transformers import AutoTokenizer
+
+from server.detokenize import IncrementalDetokenizer
+from tiny import make_tokenizer
+
+TEXT = "Emoji 😀🚀 and 日本語のテキスト, café naïve. The capital of France is Paris."
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tok")
+    make_tokenizer(folder)
+    return AutoTokenizer.from_pretrained(str(folder))
+
+
+def stream(tok, ids, stop=(), prompt=(1,)):
+    d = IncrementalDetokenizer(tok, list(prompt), list(stop))
+    pieces = []
+    for t in ids:
+        d.add(t)
+        pieces.append(d.release())
+        if d.stopped_by:
+            break
+    pieces.append(d.release(final=True))
+    return d, pieces
+
+
+def test_multibyte_characters_never_stream_broken(tok):
+    ids = tok.encode(TEXT)
+    # the byte-level tokenizer really splits some characters over several tokens
+    assert any("\ufffd" in tok.decode([t]) for t in ids)
+    d, pieces = stream(tok, ids)
+    assert all("\ufffd" not in p for p in pieces)
+    assert "".join(pieces) == tok.decode(ids) == TEXT
+
+
+@pytest.mark.parametrize("stop", ["Paris", "l of Fr", "😀🚀", "France is P"])
+def test_stop_string_split_across_tokens_is_caught_and_nothing_after_leaks(tok, stop):
+    ids = tok.encode(TEXT)
+    d, pieces = stream(tok, ids, stop=[stop, "never appears"])
+    out = "".join(pieces)
+    assert d.stopped_by == stop
+    assert out == TEXT[: TEXT.index(stop)]
+    assert all(stop not in p for p in pieces)
+
+
+def test_text_that_may_start_a_stop_string_is_held_back(tok):
+    ids = tok.encode("abc The capital")
+    d = IncrementalDetokenizer(tok, [1], ["capital of Spain"])
+    released = ""
+    for t in ids:
+        d.add(t)
+        released += d.release()
+    # "capital" could still become the stop string: not released yet, flushed at the end
+    assert released.endswith("The ") and "capital" not in released
+    assert released + d.release(final=True) == "abc The capital"
