@@ -66,8 +66,7 @@ def serve(args) -> int:
         """A rank died or hung: fail everything in flight, then stop the whole server non-zero."""
         logger.error("fatal: %s; stopping", reason)
         exit_code["code"] = 1
-        if engine.dead is None:
-            engine.dead = reason
+
         def stop_later() -> None:
             time.sleep(1.0)  # let in-flight streams receive their error event
             kill_workers(workers)
@@ -82,9 +81,10 @@ def serve(args) -> int:
     state = ServerState(engine, tokenizer, name, runner.vocab_size, api_key=api_key,
                         max_queued_requests=args.max_queued_requests, max_body_bytes=args.max_body_bytes)
     engine.step_listeners.append(lambda dt, _: state.metrics.step_seconds.observe(dt))
-    workers.on_death = lambda msg: (engine._die(msg) if engine.dead is None else None)
+    workers.on_death = engine.fail
     workers.watch()
     engine.start()
+    engine.watchdog(args.step_timeout)
     app = build_app(state)
 
     class DrainingServer(uvicorn.Server):
@@ -170,6 +170,8 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024, help="largest request body (413 above)")
     s.add_argument("--max-connections", type=int, default=1024, help="open connections before uvicorn answers 503")
     s.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds to finish requests on SIGTERM")
+    s.add_argument("--step-timeout", type=float, default=120.0,
+                   help="seconds without a step result before the ranks are declared hung and the server stops")
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     g = sub.add_parser("generate", help="generate offline (no HTTP)")
     add_engine_args(g)

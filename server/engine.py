@@ -58,6 +58,8 @@ class Engine:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.step_listeners: list[Callable[[float, int], None]] = []  # (seconds, tokens) after each step
+        self._step_started: float | None = None
+        self._die_lock = threading.Lock()
 
     # ---- requests (any thread) ---------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -117,7 +119,9 @@ class Engine:
             ids.extend(tokens)
             table.append((seq.slot, len(tokens), start))
         step = Step(torch.tensor(ids, dtype=torch.int64), torch.tensor(table, dtype=torch.int64))
+        self._step_started = time.monotonic()
         logits = self.runner.run(step)
+        self._step_started = None
         rows = [SampleRow(s.params, s.generator, s.prompt_ids, s.output_ids, s.banned_ids()) for s in batch]
         sampled = sample(logits, rows)
         now = time.monotonic()
@@ -177,14 +181,33 @@ class Engine:
                 if not self._inbox.empty() or self._stop.is_set():
                     continue
                 if time.monotonic() - last >= HEARTBEAT_S:
+                    self._step_started = time.monotonic()
                     self.runner.heartbeat()
+                    self._step_started = None
                     last = time.monotonic()
         except Exception as e:  # noqa: BLE001 - a dead rank or a failed collective: nothing can step any more
-            self._die(f"engine step failed: {e}")
+            self.fail(f"engine step failed: {e}")
 
-    def _die(self, reason: str) -> None:
+    def watchdog(self, step_timeout: float) -> None:
+        """A thread that declares the engine dead when one step (or heartbeat) has not returned in time: a hung
+        rank leaves rank 0 inside a collective, and nothing else would notice."""
+        def loop() -> None:
+            while self.dead is None and not self._stop.is_set():
+                started = self._step_started
+                if started is not None and time.monotonic() - started > step_timeout:
+                    self.fail(f"no step result from the ranks within {step_timeout:.0f} s (a rank hangs)")
+                    return
+                time.sleep(0.2)
+
+        threading.Thread(target=loop, name="tpserve-watchdog", daemon=True).start()
+
+    def fail(self, reason: str) -> None:
+        """Fail everything in flight and report once; safe to call from any thread, any number of times."""
+        with self._die_lock:
+            if self.dead is not None:
+                return
+            self.dead = reason
         logger.error("%s", reason)
-        self.dead = reason
         for seq in list(self.scheduler.running) + list(self.scheduler.waiting):
             self._finish(seq, "error")
         self._drain_inbox()
