@@ -31,7 +31,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        # below this, logits / temperature overflows; it is greedy in all but name (vLLM uses the same cut)
+        return self.temperature < 1e-5
 
     @property
     def has_penalties(self) -> bool:
@@ -104,6 +105,11 @@ def sample(logits: torch.Tensor, rows: list[SampleRow]) -> Sampled:
         # drop a token when the tokens ranked before it already hold top_p of the mass (the first always stays)
         before = probs.cumsum(dim=-1) - probs
         probs = probs.masked_fill(before >= top_p[:, None], 0.0)
+        # a row whose every token was masked (e.g. all banned) falls back to its best remaining token
+        probs = torch.nan_to_num(probs, nan=0.0)
+        dead = ~(probs.sum(dim=-1) > 0)
+        if dead.any():
+            probs[dead, 0] = 1.0
         for j, i in enumerate(random_rows):
             g = rows[i].generator
             choice = torch.multinomial(probs[j], 1, generator=g)

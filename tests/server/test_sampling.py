@@ -44,3 +44,11 @@ def test_logprobs_are_raw_log_softmax():
     ref = torch.log_softmax(logits, -1)[0]
     assert abs(s.logprobs[0] - ref[2].item()) < 1e-6
     assert [t for t, _ in s.top_logprobs[0]] == [2, 1]
+
+
+def test_degenerate_parameters_never_break_sampling():
+    logits = torch.tensor([[1.0, 2.0, 3.0]])
+    tiny_temp = SampleRow(SamplingParams(temperature=1e-300), torch.Generator().manual_seed(0), [], [], [])
+    assert sample(logits, [tiny_temp]).token_ids == [2]
+    all_banned = SampleRow(SamplingParams(temperature=1.0), torch.Generator().manual_seed(0), [], [], [0, 1, 2])
+    assert sample(logits, [all_banned]).token_ids[0] in (0, 1, 2)
