@@ -67,7 +67,7 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     return (f"{param}: {msg}" if param else msg), param
 
 
-class Request_:
+class PendingRequest:
     """One HTTP request's sequences and the queue their output arrives on."""
 
     def __init__(self, state: ServerState, loop: asyncio.AbstractEventLoop):
@@ -186,7 +186,7 @@ def build_app(state: ServerState) -> FastAPI:
         prompts = tokenize_prompts(state, body.prompt)
         max_tokens = body.max_tokens if body.max_tokens is not None else 16
         params = sampling_params(body, max_tokens, body.logprobs)
-        req = Request_(state, asyncio.get_running_loop())
+        req = PendingRequest(state, asyncio.get_running_loop())
         for p_i, ids in enumerate(prompts):
             check_length(state, ids, max_tokens)
             for c in range(body.n):
@@ -218,7 +218,7 @@ def build_app(state: ServerState) -> FastAPI:
             raise APIError(400, "top_logprobs requires logprobs=true", param="top_logprobs")
         params = sampling_params(body, max_tokens, (top or 0) if body.logprobs else None)
         check_length(state, ids, max_tokens)
-        req = Request_(state, asyncio.get_running_loop())
+        req = PendingRequest(state, asyncio.get_running_loop())
         for c in range(body.n):
             req.add(ids, with_seed(params, c), c)
         admit(state, req)
@@ -320,7 +320,7 @@ def with_seed(params: SamplingParams, choice: int) -> SamplingParams:
     return replace(params, seed=params.seed + choice)
 
 
-def admit(state: ServerState, req: Request_) -> None:
+def admit(state: ServerState, req: PendingRequest) -> None:
     """Queue the request's sequences, or answer 429 when the queue is full."""
     if state.engine.num_waiting + len(req.seqs) > state.max_queued_requests:
         raise APIError(429, f"the server is at capacity ({state.max_queued_requests} queued sequences); retry "
@@ -365,7 +365,7 @@ def chat_logprobs(state: ServerState, seq: Sequence, a: int, b: int) -> dict:
 
 
 # ---- waiting for output ---------------------------------------------------------------------------------------
-async def next_event(req: Request_, request: Request):
+async def next_event(req: PendingRequest, request: Request):
     """The next engine event; aborts the request's sequences if the client has gone away meanwhile."""
     while True:
         try:
@@ -376,7 +376,7 @@ async def next_event(req: Request_, request: Request):
                 raise asyncio.CancelledError("client disconnected")
 
 
-async def gather(req: Request_, request: Request) -> list[Sequence]:
+async def gather(req: PendingRequest, request: Request) -> list[Sequence]:
     pending = len(req.seqs)
     try:
         while pending:
@@ -403,7 +403,7 @@ def sse(gen: AsyncIterator[dict]) -> StreamingResponse:
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
-async def stream_events(req: Request_, request: Request):
+async def stream_events(req: PendingRequest, request: Request):
     """(seq, new text, finished, first token index, end token index) for every engine event, until all finish."""
     pending = len(req.seqs)
     try:
@@ -424,7 +424,7 @@ def error_chunk(state: ServerState) -> dict:
                     "service_unavailable", code="engine_failed").body()
 
 
-async def stream_completion(req: Request_, request: Request, body: CompletionRequest, rid: str, created: int,
+async def stream_completion(req: PendingRequest, request: Request, body: CompletionRequest, rid: str, created: int,
                             echo_text: list[str], prompts: list[list[int]]):
     state = req.state
 
@@ -447,7 +447,7 @@ async def stream_completion(req: Request_, request: Request, body: CompletionReq
                "choices": [], "usage": usage(prompts, req.seqs)}
 
 
-async def stream_chat(req: Request_, request: Request, body: ChatCompletionRequest, rid: str, created: int,
+async def stream_chat(req: PendingRequest, request: Request, body: ChatCompletionRequest, rid: str, created: int,
                       prompt_ids: list[int]):
     state = req.state
 

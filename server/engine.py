@@ -14,12 +14,12 @@ import threading
 import time
 from typing import Callable
 
-from sharding.runner import ModelRunner
-from sharding.step import Step
+import torch
+
 from server.sampling import SampleRow, sample
 from server.scheduler import Scheduler, Sequence
-
-import torch
+from sharding.runner import ModelRunner
+from sharding.step import Step
 
 logger = logging.getLogger(__name__)
 
