@@ -1,0 +1,39 @@
+"""The `tpserve` command: readable errors with exit code 2, and offline generation equal to transformers."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+from transformers import AutoTokenizer
+
+from tiny import hf_greedy
+
+TPSERVE = [sys.executable, "-m", "server.cli"]
+
+
+@pytest.mark.parametrize("args,message", [
+    (["serve", "/nonexistent/model"], "checkpoint folder '/nonexistent/model' does not exist"),
+    (["serve", "{llama}", "-tp", "0"], "--tensor-parallel-size must be at least 1"),
+    (["serve", "{llama}", "-tp", "16"], "tensor parallel size 16 must be between 1 and the number of attention heads"),
+    (["serve", "{llama}", "--max-model-len", "100000"], "exceeds the model's max_position_embeddings"),
+    (["generate", "{llama}"], "give --prompt"),
+])
+def test_cli_errors_are_readable(checkpoints, args, message):
+    args = [a.replace("{llama}", str(checkpoints("llama"))) for a in args]
+    r = subprocess.run(TPSERVE + args, capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
+    assert r.returncode != 0
+    assert message in r.stderr, r.stderr[-2000:]
+    assert "Traceback" not in r.stderr
+
+
+def test_generate_json_equals_transformers(checkpoints):
+    folder = checkpoints("llama")
+    r = subprocess.run(TPSERVE + ["generate", str(folder), "-tp", "2", "--prompt", "The capital of France is",
+                                  "--max-tokens", "8", "--json"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    ids = AutoTokenizer.from_pretrained(str(folder)).encode("The capital of France is")
+    expected, _ = hf_greedy(folder, ids, 8)
+    assert out["token_ids"][: len(expected)] == expected[: len(out["token_ids"])]
+    assert out["finish_reason"] in ("length", "stop")
