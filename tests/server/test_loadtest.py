@@ -1,0 +1,29 @@
+"""scripts/loadtest.py drives a real tpserve server: every request succeeds and the lengths hold."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def load_script():
+    spec = importlib.util.spec_from_file_location("loadtest", ROOT / "scripts" / "loadtest.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_loadtest_sweep_against_tpserve(server_factory, checkpoints, tmp_path):
+    folder = checkpoints("llama")
+    s = server_factory(folder, 1, "--max-model-len", "128", "--max-num-seqs", "4")
+    out = tmp_path / "lt.json"
+    rc = load_script().main(["--base-url", s.url, "--concurrency", "1,4", "--num-requests", "6", "--input-len", "8",
+                             "--output-len", "10", "--tokenizer", str(folder), "--output", str(out), "--no-progress"])
+    assert rc == 0
+    report = json.loads(out.read_text())
+    assert report["total"] == {"requests": 12, "completed": 12, "failed": 0}
+    for level in report["levels"]:
+        assert level["output_tokens_source"] == "usage" and level["mean_output_tokens"] == 10
+        assert level["ttft_ms"]["p50"] > 0 and level["output_throughput"] > 0
+    assert all(Path(p).exists() for p in report["plots"])
