@@ -195,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
 
         print(ensure_default_model())
         return 0
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, FileNotFoundError, RuntimeError) as e:  # bad input, or a rank that failed to start
         print(f"tpserve: error: {e}", file=sys.stderr)
         return 2
 

@@ -23,18 +23,24 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_two_torchrun_nodes_serve_tp2(checkpoints, tmp_path):
-    folder = checkpoints("llama")
-    master, http = free_port(), free_port()
+def start_nodes(folders, http, tmp_path):
+    master = free_port()
     env = dict(os.environ, TPSERVE_THREADS="1")
     nodes = []
-    for node in (0, 1):
+    for node, folder in enumerate(folders):
         cmd = [str(BIN / "torchrun"), "--nnodes", "2", "--node-rank", str(node), "--nproc-per-node", "1",
                "--master-addr", "127.0.0.1", "--master-port", str(master), "--no-python",
                str(BIN / "tpserve"), "serve", str(folder), "--tensor-parallel-size", "2", "--host", "127.0.0.1",
                "--port", str(http), "--max-model-len", "128", "--log-level", "warning"]
         log = open(tmp_path / f"node{node}.log", "w")
         nodes.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env))
+    return nodes
+
+
+def test_two_torchrun_nodes_serve_tp2(checkpoints, tmp_path):
+    folder = checkpoints("llama")
+    http = free_port()
+    nodes = start_nodes([folder, folder], http, tmp_path)
     try:
         url = f"http://127.0.0.1:{http}"
         deadline = time.monotonic() + 180
@@ -64,3 +70,19 @@ def test_two_torchrun_nodes_serve_tp2(checkpoints, tmp_path):
         for p in nodes:
             if p.poll() is None:
                 p.kill()
+
+
+def test_a_rank_that_fails_at_start_stops_every_node_and_is_named(checkpoints, tmp_path):
+    """Node 1 lacks the checkpoint (a typical multi-node mistake): rank 1 fails while loading, the status exchange
+    tells rank 0, and both nodes stop non-zero with messages naming the rank and the cause."""
+    nodes = start_nodes([checkpoints("llama"), tmp_path / "not-on-this-node"], free_port(), tmp_path)
+    try:
+        codes = [p.wait(timeout=120) for p in nodes]
+    finally:
+        for p in nodes:
+            if p.poll() is None:
+                p.kill()
+    assert codes[0] != 0 and codes[1] != 0
+    log0, log1 = (tmp_path / "node0.log").read_text(), (tmp_path / "node1.log").read_text()
+    assert "rank(s) 1 failed to start" in log0, log0[-2000:]
+    assert "rank 1 failed to start" in log1 and "does not exist" in log1, log1[-2000:]
