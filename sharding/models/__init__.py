@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+from sharding.models.gemma import GemmaForCausalLM
+from sharding.models.gemma2 import Gemma2ForCausalLM
+from sharding.models.gpt2 import GPT2LMHeadModel
 from sharding.models.llama import LlamaForCausalLM
+from sharding.models.phi3 import Phi3ForCausalLM
 from sharding.models.qwen2 import Qwen2ForCausalLM
 from sharding.models.qwen3 import Qwen3ForCausalLM
 
@@ -11,6 +15,10 @@ MODELS: dict[str, type] = {
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Phi3ForCausalLM": Phi3ForCausalLM,
+    "GPT2LMHeadModel": GPT2LMHeadModel,
+    "GemmaForCausalLM": GemmaForCausalLM,
+    "Gemma2ForCausalLM": Gemma2ForCausalLM,
 }
 
 

@@ -1,0 +1,47 @@
+"""Gemma: the Llama layout with a GeGLU MLP (tanh-approximated GELU on the gate), RMSNorm scaling by (1 + w),
+token embeddings multiplied by sqrt(hidden_size) (rounded to the embedding dtype, as transformers does) and, by
+default, an LM head tied to the embedding."""
+
+from __future__ import annotations
+
+import torch
+from transformers.activations import ACT2FN
+
+from sharding.layers import RMSNorm
+from sharding.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
+
+
+def gemma_norm(name: str, config, dtype: torch.dtype, device: torch.device) -> RMSNorm:
+    return RMSNorm(name, config.hidden_size, config.rms_norm_eps, dtype, device, offset=1.0)
+
+
+class GemmaMLP(LlamaMLP):
+    def __init__(self, config, prefix, dist, dtype, device):
+        super().__init__(config, prefix, dist, dtype, device)
+        # Gemma names it hidden_act, Gemma 2 hidden_activation; both mean gelu_pytorch_tanh in released checkpoints
+        self.act_fn = ACT2FN[getattr(config, "hidden_activation", None) or config.hidden_act]
+
+    def act(self, gate: torch.Tensor) -> torch.Tensor:
+        return self.act_fn(gate)
+
+
+class GemmaDecoderLayer(LlamaDecoderLayer):
+    mlp_cls = GemmaMLP
+
+    def __init__(self, config, prefix, dist, dtype, device):
+        super().__init__(config, prefix, dist, dtype, device)
+        self.input_layernorm = gemma_norm(f"{prefix}.input_layernorm.weight", config, dtype, device)
+        self.post_attention_layernorm = gemma_norm(f"{prefix}.post_attention_layernorm.weight", config, dtype, device)
+
+
+class GemmaForCausalLM(LlamaForCausalLM):
+    layer_cls = GemmaDecoderLayer
+
+    def __init__(self, config, dist, dtype, device):
+        super().__init__(config, dist, dtype, device)
+        self.norm = gemma_norm("model.norm.weight", config, dtype, device)
+        self.embed_scale = config.hidden_size ** 0.5
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed_tokens(ids)
+        return h * torch.tensor(self.embed_scale, dtype=h.dtype)
