@@ -5,8 +5,8 @@ default, an LM head tied to the embedding."""
 from __future__ import annotations
 
 import torch
-from transformers.activations import ACT2FN
 
+from sharding.activations import activation
 from sharding.layers import RMSNorm
 from sharding.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
 
@@ -19,7 +19,7 @@ class GemmaMLP(LlamaMLP):
     def __init__(self, config, prefix, dist, dtype, device):
         super().__init__(config, prefix, dist, dtype, device)
         # Gemma names it hidden_act, Gemma 2 hidden_activation; both mean gelu_pytorch_tanh in released checkpoints
-        self.act_fn = ACT2FN[getattr(config, "hidden_activation", None) or config.hidden_act]
+        self.act_fn = activation(getattr(config, "hidden_activation", None) or config.hidden_act)
 
     def act(self, gate: torch.Tensor) -> torch.Tensor:
         return self.act_fn(gate)

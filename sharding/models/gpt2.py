@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from transformers.activations import ACT2FN
 
 from loaders.partition import shard_heads, split_evenly
+from sharding.activations import activation
 from sharding.attention import AttentionMetadata, KVCache, attend
 from sharding.dist import Dist
 from sharding.layers import ColumnParallelLinear, ParallelLMHead, Piece, RowParallelLinear, VocabParallelEmbedding
@@ -65,7 +65,7 @@ class GPT2MLP(nn.Module):
                                          bias=True, dtype=dtype, device=device)
         self.c_proj = RowParallelLinear(Piece(f"{prefix}.c_proj", a, b, (inter, hidden), transposed=True), bias=True,
                                         dist=dist, dtype=dtype, device=device)
-        self.act = ACT2FN[config.activation_function]
+        self.act = activation(config.activation_function)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.c_proj(self.act(self.c_fc(x)))

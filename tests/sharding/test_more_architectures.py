@@ -145,7 +145,8 @@ def rejected_variants(ref, tmp_path) -> list[tuple[dict, str]]:
 
 @pytest.mark.parametrize("tp", [1, 2, 3, 4])
 def test_greedy_equals_transformers(reference, tp, tmp_path):
-    archs = [a for a in reference if HEADS[a] >= tp]
+    # the SentencePiece checkpoint is a plain Llama (test_equivalence covers Llama at TP 3 and 4)
+    archs = [a for a in reference if HEADS[a] >= tp and (a != "llama_spm" or tp <= 2)]
     jobs = [{"model": str(reference[a][0]), "prompts": reference[a][1], "max_tokens": MAX_TOKENS, "logprobs": 5}
             for a in archs]
     rejected = rejected_variants(reference, tmp_path) if tp == 1 else []
@@ -160,6 +161,8 @@ def test_greedy_equals_transformers(reference, tp, tmp_path):
     for (job, message), result in zip(rejected, results[len(jobs):], strict=True):
         assert "error" in result and message in result["error"], (job, result)
     # the SentencePiece checkpoint: the server's incremental detokenizer gives the text transformers decodes
+    if "llama_spm" not in archs:
+        return
     tok = AutoTokenizer.from_pretrained(str(reference["llama_spm"][0]))
     for prompt, out in zip(reference["llama_spm"][1], results[archs.index("llama_spm")]["outputs"]):
         assert out["text"] == continuation(tok, prompt, out["token_ids"])
