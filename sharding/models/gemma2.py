@@ -1,17 +1,18 @@
 """Gemma 2: Gemma plus a norm after attention and around the MLP (post_attention, pre/post_feedforward), attention
 scale query_pre_attn_scalar**-0.5, tanh soft-capping of attention scores and of the final logits, and every other
-layer a sliding-window layer.
+layer a sliding-window layer (`layer_types`).
 
-Sliding windows: tpserve applies one causal mask to every layer, which equals the sliding-window mask as long as no
-sequence is longer than the window. So a Gemma 2 checkpoint is accepted when max_model_len <= sliding_window
-(released checkpoints: window 4096, tpserve's default max_model_len 2048) and rejected at start otherwise.
+Sliding windows are per layer here: the step's metadata (built by the runner, causal for every layer) is narrowed
+to the window once per step for the sliding layers, and only when some token of the step sees past the window.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
-from sharding.attention import AttentionMetadata, KVCache, apply_rotary, attend
+from sharding.attention import AttentionMetadata, apply_rotary, attend
 from sharding.models.gemma import GemmaDecoderLayer, GemmaForCausalLM, gemma_norm
 from sharding.models.llama import LlamaAttention
 
@@ -25,21 +26,6 @@ class Gemma2Attention(LlamaAttention):
         layer_types = getattr(config, "layer_types", None) or []
         sliding = layer_idx < len(layer_types) and layer_types[layer_idx] == "sliding_attention"
         self.window: int | None = config.sliding_window if sliding else None
-
-    @property
-    def cache(self) -> KVCache | None:
-        return self._cache
-
-    @cache.setter
-    def cache(self, cache: KVCache | None) -> None:
-        """The runner sizes the cache by max_model_len: here is where a too-long context is refused at start."""
-        window = getattr(self, "window", None)
-        if cache is not None and window is not None and cache.k.shape[2] > window:
-            raise ValueError(
-                f"Gemma 2 alternates sliding-window layers (window {window}) with global ones, and tpserve does not "
-                f"apply per-layer windows: max_model_len ({cache.k.shape[2]}) must not exceed sliding_window; "
-                f"pass --max-model-len {window} or less")
-        self._cache = cache
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         q, k, v = self.project_qkv(x)
@@ -72,10 +58,37 @@ class Gemma2ForCausalLM(GemmaForCausalLM):
         self.final_softcap = getattr(config, "final_logit_softcapping", None)
 
     def sliding_window(self) -> int | None:
-        return None  # every layer causal; see the module docstring and Gemma2Attention.cache
+        return None  # the runner's metadata is causal for every layer; the sliding layers narrow it (window_meta)
 
     def forward(self, ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor | None:
-        logits = super().forward(ids, meta)
+        windows = {layer.self_attn.window for layer in self.layers} - {None}
+        metas = {None: meta, **{w: window_meta(meta, w) for w in windows}}
+        h = self.embed(ids)
+        for layer in self.layers:
+            h = layer(h, metas[layer.self_attn.window])
+        logits = self.lm_head(self.norm(h[meta.logits_indices]))
         if logits is not None and self.final_softcap:
             logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
         return logits
+
+
+def window_meta(meta: AttentionMetadata, window: int) -> AttentionMetadata:
+    """The step's causal metadata with each query limited to the `window` latest keys (itself included), as
+    transformers' sliding-window mask: key k is seen from query q when q - window < k <= q."""
+    if not meta.positions.numel() or int(meta.positions.max()) < window:
+        return meta  # no token sees past the window: causal is the same thing
+    device = meta.positions.device
+    prefills = []
+    for p in meta.prefills:
+        mask = p.mask
+        if p.start_pos + p.n > window:
+            q = torch.arange(p.start_pos, p.start_pos + p.n, device=device)[:, None]
+            k = torch.arange(p.start_pos + p.n, device=device)[None, :]
+            mask = (k <= q) & (k > q - window)
+        prefills.append(dataclasses.replace(p, mask=mask))
+    decode_mask = meta.decode_mask
+    if meta.decode_tokens.numel():
+        lens = meta.positions[meta.decode_tokens] + 1
+        k = torch.arange(meta.decode_len, device=device)[None, :]
+        decode_mask = ((k < lens[:, None]) & (k >= lens[:, None] - window))[:, None, None, :]
+    return dataclasses.replace(meta, prefills=prefills, decode_mask=decode_mask)
