@@ -7,7 +7,7 @@ rotary cos/sin, masks) is built once per step and shared by every layer.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -80,24 +80,34 @@ class AttentionMetadata:
     decode_slots: torch.Tensor  # [B]
     decode_slot_range: tuple[int, int] | None  # when the decode slots are exactly range(a, b), a view replaces a gather
     decode_len: int  # keys to look at: max context length over the decode batch
-    decode_mask: torch.Tensor | None  # [B, 1, 1, decode_len] bool
+    decode_mask: torch.Tensor | None  # [B, 1, 1, decode_len] bool; None when every row sees all decode_len keys
     prefills: list[Prefill]
     logits_indices: torch.Tensor  # [S] the last token of each sequence
+    all_decode: bool = False  # every token is a decode token, in sequence order (decode_tokens == arange(N))
+    write_rows: dict = field(default_factory=dict)  # per cache geometry: flat row of each (token, kv head)
 
     @staticmethod
     def build(step: Step, rotary: RotaryTable | None, sliding_window: int | None, device: torch.device
               ) -> "AttentionMetadata":
-        table = step.seq_table.tolist()
-        positions, slots, decode_tokens, decode_slots, decode_lens, prefills, last = [], [], [], [], [], [], []
-        offset = 0
-        for slot, n, start in table:
-            positions.extend(range(start, start + n))
-            slots.extend([slot] * n)
-            if n == 1:
-                decode_tokens.append(offset)
-                decode_slots.append(slot)
-                decode_lens.append(start + 1)
-            else:
+        """Vectorized over the step's sequences; only prefilling sequences (few per step) loop in Python."""
+        table = step.seq_table
+        slots, ns, starts = table[:, 0], table[:, 1], table[:, 2]
+        n_seqs = table.shape[0]
+        ends = ns.cumsum(0)
+        is_decode = ns == 1
+        all_decode = bool(is_decode.all())
+        if all_decode:
+            positions, token_slots = starts, slots
+            decode_idx = torch.arange(n_seqs)
+            prefills = []
+        else:
+            offsets = ends - ns
+            token_slots = slots.repeat_interleave(ns)
+            positions = (starts - offsets).repeat_interleave(ns) + torch.arange(int(ends[-1]))
+            decode_idx = is_decode.nonzero().squeeze(1)
+            prefills = []
+            for i in (~is_decode).nonzero().squeeze(1).tolist():
+                slot, n, start = table[i].tolist()
                 mask = None
                 if start > 0 or (sliding_window is not None and start + n > sliding_window):
                     q = torch.arange(start, start + n)[:, None]
@@ -106,34 +116,36 @@ class AttentionMetadata:
                     if sliding_window is not None:
                         mask &= k > q - sliding_window
                     mask = mask.to(device)
-                prefills.append(Prefill(offset, n, slot, start, mask))
-            offset += n
-            last.append(offset - 1)
-        pos_t = torch.tensor(positions, dtype=torch.int64)
-        decode_len = max(decode_lens, default=0)
-        decode_mask = None
-        slot_range = None
-        if decode_tokens:
-            lens = torch.tensor(decode_lens)
-            k = torch.arange(decode_len)[None, :]
-            mask = k < lens[:, None]
-            if sliding_window is not None:
-                mask &= k >= (lens[:, None] - sliding_window)
-            decode_mask = mask[:, None, None, :].to(device)
-            if decode_slots == list(range(decode_slots[0], decode_slots[0] + len(decode_slots))):
-                slot_range = (decode_slots[0], decode_slots[0] + len(decode_slots))
+                prefills.append(Prefill(int(offsets[i]), n, slot, start, mask))
+        decode_len, decode_mask, slot_range = 0, None, None
+        decode_slots = slots[decode_idx]
+        if decode_idx.numel():
+            lens = starts[decode_idx] + 1
+            lo, hi = int(lens.min()), int(lens.max())
+            decode_len = hi
+            windowed = sliding_window is not None and hi > sliding_window
+            if lo != hi or windowed:
+                k = torch.arange(decode_len)[None, :]
+                mask = k < lens[:, None]
+                if sliding_window is not None:
+                    mask &= k >= (lens[:, None] - sliding_window)
+                decode_mask = mask[:, None, None, :].to(device)
+            first = int(decode_slots[0])
+            if bool((decode_slots == torch.arange(first, first + decode_slots.numel())).all()):
+                slot_range = (first, first + decode_slots.numel())
         return AttentionMetadata(
-            positions=pos_t.to(device),
-            token_slots=torch.tensor(slots, dtype=torch.int64, device=device),
-            cos=rotary.cos[pos_t] if rotary is not None else None,
-            sin=rotary.sin[pos_t] if rotary is not None else None,
-            decode_tokens=torch.tensor(decode_tokens, dtype=torch.int64, device=device),
-            decode_slots=torch.tensor(decode_slots, dtype=torch.int64, device=device),
+            positions=positions.to(device),
+            token_slots=token_slots.to(device),
+            cos=rotary.cos[positions] if rotary is not None else None,
+            sin=rotary.sin[positions] if rotary is not None else None,
+            decode_tokens=decode_idx.to(device),
+            decode_slots=decode_slots.to(device),
             decode_slot_range=slot_range,
             decode_len=decode_len,
             decode_mask=decode_mask,
             prefills=prefills,
-            logits_indices=torch.tensor(last, dtype=torch.int64, device=device),
+            logits_indices=(ends - 1).to(device),
+            all_decode=all_decode,
         )
 
 
@@ -146,47 +158,116 @@ class KVCache:
         self.v = torch.zeros_like(self.k)
 
     def write(self, meta: AttentionMetadata, k: torch.Tensor, v: torch.Tensor) -> None:
-        """k, v: [N, kv_heads, head_dim] for the step's tokens, stored at (slot, position)."""
-        self.k[meta.token_slots, :, meta.positions] = k
-        self.v[meta.token_slots, :, meta.positions] = v
+        """k, v: [N, kv_heads, head_dim] for the step's tokens, stored at (slot, position).
+
+        One index_copy_ into the flattened cache per tensor; the flat rows are computed once per step and geometry."""
+        _, heads, max_len, head_dim = self.k.shape
+        rows = meta.write_rows.get((heads, max_len))
+        if rows is None:
+            base = meta.token_slots[:, None] * heads + torch.arange(heads, device=k.device)[None, :]
+            rows = meta.write_rows[(heads, max_len)] = (base * max_len + meta.positions[:, None]).reshape(-1)
+        self.k.view(-1, head_dim).index_copy_(0, rows, k.reshape(-1, head_dim))
+        self.v.view(-1, head_dim).index_copy_(0, rows, v.reshape(-1, head_dim))
 
 
-def attend(q: torch.Tensor, cache: KVCache, meta: AttentionMetadata, kv_for_q: torch.Tensor | None,
-           scale: float, softcap: float | None = None) -> torch.Tensor:
+class GroupedHeads:
+    """How local query heads share local KV heads (GQA), prepared once so attention needs no per-step KV copies.
+
+    Query heads of one KV head are contiguous. With uniform groups of g heads, decode queries [B, heads, d] are viewed
+    as [B, kv_heads, g, d]: a KV head's g queries become g "query positions" of one attention call over that head's
+    keys, so the cache is read in place. With uneven groups (SmolLM2's 9 heads at TP=2: groups of 3 and 2), the groups
+    are padded to the largest (padding repeats a head; its output is dropped).
+    """
+
+    def __init__(self, kv_for_q: torch.Tensor | None):
+        self.kv_for_q = kv_for_q
+        if kv_for_q is None:
+            self.uniform, self.group = True, 1
+            self.q_index = self.out_index = None
+            return
+        kv = kv_for_q.tolist()
+        assert kv == sorted(kv), "query heads of one KV head must be contiguous"
+        counts = [kv.count(j) for j in range(max(kv) + 1)]
+        self.group = max(counts)
+        self.uniform = min(counts) == self.group
+        self.q_index = self.out_index = None
+        if not self.uniform:
+            q_index, out_index, first = [], [], 0
+            for j, c in enumerate(counts):
+                q_index += list(range(first, first + c)) + [first + c - 1] * (self.group - c)
+                out_index += [j * self.group + i for i in range(c)]
+                first += c
+            self.q_index = torch.tensor(q_index, device=kv_for_q.device)
+            self.out_index = torch.tensor(out_index, device=kv_for_q.device)
+
+    _memo: dict[int, "GroupedHeads"] = {}
+
+    @classmethod
+    def of(cls, kv_for_q: "torch.Tensor | GroupedHeads | None") -> "GroupedHeads":
+        if isinstance(kv_for_q, GroupedHeads):
+            return kv_for_q
+        key = id(kv_for_q)
+        g = cls._memo.get(key)
+        if g is None or g.kv_for_q is not kv_for_q:
+            g = cls._memo[key] = cls(kv_for_q)
+        return g
+
+    def expand(self, kv: torch.Tensor) -> torch.Tensor:
+        """[..., kv_heads, T, d] -> [..., heads, T, d] (a copy; only prefill of uneven groups uses it)."""
+        return kv if self.kv_for_q is None else kv.index_select(-3, self.kv_for_q)
+
+
+def attend(q: torch.Tensor, cache: KVCache, meta: AttentionMetadata,
+           kv_for_q: "torch.Tensor | GroupedHeads | None", scale: float, softcap: float | None = None
+           ) -> torch.Tensor:
     """Attention of the step's queries q [N, heads, head_dim] over the cache (already holding this step's K/V).
 
-    kv_for_q maps each local query head to its local KV head (None when they are the same heads).
-    Returns [N, heads * head_dim].
+    kv_for_q maps each local query head to its local KV head (None when they are the same heads), as a tensor or
+    as GroupedHeads prepared from one. Returns [N, heads * head_dim].
     """
     n_tokens, heads, head_dim = q.shape
-    out = torch.empty_like(q)
-
-    def expand(kv: torch.Tensor) -> torch.Tensor:  # [..., kv_heads, T, d] -> [..., heads, T, d]
-        return kv if kv_for_q is None else kv.index_select(-3, kv_for_q)
+    gh = GroupedHeads.of(kv_for_q)
+    out = q.new_empty(n_tokens, heads, head_dim) if not meta.all_decode else None
 
     for p in meta.prefills:
         qs = q[p.token_start : p.token_start + p.n].transpose(0, 1)  # [heads, n, d]
-        ks = expand(cache.k[p.slot, :, : p.start_pos + p.n])
-        vs = expand(cache.v[p.slot, :, : p.start_pos + p.n])
-        o = _sdpa(qs, ks, vs, p.mask, p.mask is None, scale, softcap)
+        ks = cache.k[p.slot, :, : p.start_pos + p.n]
+        vs = cache.v[p.slot, :, : p.start_pos + p.n]
+        if gh.uniform:
+            o = _sdpa(qs, ks, vs, p.mask, p.mask is None, scale, softcap, gqa=gh.group > 1)
+        else:
+            o = _sdpa(qs, gh.expand(ks), gh.expand(vs), p.mask, p.mask is None, scale, softcap)
         out[p.token_start : p.token_start + p.n] = o.transpose(0, 1)
 
     if meta.decode_tokens.numel():
-        qd = q[meta.decode_tokens].unsqueeze(2)  # [B, heads, 1, d]
+        qd = q if meta.all_decode else q[meta.decode_tokens]  # [B, heads, d]
+        b = qd.shape[0]
         if meta.decode_slot_range is not None:
-            a, b = meta.decode_slot_range
-            kd, vd = cache.k[a:b, :, : meta.decode_len], cache.v[a:b, :, : meta.decode_len]
+            a, z = meta.decode_slot_range
+            kd, vd = cache.k[a:z, :, : meta.decode_len], cache.v[a:z, :, : meta.decode_len]
         else:
             kd = cache.k[meta.decode_slots, :, : meta.decode_len]
             vd = cache.v[meta.decode_slots, :, : meta.decode_len]
-        o = _sdpa(qd, expand(kd), expand(vd), meta.decode_mask, False, scale, softcap)
-        out[meta.decode_tokens] = o.squeeze(2)
+        kv_heads = kd.shape[1]
+        if gh.q_index is not None:
+            qd = qd.index_select(1, gh.q_index)
+        o = _sdpa(qd.reshape(b, kv_heads, gh.group, head_dim), kd, vd, meta.decode_mask, False, scale, softcap)
+        o = o.reshape(b, kv_heads * gh.group, head_dim)
+        if gh.out_index is not None:
+            o = o.index_select(1, gh.out_index)
+        if meta.all_decode:
+            return o.reshape(n_tokens, heads * head_dim)
+        out[meta.decode_tokens] = o
     return out.reshape(n_tokens, heads * head_dim)
 
 
-def _sdpa(q, k, v, mask, causal, scale, softcap):
+def _sdpa(q, k, v, mask, causal, scale, softcap, gqa=False):
     if softcap is None:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale,
+                                              enable_gqa=gqa)
+    if gqa:
+        k = k.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3)
+        v = v.repeat_interleave(q.shape[-3] // v.shape[-3], dim=-3)
     # soft-capped scores (Gemma 2) are not expressible through SDPA: compute them explicitly
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale
     scores = torch.tanh(scores / softcap) * softcap
