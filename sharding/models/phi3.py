@@ -3,15 +3,47 @@
 Each rank reads its heads' rows of every section of the fused tensor (q at row 0, k after all q rows, v after all
 k rows; gate at row 0, up after all gate rows): several pieces of one tensor at different row offsets.
 Partial rotary (`partial_rotary_factor`) comes from the shared rotary table.
+
+LongRoPE (Phi-3-*-128k): transformers rotates a whole sequence with the short factors while it fits in
+original_max_position_embeddings and re-rotates it with the long factors once it grows past. tpserve's rotary
+table is static (short factors), so such a checkpoint is served only with max_model_len <= the original length.
 """
 
 from __future__ import annotations
 
+from sharding.attention import KVCache
 from sharding.layers import Piece
 from sharding.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
 
 
+def longrope_limit(config) -> int | None:
+    """original_max_position_embeddings of a LongRoPE config, past which its frequencies change; None otherwise."""
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    if params.get("rope_type", params.get("type")) != "longrope":
+        return None
+    return params.get("original_max_position_embeddings") or config.original_max_position_embeddings
+
+
 class Phi3Attention(LlamaAttention):
+    def __init__(self, config, prefix, dist, dtype, device):
+        self.longrope_limit = longrope_limit(config)
+        super().__init__(config, prefix, dist, dtype, device)
+
+    @property
+    def cache(self) -> KVCache | None:
+        return self._cache
+
+    @cache.setter
+    def cache(self, cache: KVCache | None) -> None:
+        """The runner sizes the cache by max_model_len: a context LongRoPE would re-rotate is refused at start."""
+        limit = self.__dict__.get("longrope_limit")
+        if cache is not None and limit is not None and cache.k.shape[2] > limit:
+            raise ValueError(
+                f"this Phi-3 checkpoint uses LongRoPE, whose long factors apply past original_max_position_embeddings "
+                f"({limit}); tpserve applies the short factors only, so max_model_len ({cache.k.shape[2]}) must not "
+                f"exceed {limit}: pass --max-model-len {limit} or less")
+        self._cache = cache
+
     def qkv_bias(self, config) -> bool:
         return False
 

@@ -26,6 +26,11 @@ MAX_TOKENS = 32
 SPECS: dict[str, dict] = {
     # fused qkv_proj / gate_up_proj, GQA with KV heads replicated at TP 3 and 4, half the head dim rotated
     "phi3": dict(cls="Phi3Config", num_attention_heads=8, num_key_value_heads=2, partial_rotary_factor=0.5),
+    # LongRoPE (Phi-3-*-128k), served within original_max_position_embeddings, where its short factors apply
+    "phi3_longrope": dict(cls="Phi3Config", num_attention_heads=4, num_key_value_heads=4,
+                          original_max_position_embeddings=64, rope_parameters=dict(
+        rope_type="longrope", rope_theta=10000.0, original_max_position_embeddings=64,
+        short_factor=[1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.1, 3.8], long_factor=[1.0, 2.0, 4.0, 8.0, 16.0, 24.0, 32.0, 40.0])),
     # Conv1D [in, out], fused c_attn, learned positions, LayerNorm, tied head, a vocabulary no TP degree divides
     "gpt2": dict(cls="GPT2Config", n_head=4, n_embd=64, n_layer=2, n_positions=256, vocab_size=50257,
                  layer_norm_epsilon=1e-5, tie_word_embeddings=True),
@@ -38,7 +43,11 @@ SPECS: dict[str, dict] = {
                    query_pre_attn_scalar=24, attn_logit_softcapping=5.0, final_logit_softcapping=3.0,
                    sliding_window=8, tie_word_embeddings=True),
 }
-HEADS = {"phi3": 8, "gpt2": 4, "gemma": 4, "gemma2": 8, "llama_spm": 4}
+# the TP degrees each checkpoint runs at: up to its head count; the LongRoPE and SentencePiece variants of
+# architectures covered elsewhere only at 1 and 2
+TPS = {"phi3": (1, 2, 3, 4), "phi3_longrope": (1, 2), "gpt2": (1, 2, 3, 4), "gemma": (1, 2, 3, 4),
+       "gemma2": (1, 2, 3, 4), "llama_spm": (1, 2)}
+JOB_OPTIONS = {"phi3_longrope": {"max_model_len": 64}}
 
 
 def randomize_vectors(folder, seed: int = 1) -> None:
@@ -137,6 +146,7 @@ def rejected_variants(ref, tmp_path) -> list[tuple[dict, str]]:
         (folder / "config.json").write_text(json.dumps(cfg))
         return str(folder)
 
+    cases.append(({"model": str(ref["phi3_longrope"][0])}, "max_model_len (256) must not exceed 64"))
     cases.append(({"model": variant("gpt2", "gpt2_upcast", reorder_and_upcast_attn=True)}, "reorder_and_upcast_attn"))
     cases.append(({"model": variant("gpt2", "gpt2_cross", add_cross_attention=True)}, "cross-attention"))
     return cases
@@ -144,10 +154,9 @@ def rejected_variants(ref, tmp_path) -> list[tuple[dict, str]]:
 
 @pytest.mark.parametrize("tp", [1, 2, 3, 4])
 def test_greedy_equals_transformers(reference, tp, tmp_path):
-    # the SentencePiece checkpoint is a plain Llama (test_equivalence covers Llama at TP 3 and 4)
-    archs = [a for a in reference if HEADS[a] >= tp and (a != "llama_spm" or tp <= 2)]
-    jobs = [{"model": str(reference[a][0]), "prompts": reference[a][1], "max_tokens": MAX_TOKENS, "logprobs": 5}
-            for a in archs]
+    archs = [a for a in reference if tp in TPS[a]]
+    jobs = [{"model": str(reference[a][0]), "prompts": reference[a][1], "max_tokens": MAX_TOKENS, "logprobs": 5,
+             **JOB_OPTIONS.get(a, {})} for a in archs]
     rejected = rejected_variants(reference, tmp_path) if tp == 1 else []
     results = run_llm(tp, jobs + [job for job, _ in rejected], timeout=600)
     for arch, result in zip(archs, results):
