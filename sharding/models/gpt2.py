@@ -1,5 +1,6 @@
 """GPT-2: Conv1D weights stored transposed ([in, out]), q/k/v fused in `c_attn`, learned absolute positions,
-LayerNorm with bias, GELU MLP, LM head tied to `wte`. Tensor names have no `model.` prefix (`transformer.h.0...`).
+LayerNorm with bias, GELU MLP, LM head tied to `wte`. Tensor names have no `model.` prefix: `transformer.h.0...` as
+GPT2LMHeadModel saves them, or `h.0...` in the original GPT-2 checkpoints (saved from GPT2Model); both are read.
 
 Per layer: ln_1 -> c_attn (column-parallel: each rank reads its heads' columns of the q, k and v sections of the
 [hidden, 3*hidden] tensor) -> attention over the KV cache -> c_proj (row-parallel: rows of the [hidden, hidden]
@@ -12,6 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from loaders.checkpoint import Checkpoint, CheckpointError
 from loaders.partition import shard_heads, split_evenly
 from sharding.activations import activation
 from sharding.attention import AttentionMetadata, KVCache, attend
@@ -27,6 +29,15 @@ def check_config(config) -> None:
     if getattr(config, "reorder_and_upcast_attn", False):
         raise ValueError("GPT-2 with reorder_and_upcast_attn=true is not supported; set it to false in config.json "
                          "(it only changes the precision of the attention scores) or serve with --dtype float32")
+
+
+def tensor_prefix(config) -> str:
+    """`transformer.` unless the checkpoint names its tensors as GPT2Model does (`wte.weight`, `h.0...`)."""
+    try:
+        names = Checkpoint(config.name_or_path).tensors
+    except (CheckpointError, OSError, TypeError):
+        return "transformer."
+    return "" if "wte.weight" in names and "transformer.wte.weight" not in names else "transformer."
 
 
 class GPT2Attention(nn.Module):
@@ -94,11 +105,12 @@ class GPT2LMHeadModel(nn.Module):
         self.config = config
         self.dist = dist
         hidden = config.hidden_size
-        self.wte = VocabParallelEmbedding("transformer.wte.weight", config.vocab_size, hidden, dist, dtype, device)
-        self.wpe = PositionEmbedding("transformer.wpe.weight", (config.max_position_embeddings, hidden), dtype, device)
-        self.h = nn.ModuleList(GPT2Block(config, f"transformer.h.{i}", i, dist, dtype, device)
+        self.prefix = pre = tensor_prefix(config)
+        self.wte = VocabParallelEmbedding(f"{pre}wte.weight", config.vocab_size, hidden, dist, dtype, device)
+        self.wpe = PositionEmbedding(f"{pre}wpe.weight", (config.max_position_embeddings, hidden), dtype, device)
+        self.h = nn.ModuleList(GPT2Block(config, f"{pre}h.{i}", i, dist, dtype, device)
                                for i in range(config.num_hidden_layers))
-        self.ln_f = LayerNorm("transformer.ln_f", hidden, config.layer_norm_epsilon, dtype, device)
+        self.ln_f = LayerNorm(f"{pre}ln_f", hidden, config.layer_norm_epsilon, dtype, device)
         tied = self.wte if getattr(config, "tie_word_embeddings", True) else None
         self.lm_head = ParallelLMHead("lm_head", config.vocab_size, hidden, dist, dtype, device, tied)
 
@@ -113,7 +125,7 @@ class GPT2LMHeadModel(nn.Module):
         """A tied head stored anyway, and the causal-mask buffers old GPT-2 checkpoints carry."""
         ignored = {"lm_head.weight"} if self.lm_head.tied else set()
         for i in range(len(self.h)):
-            ignored |= {f"transformer.h.{i}.attn.bias", f"transformer.h.{i}.attn.masked_bias"}
+            ignored |= {f"{self.prefix}h.{i}.attn.bias", f"{self.prefix}h.{i}.attn.masked_bias"}
         return ignored
 
     def embed(self, ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
