@@ -77,6 +77,9 @@ def apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> None:
 
 def sample(logits: torch.Tensor, rows: list[SampleRow]) -> Sampled:
     """logits: float32 [B, vocab] on rank 0. Returns one token per row."""
+    if all(r.params.greedy and r.params.logprobs is None and not r.params.has_penalties and not r.banned_ids
+           for r in rows):
+        return Sampled(logits.argmax(dim=-1).tolist(), None, None)  # the common batch: one argmax, no per-row work
     want_logprobs = [r.params.logprobs for r in rows]
     raw_logprobs = torch.log_softmax(logits, dim=-1) if any(n is not None for n in want_logprobs) else None
     if any(r.params.has_penalties for r in rows) or any(r.banned_ids for r in rows):

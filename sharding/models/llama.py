@@ -66,7 +66,12 @@ class LlamaAttention(nn.Module):
     def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         q, k, v = self.project_qkv(x)
         q, k = self.norm_qk(q, k)
-        q, k = apply_rotary(q, meta.cos, meta.sin), apply_rotary(k, meta.cos, meta.sin)
+        if meta.cos is not None and q.shape[-1] == k.shape[-1]:
+            # one rotary pass over the query and key heads together (elementwise, so identical to two passes)
+            qk = apply_rotary(torch.cat([q, k], dim=1), meta.cos, meta.sin)
+            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+        else:
+            q, k = apply_rotary(q, meta.cos, meta.sin), apply_rotary(k, meta.cos, meta.sin)
         self.cache.write(meta, k, v)
         return self.o_proj(attend(q, self.cache, meta, self.kv_for_q, self.scale))
 
@@ -91,7 +96,7 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split([self.local_inter, self.local_inter], dim=-1)
-        return self.down_proj(self.act(gate) * up)
+        return self.down_proj(self.act(gate).mul_(up))
 
 
 class LlamaDecoderLayer(nn.Module):

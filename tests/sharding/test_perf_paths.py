@@ -1,0 +1,39 @@
+"""The fast paths of the decode step compute exactly what the plain formulas compute."""
+
+import torch
+import torch.nn.functional as F
+
+from sharding.attention import GroupedHeads, _sdpa
+from sharding.layers import RMSNorm
+
+
+def test_rmsnorm_fused_path_is_bit_identical():
+    norm = RMSNorm("w", 576, 1e-5, torch.float32, torch.device("cpu"))
+    norm.weight.data.normal_()
+    for rows in (1, 7, 32):
+        x = torch.randn(rows, 576)
+        ref = norm.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.eps))
+        assert torch.equal(norm(x), ref)
+
+
+def test_grouped_decode_equals_expanded_kv():
+    for kv_for_q in ([0, 0, 0, 1, 1], [0, 0, 1, 1, 2, 2], [0, 1, 1, 1]):
+        kv = torch.tensor(kv_for_q)
+        gh = GroupedHeads(kv)
+        b, t, d = 3, 11, 16
+        q = torch.randn(b, len(kv_for_q), d)
+        k, v = torch.randn(b, max(kv_for_q) + 1, t, d), torch.randn(b, max(kv_for_q) + 1, t, d)
+        mask = torch.arange(t)[None, :] < torch.tensor([5, 11, 8])[:, None]
+        mask = mask[:, None, None, :]
+        ref = _sdpa(q.unsqueeze(2), gh.expand(k), gh.expand(v), mask, False, 0.25, None).squeeze(2)
+        qd = q.index_select(1, gh.q_index) if gh.q_index is not None else q
+        o = _sdpa(qd.reshape(b, k.shape[1], gh.group, d), k, v, mask, False, 0.25, None).reshape(b, -1, d)
+        if gh.out_index is not None:
+            o = o.index_select(1, gh.out_index)
+        torch.testing.assert_close(o, ref, rtol=0, atol=1e-6)
+
+
+def test_sdpa_gqa_prefill_equals_repeated_kv():
+    q, k, v = torch.randn(6, 9, 16), torch.randn(2, 9, 16), torch.randn(2, 9, 16)
+    ref = F.scaled_dot_product_attention(q, k.repeat_interleave(3, 0), v.repeat_interleave(3, 0), is_causal=True)
+    torch.testing.assert_close(_sdpa(q, k, v, None, True, 16 ** -0.5, None, gqa=True), ref)
