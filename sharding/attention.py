@@ -99,12 +99,14 @@ class AttentionMetadata:
         if all_decode:
             positions, token_slots = starts, slots
             decode_idx = torch.arange(n_seqs)
+            decode_tokens = decode_idx
             prefills = []
         else:
             offsets = ends - ns
             token_slots = slots.repeat_interleave(ns)
             positions = (starts - offsets).repeat_interleave(ns) + torch.arange(int(ends[-1]))
-            decode_idx = is_decode.nonzero().squeeze(1)
+            decode_idx = is_decode.nonzero().squeeze(1)  # sequence indices
+            decode_tokens = offsets[decode_idx]  # their tokens' indices in the flat step
             prefills = []
             for i in (~is_decode).nonzero().squeeze(1).tolist():
                 slot, n, start = table[i].tolist()
@@ -138,7 +140,7 @@ class AttentionMetadata:
             token_slots=token_slots.to(device),
             cos=rotary.cos[positions] if rotary is not None else None,
             sin=rotary.sin[positions] if rotary is not None else None,
-            decode_tokens=decode_idx.to(device),
+            decode_tokens=decode_tokens.to(device),
             decode_slots=decode_slots.to(device),
             decode_slot_range=slot_range,
             decode_len=decode_len,
