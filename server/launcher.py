@@ -22,7 +22,7 @@ from typing import Callable
 from loaders.checkpoint import Checkpoint
 from loaders.default_model import ensure_default_model
 from sharding.dist import Dist, init_dist
-from sharding.runner import EngineConfig, build_model, start_rank
+from sharding.runner import EngineConfig, build_model, resolve_max_model_len, start_rank
 
 logger = logging.getLogger(__name__)
 
@@ -66,7 +66,8 @@ def validate(cfg: EngineConfig, tp: int) -> None:
         ckpt.resolve_dtype(cfg.dtype)
         import torch
 
-        build_model(cfg, Dist(rank=0, world_size=tp, device=torch.device("meta")), ckpt)
+        model, config, _ = build_model(cfg, Dist(rank=0, world_size=tp, device=torch.device("meta")), ckpt)
+        resolve_max_model_len(model, config, cfg.max_model_len)
 
 
 @dataclass

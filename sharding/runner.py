@@ -78,6 +78,19 @@ def build_model(cfg: EngineConfig, dist: Dist, ckpt: Checkpoint | None = None):
     return model, config, dtype
 
 
+def resolve_max_model_len(model, config, requested: int | None) -> int:
+    """--max-model-len, or its default min(max_position_embeddings, 2048); checked against the model's own limits
+    (a model may add its own through `check_max_model_len`). Runs on rank 0 before any other rank is spawned."""
+    max_pos = getattr(config, "max_position_embeddings", None) or 2048
+    n = requested or min(max_pos, 2048)
+    if n > max_pos:
+        raise ValueError(f"--max-model-len {n} exceeds the model's max_position_embeddings ({max_pos})")
+    check = getattr(model, "check_max_model_len", None)
+    if check is not None:
+        check(n)
+    return n
+
+
 class ModelRunner:
     def __init__(self, cfg: EngineConfig, dist: Dist):
         self.cfg = cfg
@@ -91,11 +104,7 @@ class ModelRunner:
                 m.load(ckpt)
             self.bytes_read = ckpt.bytes_read
         self.model.eval()
-        max_pos = getattr(self.config, "max_position_embeddings", None) or 2048
-        self.max_model_len = cfg.max_model_len or min(max_pos, 2048)
-        if self.max_model_len > max_pos:
-            raise ValueError(f"--max-model-len {self.max_model_len} exceeds the model's max_position_embeddings "
-                             f"({max_pos})")
+        self.max_model_len = resolve_max_model_len(self.model, self.config, cfg.max_model_len)
         uses_rope = getattr(self.model, "uses_rotary", True)
         self.rotary = RotaryTable(self.config, self.max_model_len, self.dtype, dist.device) if uses_rope else None
         for attn in self.model.attention_layers:

@@ -11,7 +11,6 @@ table is static (short factors), so such a checkpoint is served only with max_mo
 
 from __future__ import annotations
 
-from sharding.attention import KVCache
 from sharding.layers import Piece
 from sharding.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
 
@@ -25,25 +24,6 @@ def longrope_limit(config) -> int | None:
 
 
 class Phi3Attention(LlamaAttention):
-    def __init__(self, config, prefix, dist, dtype, device):
-        self.longrope_limit = longrope_limit(config)
-        super().__init__(config, prefix, dist, dtype, device)
-
-    @property
-    def cache(self) -> KVCache | None:
-        return self._cache
-
-    @cache.setter
-    def cache(self, cache: KVCache | None) -> None:
-        """The runner sizes the cache by max_model_len: a context LongRoPE would re-rotate is refused at start."""
-        limit = self.__dict__.get("longrope_limit")
-        if cache is not None and limit is not None and cache.k.shape[2] > limit:
-            raise ValueError(
-                f"this Phi-3 checkpoint uses LongRoPE, whose long factors apply past original_max_position_embeddings "
-                f"({limit}); tpserve applies the short factors only, so max_model_len ({cache.k.shape[2]}) must not "
-                f"exceed {limit}: pass --max-model-len {limit} or less")
-        self._cache = cache
-
     def qkv_bias(self, config) -> bool:
         return False
 
@@ -77,3 +57,12 @@ class Phi3ForCausalLM(LlamaForCausalLM):
         if getattr(config, "hidden_act", "silu") != "silu":
             raise ValueError(f"Phi-3 with hidden_act={config.hidden_act!r} is not supported (only silu)")
         super().__init__(config, dist, dtype, device)
+
+    def check_max_model_len(self, n: int) -> None:
+        """A context that LongRoPE would re-rotate with its long factors is refused at start."""
+        limit = longrope_limit(self.config)
+        if limit is not None and n > limit:
+            raise ValueError(
+                f"this Phi-3 checkpoint uses LongRoPE, whose long factors apply past original_max_position_embeddings "
+                f"({limit}); tpserve applies the short factors only, so max_model_len ({n}) must not exceed {limit}: "
+                f"pass --max-model-len {limit} or less")

@@ -17,6 +17,8 @@ TPSERVE = [sys.executable, "-m", "server.cli"]
     (["serve", "{llama}", "-tp", "0"], "--tensor-parallel-size must be at least 1"),
     (["serve", "{llama}", "-tp", "16"], "tensor parallel size 16 must be between 1 and the number of attention heads"),
     (["serve", "{llama}", "--max-model-len", "100000"], "exceeds the model's max_position_embeddings"),
+    # checked on rank 0 before any other rank is spawned
+    (["serve", "{llama}", "-tp", "2", "--max-model-len", "100000"], "exceeds the model's max_position_embeddings"),
     (["generate", "{llama}"], "give --prompt"),
 ])
 def test_cli_errors_are_readable(checkpoints, args, message):
@@ -25,6 +27,7 @@ def test_cli_errors_are_readable(checkpoints, args, message):
     assert r.returncode != 0
     assert message in r.stderr, r.stderr[-2000:]
     assert "Traceback" not in r.stderr
+    assert "rank" not in r.stderr, r.stderr[-2000:]  # refused before any rank started
 
 
 def test_generate_json_equals_transformers(checkpoints):
