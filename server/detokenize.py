@@ -15,7 +15,14 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer, prompt_ids: list[int], stop: list[str], skip_special_tokens: bool = True):
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
-        self.tokens: list[int] = list(prompt_ids[-CONTEXT_TOKENS:])
+        # the prompt's last tokens as context; a window starting inside a character would decode to U+FFFD first,
+        # so it starts a little earlier then
+        start = max(0, len(prompt_ids) - CONTEXT_TOKENS)
+        while start > 0 and len(prompt_ids) - start < 4 * CONTEXT_TOKENS \
+                and self._decode(prompt_ids[start:]).startswith("\ufffd"):
+            start -= 1
+        self.tokens: list[int] = list(prompt_ids[start:])
+        self.in_prompt_window = True  # the window's prefix is still the prompt context
         self.prefix_offset = 0
         self.read_offset = len(self.tokens)
         self.stop = [s for s in stop if s]
@@ -35,10 +42,20 @@ class IncrementalDetokenizer:
         self.tokens.append(token_id)
         prefix = self._decode(self.tokens[self.prefix_offset : self.read_offset])
         full = self._decode(self.tokens[self.prefix_offset :])
-        if len(full) <= len(prefix) or full.endswith("\ufffd"):
-            return  # nothing new yet, or half a character: wait for more bytes
+        if full.endswith("\ufffd"):
+            return  # half a character: wait for more bytes
+        new = full[len(prefix) :]
+        if self.in_prompt_window:
+            # a prompt that ends mid-character leaves U+FFFD at the end of the context's text: the output's first
+            # bytes complete that character, which then belongs to the output text
+            stable = prefix.rstrip("\ufffd")
+            if full.startswith(stable):
+                new = full[len(stable) :]
+        if not new:
+            return  # nothing new yet
+        self.in_prompt_window = False
         old_len = len(self.text)
-        self.text += full[len(prefix) :]
+        self.text += new
         self.prefix_offset, self.read_offset = self.read_offset, len(self.tokens)
         if self.stop:
             self._find_stop(max(0, old_len - self.max_stop + 1))

@@ -57,3 +57,15 @@ def test_text_that_may_start_a_stop_string_is_held_back(tok):
     # "capital" could still become the stop string: not released yet, flushed at the end
     assert released.endswith("The ") and "capital" not in released
     assert released + d.release(final=True) == "abc The capital"
+
+
+def test_prompt_ending_mid_character_is_completed_by_the_output(tok):
+    ids = tok.encode(TEXT)
+    cuts = [i for i in range(1, len(ids)) if tok.decode(ids[:i]).endswith("\ufffd")]
+    assert cuts  # the tokenizer really splits characters, so some prompts end inside one
+    for cut in range(1, len(ids)):  # every split of the text into prompt and output, inside characters or not
+        prompt, output = ids[:cut], ids[cut:]
+        d, pieces = stream(tok, output, prompt=prompt)
+        assert all("\ufffd" not in p for p in pieces), (cut, pieces)
+        # a character the prompt started is the output's first; prompt text + output text is the whole text
+        assert tok.decode(prompt).rstrip("\ufffd") + "".join(pieces) == TEXT, (cut, pieces)
