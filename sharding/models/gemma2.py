@@ -12,7 +12,7 @@ import dataclasses
 
 import torch
 
-from sharding.attention import AttentionMetadata, apply_rotary, attend
+from sharding.attention import AttentionMetadata
 from sharding.models.gemma import GemmaDecoderLayer, GemmaForCausalLM, gemma_norm
 from sharding.models.llama import LlamaAttention
 
@@ -26,12 +26,6 @@ class Gemma2Attention(LlamaAttention):
         layer_types = getattr(config, "layer_types", None) or []
         sliding = layer_idx < len(layer_types) and layer_types[layer_idx] == "sliding_attention"
         self.window: int | None = config.sliding_window if sliding else None
-
-    def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        q, k, v = self.project_qkv(x)
-        q, k = apply_rotary(q, meta.cos, meta.sin), apply_rotary(k, meta.cos, meta.sin)
-        self.cache.write(meta, k, v)
-        return self.o_proj(attend(q, self.cache, meta, self.kv_for_q, self.scale, softcap=self.softcap))
 
 
 class Gemma2DecoderLayer(GemmaDecoderLayer):

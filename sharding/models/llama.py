@@ -38,6 +38,7 @@ class LlamaAttention(nn.Module):
             Piece(f"{prefix}.o_proj", heads.q_start * hd, heads.q_stop * hd, (hidden, self.total_num_heads * hd)),
             bias=getattr(config, "attention_bias", False), dist=dist, dtype=dtype, device=device)
         self.scale = self.head_dim ** -0.5
+        self.softcap: float | None = None  # tanh soft-capping of attention scores (Gemma 2)
         self.cache: KVCache | None = None
 
     def qkv_bias(self, config) -> bool:
@@ -73,7 +74,7 @@ class LlamaAttention(nn.Module):
         else:
             q, k = apply_rotary(q, meta.cos, meta.sin), apply_rotary(k, meta.cos, meta.sin)
         self.cache.write(meta, k, v)
-        return self.o_proj(attend(q, self.cache, meta, self.kv_for_q, self.scale))
+        return self.o_proj(attend(q, self.cache, meta, self.kv_for_q, self.scale, softcap=self.softcap))
 
 
 class LlamaMLP(nn.Module):
