@@ -77,9 +77,15 @@ class PendingRequest:
         self.seqs: list[Sequence] = []
         self.index: dict[int, int] = {}  # seq_id -> choice index
         self.emitted_tokens: dict[int, int] = {}
+        self.token_times: dict[int, float] = {}  # seq_id -> when its latest token came
 
     def emit(self, seq: Sequence, text: str, finished: bool) -> None:  # engine thread
         n = len(seq.output_ids)
+        t, prev = seq.last_token_time, self.token_times.get(seq.seq_id)
+        if t is not None and t != prev:
+            if prev is not None:
+                self.state.metrics.itl.observe(t - prev)  # every gap between two tokens of a sequence
+            self.token_times[seq.seq_id] = t
         self.loop.call_soon_threadsafe(self.queue.put_nowait, (seq, text, finished, n))
 
     def add(self, prompt_ids: list[int], params: SamplingParams, choice: int) -> None:
@@ -106,8 +112,6 @@ class PendingRequest:
         if seq.first_token_time is not None:
             m.ttft.observe(seq.first_token_time - seq.arrival)
             m.e2e.observe(seq.last_token_time - seq.arrival)
-            if len(seq.output_ids) > 1:
-                m.itl.observe((seq.last_token_time - seq.first_token_time) / (len(seq.output_ids) - 1))
 
 
 def build_app(state: ServerState) -> FastAPI:

@@ -163,3 +163,22 @@ def test_metrics_exposes_gauges(srv):
     for name in ("tpserve_requests_running", "tpserve_requests_waiting", "tpserve_kv_cache_usage_ratio",
                  "tpserve_time_to_first_token_seconds_bucket", "tpserve_requests_finished_total"):
         assert name in body
+
+
+def test_metrics_count_tokens_and_every_inter_token_gap(srv, client):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def sample(name: str) -> float:
+        body = httpx.get(srv.url + "/metrics").text
+        for family in text_string_to_metric_families(body):
+            for s in family.samples:
+                if s.name == name and not s.labels:
+                    return s.value
+        raise AssertionError(f"{name} not in /metrics")
+
+    names = ("tpserve_inter_token_latency_seconds_count", "tpserve_generation_tokens_total",
+             "tpserve_time_to_first_token_seconds_count")
+    before = [sample(n) for n in names]
+    complete(client, srv, prompt=PROMPT, max_tokens=9, extra_body={"ignore_eos": True})
+    after = [sample(n) for n in names]
+    assert [a - b for a, b in zip(after, before)] == [8, 9, 1]  # 9 tokens: 8 gaps, one first token
