@@ -190,6 +190,8 @@ def build_app(state: ServerState) -> FastAPI:
         prompts = tokenize_prompts(state, body.prompt)
         max_tokens = body.max_tokens if body.max_tokens is not None else 16
         params = sampling_params(body, max_tokens, body.logprobs)
+        if body.echo and body.logprobs is not None:  # the prompt's tokens get logprobs too, as OpenAI's legacy API
+            params.prompt_logprobs = body.logprobs
         req = PendingRequest(state, asyncio.get_running_loop())
         for p_i, ids in enumerate(prompts):
             check_length(state, ids, max_tokens)
@@ -204,9 +206,13 @@ def build_app(state: ServerState) -> FastAPI:
         choices = []
         for seq in sorted(seqs, key=lambda s: req.index[s.seq_id]):
             i = req.index[seq.seq_id]
-            choices.append({"index": i, "text": echo_text[i // body.n] + seq.detok.text,
-                            "logprobs": completion_logprobs(state, seq, 0, len(seq.output_ids))
-                            if body.logprobs is not None else None,
+            echo = echo_text[i // body.n]
+            lp = None
+            if body.logprobs is not None:
+                lp = completion_logprobs(state, seq, 0, len(seq.output_ids), base=len(echo))
+                if body.echo:
+                    lp = join_logprobs(prompt_logprobs(state, seq), lp)
+            choices.append({"index": i, "text": echo + seq.detok.text, "logprobs": lp,
                             "finish_reason": seq.finish_reason})
         return {"id": rid, "object": "text_completion", "created": created, "model": state.model_name,
                 "choices": choices, "usage": usage(prompts, seqs)}
@@ -346,15 +352,41 @@ def token_str(state: ServerState, t: int) -> str:
     return state.tokenizer.decode([t])
 
 
-def completion_logprobs(state: ServerState, seq: Sequence, a: int, b: int) -> dict:
-    tokens = [token_str(state, t) for t in seq.output_ids[a:b]]
-    offsets, pos = [], len(seq.detok.text) if a else 0
+def top_dict(state: ServerState, alts: list[tuple[int, float]]) -> dict[str, float]:
+    """Alternatives as OpenAI's {token text: logprob}; ids that decode to the same text share a key, which keeps the
+    higher logprob (alts come best first)."""
+    out: dict[str, float] = {}
+    for t, lp in alts:
+        out.setdefault(token_str(state, t), lp)
+    return out
+
+
+def _offsets(tokens: list[str], start: int) -> list[int]:
+    offsets, pos = [], start
     for t in tokens:
         offsets.append(pos)
         pos += len(t)
+    return offsets
+
+
+def completion_logprobs(state: ServerState, seq: Sequence, a: int, b: int, base: int = 0) -> dict:
+    """Legacy-completions logprobs of output tokens a..b; `base` is the length of the echoed prompt text."""
+    tokens = [token_str(state, t) for t in seq.output_ids[a:b]]
     return {"tokens": tokens, "token_logprobs": seq.token_logprobs[a:b],
-            "top_logprobs": [{token_str(state, t): lp for t, lp in alts} for alts in seq.top_logprobs[a:b]],
-            "text_offset": offsets}
+            "top_logprobs": [top_dict(state, alts) for alts in seq.top_logprobs[a:b]],
+            "text_offset": _offsets(tokens, base + (len(seq.detok.text) if a else 0))}
+
+
+def prompt_logprobs(state: ServerState, seq: Sequence) -> dict:
+    """Logprobs of the prompt's tokens (echo): the first token has none, as in OpenAI's legacy API."""
+    tokens = [token_str(state, t) for t in seq.prompt_ids]
+    top = [top_dict(state, alts) for alts in seq.prompt_top_logprobs or []]
+    return {"tokens": tokens, "token_logprobs": [None] + (seq.prompt_logprobs or []),
+            "top_logprobs": [None] + top, "text_offset": _offsets(tokens, 0)}
+
+
+def join_logprobs(first: dict, second: dict) -> dict:
+    return {key: first[key] + second[key] for key in first}
 
 
 def chat_logprobs(state: ServerState, seq: Sequence, a: int, b: int) -> dict:
@@ -436,16 +468,26 @@ async def stream_completion(req: PendingRequest, request: Request, body: Complet
         return {"id": rid, "object": "text_completion", "created": created, "model": state.model_name,
                 "choices": [{"index": i, "text": text, "logprobs": logprobs, "finish_reason": finish}]}
 
+    echo_later = set()  # with logprobs, the echo chunk waits for the prompt's logprobs (after the prefill)
     for i in range(len(req.seqs)):
         if echo_text[i // body.n]:
-            yield chunk(i, echo_text[i // body.n], None)
+            if body.logprobs is None:
+                yield chunk(i, echo_text[i // body.n], None)
+            else:
+                echo_later.add(i)
     async for seq, text, finished, a, b in stream_events(req, request):
         if seq.finish_reason == "error":
             yield error_chunk(state)
             return
+        i = req.index[seq.seq_id]
+        if i in echo_later:
+            echo_later.discard(i)
+            yield chunk(i, echo_text[i // body.n], None, prompt_logprobs(state, seq))
         if text or finished or (body.logprobs is not None and b > a):
-            lp = completion_logprobs(state, seq, a, b) if body.logprobs is not None else None
-            yield chunk(req.index[seq.seq_id], text, seq.finish_reason if finished else None, lp)
+            lp = None
+            if body.logprobs is not None:
+                lp = completion_logprobs(state, seq, a, b, base=len(echo_text[i // body.n]))
+            yield chunk(i, text, seq.finish_reason if finished else None, lp)
     if body.stream_options and body.stream_options.include_usage:
         yield {"id": rid, "object": "text_completion", "created": created, "model": state.model_name,
                "choices": [], "usage": usage(prompts, req.seqs)}

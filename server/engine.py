@@ -113,15 +113,20 @@ class Engine:
         if not batch:
             return False
         t0 = time.perf_counter()
-        ids, table = [], []
-        for seq in batch:
+        ids, table, all_logits = [], [], []
+        for i, seq in enumerate(batch):
             tokens, start = seq.next_input()
             ids.extend(tokens)
             table.append((seq.slot, len(tokens), start))
-        step = Step(torch.tensor(ids, dtype=torch.int64), torch.tensor(table, dtype=torch.int64))
+            if start == 0 and seq.params.prompt_logprobs is not None and len(tokens) > 1:
+                all_logits.append(i)
+        step = Step(torch.tensor(ids, dtype=torch.int64), torch.tensor(table, dtype=torch.int64),
+                    torch.tensor(all_logits, dtype=torch.int64) if all_logits else None)
         self._step_started = time.monotonic()
         logits = self.runner.run(step)
         self._step_started = None
+        if all_logits:
+            logits = self._take_prompt_logprobs(batch, table, set(all_logits), logits)
         rows = [SampleRow(s.params, s.generator, s.prompt_ids, s.output_ids, s.banned_ids()) for s in batch]
         sampled = sample(logits, rows)
         now = time.monotonic()
@@ -140,6 +145,28 @@ class Engine:
         for listener in self.step_listeners:
             listener(dt, len(ids))
         return True
+
+    @staticmethod
+    def _take_prompt_logprobs(batch: list[Sequence], table: list[tuple[int, int, int]], want: set[int],
+                              logits: torch.Tensor) -> torch.Tensor:
+        """Logits came for every token of the sequences in `want` (their prompts): record each prompt token's
+        logprob (and top alternatives) under the model's own distribution; return the last-token rows to sample."""
+        last_rows, row = [], 0
+        for i, seq in enumerate(batch):
+            n = table[i][1] if i in want else 1
+            if i in want:
+                lp = torch.log_softmax(logits[row : row + n - 1].float(), dim=-1)  # row j predicts prompt token j+1
+                target = torch.tensor(seq.prompt_ids[1:n], dtype=torch.int64)
+                seq.prompt_logprobs = lp.gather(1, target[:, None]).squeeze(1).tolist()
+                k = seq.params.prompt_logprobs or 0
+                if k:
+                    vals, idx = lp.topk(min(k, lp.shape[-1]), dim=-1)
+                    seq.prompt_top_logprobs = [list(zip(r_i, r_v)) for r_i, r_v in zip(idx.tolist(), vals.tolist())]
+                else:
+                    seq.prompt_top_logprobs = [[] for _ in range(n - 1)]
+            row += n
+            last_rows.append(row - 1)
+        return logits[last_rows]
 
     def _append(self, seq: Sequence, token: int, now: float) -> None:
         p = seq.params

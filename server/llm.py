@@ -27,6 +27,7 @@ class Completion:
     finish_reason: str
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
+    prompt_logprobs: list[float] | None = None  # of prompt tokens 1.. when params.prompt_logprobs is set
 
 
 class LLM:
@@ -51,7 +52,8 @@ class LLM:
         self.engine.run_until_idle()
         return [Completion(s.prompt_ids, s.output_ids, s.detok.text, s.finish_reason,
                            s.token_logprobs if params.logprobs is not None else None,
-                           s.top_logprobs if params.logprobs is not None else None) for s in seqs]
+                           s.top_logprobs if params.logprobs is not None else None,
+                           s.prompt_logprobs if params.prompt_logprobs is not None else None) for s in seqs]
 
     def chat(self, messages: list[dict], params: SamplingParams | None = None) -> Completion:
         ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,

@@ -25,6 +25,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logprobs: int | None = None  # number of top alternatives per token (0: only the chosen token's)
+    prompt_logprobs: int | None = None  # the same for the prompt's tokens (completions with echo); None: not wanted
     min_tokens: int = 0
     ignore_eos: bool = False
     skip_special_tokens: bool = True

@@ -33,6 +33,8 @@ class Sequence:
     output_ids: list[int] = field(default_factory=list)
     token_logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    prompt_logprobs: list[float] | None = None  # of prompt tokens 1.. (the first has none), when params ask
+    prompt_top_logprobs: list[list[tuple[int, float]]] | None = None
     slot: int = -1
     num_cached: int = 0  # tokens whose K/V are in the cache
     finish_reason: str | None = None

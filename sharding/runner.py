@@ -147,7 +147,7 @@ class ModelRunner:
             if cmd == CMD_NOOP:
                 continue
             assert cmd == CMD_STEP, f"unknown command {cmd}"
-            payload = torch.empty(int(header[1]) + 3 * int(header[2]), dtype=torch.int64)
+            payload = torch.empty(Step.payload_size(header), dtype=torch.int64)
             self.dist.broadcast_control(payload)
             self.execute(Step.unpack(header, payload))
 

@@ -2,9 +2,11 @@
 
 A step is a flat run of N tokens from S sequences: sequence i owns tokens [offset_i, offset_i + n_i), sits in KV-cache
 slot slot_i and starts at position start_i (its cached prefix). Decoding sequences contribute one token, prefilling
-ones their whole (remaining) prompt. Logits are computed only for each sequence's last token.
+ones their whole (remaining) prompt. Logits are computed for each sequence's last token, and for every token of the
+sequences listed in `all_logits` (prompt logprobs, for echo).
 
-On the wire it is one int64 tensor: [cmd, N, S, 0] then ids[N], then (slot, n, start)[S]; positions are derived.
+On the wire: a header [cmd, N, S, F], then one int64 payload: ids[N], (slot, n, start)[S], all_logits[F] (sequence
+indices); positions are derived.
 """
 
 from __future__ import annotations
@@ -23,16 +25,26 @@ HEADER = 4
 class Step:
     input_ids: torch.Tensor  # [N] int64
     seq_table: torch.Tensor  # [S, 3] int64: slot, n_tokens, start_pos
+    all_logits: torch.Tensor | None = None  # [F] int64: sequences that want logits for every token, ascending
 
     @property
     def num_tokens(self) -> int:
         return self.input_ids.numel()
 
     def pack(self) -> tuple[torch.Tensor, torch.Tensor]:
-        header = torch.tensor([CMD_STEP, self.num_tokens, self.seq_table.shape[0], 0], dtype=torch.int64)
-        return header, torch.cat([self.input_ids, self.seq_table.reshape(-1)])
+        parts = [self.input_ids, self.seq_table.reshape(-1)]
+        f = 0 if self.all_logits is None else self.all_logits.numel()
+        if f:
+            parts.append(self.all_logits)
+        header = torch.tensor([CMD_STEP, self.num_tokens, self.seq_table.shape[0], f], dtype=torch.int64)
+        return header, torch.cat(parts)
+
+    @staticmethod
+    def payload_size(header: torch.Tensor) -> int:
+        return int(header[1]) + 3 * int(header[2]) + int(header[3])
 
     @staticmethod
     def unpack(header: torch.Tensor, payload: torch.Tensor) -> "Step":
-        n, s = int(header[1]), int(header[2])
-        return Step(payload[:n], payload[n : n + 3 * s].view(s, 3))
+        n, s, f = int(header[1]), int(header[2]), int(header[3])
+        return Step(payload[:n], payload[n : n + 3 * s].view(s, 3),
+                    payload[n + 3 * s : n + 3 * s + f] if f else None)

@@ -130,8 +130,9 @@ def test_parameters(srv, client):
     assert len(r.choices) == 2 and all(c.text.startswith(PROMPT) for c in r.choices)
     assert all(len(c.logprobs.top_logprobs) == len(c.logprobs.tokens) for c in r.choices)
     # up to 3 alternatives each (two ids that decode to the same string share one key, as with OpenAI)
-    assert all(1 <= len(alts) <= 3 for alts in r.choices[0].logprobs.top_logprobs)
-    assert r.usage.completion_tokens == sum(len(c.logprobs.tokens) for c in r.choices)
+    assert all(1 <= len(alts) <= 3 for alts in r.choices[0].logprobs.top_logprobs[1:])  # [0]: the first prompt token
+    # with echo, the prompt's tokens come first in the logprobs
+    assert r.usage.completion_tokens + 2 * r.usage.prompt_tokens == sum(len(c.logprobs.tokens) for c in r.choices)
     # batched prompts: a list of strings and a list of token-id lists
     rb = complete(client, srv, prompt=[PROMPT, "Hello"], max_tokens=3)
     assert [c.index for c in rb.choices] == [0, 1]
@@ -182,3 +183,31 @@ def test_metrics_count_tokens_and_every_inter_token_gap(srv, client):
     complete(client, srv, prompt=PROMPT, max_tokens=9, extra_body={"ignore_eos": True})
     after = [sample(n) for n in names]
     assert [a - b for a, b in zip(after, before)] == [8, 9, 1]  # 9 tokens: 8 gaps, one first token
+
+
+def test_echo_logprobs_score_the_prompt_like_transformers(srv, client):
+    """echo + logprobs (how lm-evaluation-harness scores text): every prompt token's logprob under the model."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    ids = srv.tok.encode("The capital of France is Paris, and the capital of Italy is Rome.")
+    with torch.inference_mode():
+        model = AutoModelForCausalLM.from_pretrained(str(srv.folder), dtype=torch.float32)
+        ref = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
+    expected = [ref[j, ids[j + 1]].item() for j in range(len(ids) - 1)]
+    r = complete(client, srv, prompt=ids, max_tokens=1, echo=True, logprobs=2)
+    lp = r.choices[0].logprobs
+    n = len(ids)
+    assert lp.tokens[:n] == [srv.tok.decode([t]) for t in ids]
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.token_logprobs[1:n] == pytest.approx(expected, abs=1e-4)
+    best = [ref[j].max().item() for j in range(n - 1)]
+    assert [max(alts.values()) for alts in lp.top_logprobs[1:n]] == pytest.approx(best, abs=1e-4)
+    # then the generated token, its offset after the echoed prompt
+    assert len(lp.tokens) == n + 1 and lp.text_offset[n] == len(r.choices[0].text) - len(lp.tokens[n])
+    # streamed: the echo chunk carries the same prompt logprobs
+    chunks = list(complete(client, srv, prompt=ids, max_tokens=1, echo=True, logprobs=2, stream=True))
+    first = chunks[0].choices[0]
+    assert first.text == srv.tok.decode(ids)
+    assert first.logprobs.token_logprobs[1:] == pytest.approx(lp.token_logprobs[1:n], abs=1e-6)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == r.choices[0].text
