@@ -18,6 +18,7 @@ from torch import nn
 from loaders.checkpoint import Checkpoint
 from loaders.partition import split_evenly
 from sharding.dist import Dist
+from sharding.kernels import can_pack, pack, packed_linear
 
 
 @dataclass(slots=True, frozen=True)
@@ -36,7 +37,24 @@ def _empty(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Paramete
     return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
 
 
-class ColumnParallelLinear(nn.Module):
+class _Linear(nn.Module):
+    """What every linear shares: `weight` [out, in] as loaded, and after `prepack()` (the runner calls it once all
+    weights are loaded) a oneDNN-packed copy that replaces it on CPU (sharding/kernels.py)."""
+
+    packed: torch.Tensor | None = None
+
+    def prepack(self) -> None:
+        if self.packed is None and self.weight is not None and can_pack(self.weight):
+            self.packed = pack(self.weight)
+            self.weight = None  # the packed copy is the weight now (a tied embedding keeps its own reference)
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if self.packed is not None:
+            return packed_linear(x, self.packed, bias)
+        return F.linear(x, self.weight, bias)
+
+
+class ColumnParallelLinear(_Linear):
     """y_local = x @ W[rows]^T (+ b[rows]): the output is split over ranks by rows of W; no collective.
 
     Several pieces are fused into one matmul (q/k/v, gate/up): each piece is a block of rows of its own HF tensor, or
@@ -74,10 +92,10 @@ class ColumnParallelLinear(nn.Module):
             self.bias.data.copy_(torch.cat(bs, 0) if len(bs) > 1 else bs[0])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.matmul(x, self.bias)
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(_Linear):
     """y = all_reduce(x_local @ W[:, cols]^T) + b: the input is split over ranks by columns of W; one all-reduce,
     then the (replicated) bias is added once."""
 
@@ -106,7 +124,7 @@ class RowParallelLinear(nn.Module):
             self.bias.data.copy_(ckpt.read(p.name + ".bias"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.dist.all_reduce(F.linear(x, self.weight))
+        y = self.dist.all_reduce(self.matmul(x))
         return y + self.bias if self.bias is not None else y
 
 
@@ -136,7 +154,7 @@ class VocabParallelEmbedding(nn.Module):
         return self.dist.all_reduce(out)
 
 
-class ParallelLMHead(nn.Module):
+class ParallelLMHead(_Linear):
     """logits[:, start:stop] = h @ W[start:stop]^T on each rank; the blocks are gathered to rank 0, which samples.
 
     With tied embeddings it shares the embedding's block (same rows), so nothing more is read."""
@@ -168,7 +186,7 @@ class ParallelLMHead(nn.Module):
 
     def forward(self, h: torch.Tensor) -> torch.Tensor | None:
         """Full-vocabulary float32 logits on rank 0, None elsewhere."""
-        local = F.linear(h, self.weight, self.bias).float()
+        local = self.matmul(h, self.bias).float()
         return self.dist.gather_last_dim(local, self.sizes)
 
 

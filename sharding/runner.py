@@ -103,6 +103,9 @@ class ModelRunner:
                           leave=False):
                 m.load(ckpt)
             self.bytes_read = ckpt.bytes_read
+        for m in self.model.modules():
+            if hasattr(m, "prepack"):
+                m.prepack()  # CPU: linears through oneDNN with packed weights (sharding/kernels.py)
         self.model.eval()
         self.max_model_len = resolve_max_model_len(self.model, self.config, cfg.max_model_len)
         uses_rope = getattr(self.model, "uses_rotary", True)

@@ -37,3 +37,33 @@ def test_sdpa_gqa_prefill_equals_repeated_kv():
     q, k, v = torch.randn(6, 9, 16), torch.randn(2, 9, 16), torch.randn(2, 9, 16)
     ref = F.scaled_dot_product_attention(q, k.repeat_interleave(3, 0), v.repeat_interleave(3, 0), is_causal=True)
     torch.testing.assert_close(_sdpa(q, k, v, None, True, 16 ** -0.5, None, gqa=True), ref)
+
+
+def test_packed_linears_equal_plain_ones():
+    """The oneDNN-packed weight (the runner's CPU default) computes F.linear: in fp32 to rounding; in bf16 within
+    two bf16 roundings of the exact product (the bias may be added after the product is rounded)."""
+    from sharding.dist import Dist
+    from sharding.layers import ColumnParallelLinear, ParallelLMHead, Piece, RowParallelLinear
+
+    cpu, d = torch.device("cpu"), Dist()
+    for dtype in (torch.float32, torch.bfloat16):
+        col = ColumnParallelLinear(96, [Piece("q", 0, 40, (40, 96))], True, dtype, cpu)
+        row = RowParallelLinear(Piece("o", 0, 40, (96, 40)), True, d, dtype, cpu)
+        head = ParallelLMHead("h", 300, 96, d, dtype, cpu)
+        for m in (col, row, head):
+            m.weight.data.normal_()
+            if m.bias is not None:
+                m.bias.data.normal_()
+        plain = [(m, m.weight.clone(), m.bias) for m in (col, row, head)]
+        for m in (col, row, head):
+            m.prepack()
+            assert m.packed is not None and m.weight is None  # the packed copy replaced the weight
+        for rows in (1, 3, 8, 33):
+            for m, w, b in plain:
+                x = torch.randn(rows, w.shape[1]).to(dtype)
+                out = m(x).float()
+                if dtype == torch.float32:
+                    torch.testing.assert_close(out, F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+                else:
+                    exact = F.linear(x.float(), w.float(), None if b is None else b.float())
+                    torch.testing.assert_close(out, exact, rtol=2 * 2 ** -8, atol=0.02)
