@@ -83,7 +83,6 @@ class AttentionMetadata:
     decode_mask: torch.Tensor | None  # [B, 1, 1, decode_len] bool; None when every row sees all decode_len keys
     prefills: list[Prefill]
     logits_indices: torch.Tensor  # [R] tokens whose logits are computed: each sequence's last one (S), or all of them
-    sample_rows: torch.Tensor | None = None  # [S] rows of the logits holding each sequence's last token; None: all
     all_decode: bool = False  # every token is a decode token, in sequence order (decode_tokens == arange(N))
     write_rows: dict = field(default_factory=dict)  # per cache geometry: flat row of each (token, kv head)
 
@@ -136,7 +135,7 @@ class AttentionMetadata:
             first = int(decode_slots[0])
             if bool((decode_slots == torch.arange(first, first + decode_slots.numel())).all()):
                 slot_range = (first, first + decode_slots.numel())
-        logits_indices, sample_rows = ends - 1, None
+        logits_indices = ends - 1
         if step.all_logits is not None and step.all_logits.numel():
             # whole sequences' logits for the listed ones, the last token's for the others, in sequence order
             want_all = torch.zeros(n_seqs, dtype=torch.bool)
@@ -146,7 +145,6 @@ class AttentionMetadata:
             first_token = torch.where(want_all, ends - ns, ends - 1)
             logits_indices = (first_token - (row_ends - rows_per_seq)).repeat_interleave(rows_per_seq) \
                 + torch.arange(int(row_ends[-1]))
-            sample_rows = (row_ends - 1).to(device)
         return AttentionMetadata(
             positions=positions.to(device),
             token_slots=token_slots.to(device),
@@ -159,7 +157,6 @@ class AttentionMetadata:
             decode_mask=decode_mask,
             prefills=prefills,
             logits_indices=logits_indices.to(device),
-            sample_rows=sample_rows,
             all_decode=all_decode,
         )
 
