@@ -9,9 +9,10 @@ TPSERVE_THREADS set: it records the time to ready, every rank's peak resident me
 right after start-up, then decode ms/step at batch 1 and 32 (an 8-token prompt prefilled, then `--steps` decode steps
 through `runner.run`, greedy argmax on rank 0; median over steps, then over `--repeats`).
 
-The weight-streaming floor is measured the same way the decode reads weights: one F.linear pass (a row of
-activations) over tensors shaped like every weight of the model, with 1 thread, and with 2 single-thread processes
-each streaming half of them at the same time. Decode times then read as a multiple of the floor.
+The weight-streaming floor is measured the same way the decode reads weights: one pass of the decode's linear
+kernel (oneDNN with packed weights, sharding/kernels.py; plain F.linear too, for reference) with a row of activations
+over tensors shaped like every weight of the model, with 1 thread, and with 2 single-thread processes each streaming
+half of them at the same time. Decode times then read as a multiple of the floor.
 Check the foreign load (printed with every number) before trusting a figure: there are only 2 cores.
 """
 
@@ -118,30 +119,37 @@ def weight_shapes(size: str) -> list[tuple[int, int]]:
     return [(qkv, h), (h, h), (2 * inter, h), (h, inter)] * c["num_hidden_layers"] + [(v, h)]
 
 
-def _stream(shapes, part, parts, reps, barrier, queue):
+def _stream(shapes, part, parts, reps, barrier, queue, kernel):
     import torch
     import torch.nn.functional as F
 
     torch.set_num_threads(1)
     ws = [torch.randn(n // parts, k) for n, k in shapes]  # this process's share of the output rows
+    nbytes = sum(w.nbytes for w in ws)
     xs = {k: torch.randn(1, k) for _, k in shapes}
     times = []
     with torch.inference_mode():
+        if kernel == "packed":  # what the decode step uses on CPU (sharding/kernels.py)
+            from sharding.kernels import pack, packed_linear
+
+            ws = [(w.shape[1], pack(w)) for w in ws]
+            run = lambda: [packed_linear(xs[k], p, None) for k, p in ws]  # noqa: E731
+        else:
+            run = lambda: [F.linear(xs[w.shape[1]], w) for w in ws]  # noqa: E731
         for r in range(reps + 1):
             barrier.wait()
             t = time.perf_counter()
-            for w in ws:
-                F.linear(xs[w.shape[1]], w)
+            run()
             times.append(time.perf_counter() - t)
             barrier.wait()
-    queue.put((part, times[1:], sum(w.nbytes for w in ws)))
+    queue.put((part, times[1:], nbytes))
 
 
-def floor(size: str, parts: int, reps: int) -> dict:
+def floor(size: str, parts: int, reps: int, kernel: str = "packed") -> dict:
     """ms for one pass over all weights: `parts` single-thread processes streaming 1/parts each, concurrently."""
     ctx = mp.get_context("spawn")
     barrier, queue = ctx.Barrier(parts), ctx.Queue()
-    procs = [ctx.Process(target=_stream, args=(weight_shapes(size), i, parts, reps, barrier, queue))
+    procs = [ctx.Process(target=_stream, args=(weight_shapes(size), i, parts, reps, barrier, queue, kernel))
              for i in range(parts)]
     for p in procs:
         p.start()
@@ -151,7 +159,8 @@ def floor(size: str, parts: int, reps: int) -> dict:
     per_rep = [max(r[1][i] for r in res) for i in range(reps)]  # the pass ends when the slowest process ends
     nbytes = sum(r[2] for r in res)
     ms = statistics.median(per_rep) * 1e3
-    return dict(processes=parts, threads_each=1, ms=ms, gb_s=nbytes / ms / 1e6, bytes=nbytes, load=load_avg())
+    return dict(processes=parts, threads_each=1, kernel=kernel, ms=ms, gb_s=nbytes / ms / 1e6, bytes=nbytes,
+                load=load_avg())
 
 
 def run_config(model: Path, tp: int, threads: int, args: argparse.Namespace) -> dict:
@@ -191,11 +200,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"model {folder} ({ckpt_bytes / 1e9:.2f} GB); load {load_avg()}", flush=True)
     report: dict = dict(model=str(folder), checkpoint_bytes=ckpt_bytes, size=args.size, runs=[], floor=[])
     if not args.no_floor and not args.load_only:
-        for parts in (1, 2):
-            f = floor(args.size, parts, 5)
-            report["floor"].append(f)
-            print(f"floor: {parts} x 1-thread process(es): {f['ms']:.1f} ms per pass ({f['gb_s']:.1f} GB/s), "
-                  f"load {f['load']}", flush=True)
+        for kernel in ("packed", "f_linear"):
+            for parts in (1, 2):
+                f = floor(args.size, parts, 5, kernel)
+                report["floor"].append(f)
+                print(f"floor ({kernel}): {parts} x 1-thread process(es): {f['ms']:.1f} ms per pass "
+                      f"({f['gb_s']:.1f} GB/s), load {f['load']}", flush=True)
     for cfg in args.configs.split(","):
         tp, threads = (int(x) for x in cfg.split("x"))
         r = run_config(folder, tp, threads, args)

@@ -1,0 +1,87 @@
+"""docs/img/bench_summary.png from the JSON the benchmark scripts wrote into results/.
+
+    python scripts/plot_benchmarks.py    # after bench_baseline (fp32 and bf16), bench_serving, bench_tp
+
+Panels: offline output tok/s by batch (tpserve, transformers, llama.cpp), served tok/s by concurrency against the
+transformers baselines, and TP decode ms/step at batch 1 against the weight-streaming floor. A missing input file
+leaves its panel empty.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def load(path: Path):
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--results", default=str(ROOT / "results"))
+    ap.add_argument("--output", default=str(ROOT / "docs" / "img" / "bench_summary.png"))
+    args = ap.parse_args()
+    res = Path(args.results)
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+
+    ax = axes[0]
+    for name in ("baseline_fp32.json", "baseline_bf16.json"):
+        data = load(res / name)
+        for (engine, dtype), rows in _group(data["summary"] if data else []).items():
+            label = f"{engine} {'fp32' if dtype in ('auto', 'float32', 'f32') else 'bf16'}"
+            style = "o-" if engine == "tpserve" else ("s--" if engine == "transformers" else "^:")
+            ax.plot([r["batch"] for r in rows], [r["tok_s"] for r in rows], style, label=label,
+                    markersize=10 if engine == "llama.cpp" else 6)
+    ax.set(xscale="log", xlabel="batch (sequences decoded together)", ylabel="output tok/s",
+           title="Offline generation, SmolLM2-135M, TP=1")
+    ax.set_xticks([1, 8, 32], ["1", "8", "32"])
+    ax.legend(fontsize=7)
+
+    ax = axes[1]
+    for path in sorted((res / "serving").glob("*_summary.json")):
+        rows = load(path)
+        ax.plot([r["concurrency"] for r in rows], [r["output_tok_s"] for r in rows], "o-", label=f"tpserve {path.stem[:-8]}")
+    base = load(res / "baseline_fp32.json")
+    for r in _group(base["summary"] if base else []).get(("transformers", "float32"), []):
+        ax.axhline(r["tok_s"], ls="--", lw=0.8, color="gray")
+        ax.annotate(f"transformers fp32 b{r['batch']}", (1, r["tok_s"]), fontsize=7, color="gray")
+    ax.set(xscale="log", xlabel="concurrent streamed requests", ylabel="output tok/s",
+           title="Served over HTTP (loadtest on the same 2 cores)")
+    ax.set_xticks([1, 8, 32], ["1", "8", "32"])
+    ax.legend(fontsize=7)
+
+    ax = axes[2]
+    tp = load(res / "tp_0.9b.json")
+    if tp:
+        labels = [f"TP={r['tp']} x {r['threads']}t" for r in tp["runs"]]
+        ax.bar(labels, [r.get("decode_ms_b1", 0) for r in tp["runs"]], color="tab:blue", label="decode, batch 1")
+        for f in tp["floor"]:
+            if f.get("kernel", "packed") == "packed":
+                ax.axhline(f["ms"], ls="--", color="tab:red" if f["processes"] == 1 else "tab:green",
+                           label=f"floor: {f['processes']} x 1-thread process(es)")
+        ax.set(ylabel="ms per decode step", title="~0.9B Llama fp32: decode vs weight-streaming floor")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(args.output, dpi=80)
+    print(f"wrote {args.output}")
+
+
+def _group(summary: list[dict]) -> dict:
+    groups: dict = {}
+    for r in summary:
+        groups.setdefault((r["engine"], r["dtype"]), []).append(r)
+    return {k: sorted(v, key=lambda r: r["batch"]) for k, v in groups.items()}
+
+
+if __name__ == "__main__":
+    main()
