@@ -45,7 +45,10 @@ class _Linear(nn.Module):
 
     def prepack(self) -> None:
         if self.packed is None and self.weight is not None and can_pack(self.weight):
-            self.packed = pack(self.weight)
+            try:
+                self.packed = pack(self.weight)
+            except RuntimeError:  # a oneDNN build without this path: stay on F.linear
+                return
             self.weight = None  # the packed copy is the weight now (a tied embedding keeps its own reference)
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
