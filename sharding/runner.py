@@ -113,6 +113,7 @@ class ModelRunner:
         for attn in self.model.attention_layers:
             attn.cache = KVCache(cfg.max_num_seqs, attn.num_kv_heads, self.max_model_len, attn.head_dim, self.dtype,
                                  dist.device)
+        self._message = torch.zeros(Step.message_size(cfg.max_num_seqs), dtype=torch.int64)  # see sharding/step.py
         self.load_seconds = time.perf_counter() - t0
         self.vocab_size = self.config.vocab_size
         self._sliding_window = self.model.sliding_window()
@@ -128,30 +129,41 @@ class ModelRunner:
 
     # ---- rank 0 ------------------------------------------------------------------------------------------------
     def run(self, step: Step) -> torch.Tensor:
-        header, payload = step.pack()
-        self.dist.broadcast_control(header)
-        self.dist.broadcast_control(payload)
+        if self.dist.world_size > 1:
+            rest = step.pack_into(self._message)
+            self.dist.broadcast_control(self._message)  # a decode step: this one message
+            if rest is not None:
+                self.dist.broadcast_control(rest)
         return self.execute(step)
 
+    def _command(self, cmd: int) -> None:
+        self._message[:HEADER] = torch.tensor([cmd, 0, 0, 0], dtype=torch.int64)
+        self.dist.broadcast_control(self._message)
+
     def heartbeat(self) -> None:
-        self.dist.broadcast_control(torch.tensor([CMD_NOOP, 0, 0, 0], dtype=torch.int64))
+        self._command(CMD_NOOP)
 
     def stop_workers(self) -> None:
-        self.dist.broadcast_control(torch.tensor([CMD_SHUTDOWN, 0, 0, 0], dtype=torch.int64))
+        self._command(CMD_SHUTDOWN)
 
     # ---- ranks > 0 ---------------------------------------------------------------------------------------------
     def worker_loop(self) -> None:
-        header = torch.empty(HEADER, dtype=torch.int64)
+        message = self._message
         while True:
-            self.dist.broadcast_control(header)
+            self.dist.broadcast_control(message)
+            header = message[:HEADER]
             cmd = int(header[0])
             if cmd == CMD_SHUTDOWN:
                 return
             if cmd == CMD_NOOP:
                 continue
             assert cmd == CMD_STEP, f"unknown command {cmd}"
-            payload = torch.empty(Step.payload_size(header), dtype=torch.int64)
-            self.dist.broadcast_control(payload)
+            size = Step.payload_size(header)
+            if HEADER + size <= message.numel():
+                payload = message[HEADER : HEADER + size]  # used before the next message overwrites it
+            else:
+                payload = torch.empty(size, dtype=torch.int64)
+                self.dist.broadcast_control(payload)
             self.execute(Step.unpack(header, payload))
 
 

@@ -5,8 +5,10 @@ slot slot_i and starts at position start_i (its cached prefix). Decoding sequenc
 ones their whole (remaining) prompt. Logits are computed for each sequence's last token, and for every token of the
 sequences listed in `all_logits` (prompt logprobs, for echo).
 
-On the wire: a header [cmd, N, S, F], then one int64 payload: ids[N], (slot, n, start)[S], all_logits[F] (sequence
-indices); positions are derived.
+On the wire: one int64 message of a fixed size known to every rank (`message_size`): a header [cmd, N, S, F], then
+the payload ids[N], (slot, n, start)[S], all_logits[F] (sequence indices); positions are derived. Every decode step
+fits, so a decode step costs one broadcast; a step whose payload does not fit (a long prefill) sends the payload in a
+second broadcast, sized from the header.
 """
 
 from __future__ import annotations
@@ -38,6 +40,20 @@ class Step:
             parts.append(self.all_logits)
         header = torch.tensor([CMD_STEP, self.num_tokens, self.seq_table.shape[0], f], dtype=torch.int64)
         return header, torch.cat(parts)
+
+    @staticmethod
+    def message_size(max_num_seqs: int) -> int:
+        """Header plus the largest decode step's payload: N = S <= max_num_seqs tokens, 3 S, F <= S."""
+        return HEADER + 5 * max_num_seqs
+
+    def pack_into(self, message: torch.Tensor) -> torch.Tensor | None:
+        """Write the step into `message`; returns the payload when it must follow in a second broadcast."""
+        header, payload = self.pack()
+        message[:HEADER] = header
+        if HEADER + payload.numel() <= message.numel():
+            message[HEADER : HEADER + payload.numel()] = payload
+            return None
+        return payload
 
     @staticmethod
     def payload_size(header: torch.Tensor) -> int:

@@ -57,3 +57,23 @@ def test_mixed_steps_equal_per_sequence_attention(heads, kv_heads, window):
             ref = naive(q[at:at + n], ks, vs, scale, window)
             torch.testing.assert_close(out[at:at + n], ref, msg=f"slot {slot} in step {table}")
             at += n
+
+
+def test_step_message_round_trip():
+    """A decode step of up to max_num_seqs sequences fits the one fixed-size message; a longer step's payload
+    follows separately; both unpack to the same step."""
+    from sharding.step import HEADER
+
+    max_seqs = 4
+    decode = Step(torch.tensor([5, 6, 7, 8]), torch.tensor([[0, 1, 9], [1, 1, 3], [2, 1, 4], [3, 1, 7]]),
+                  torch.tensor([0, 1, 2, 3]))
+    prefill = Step(torch.arange(30), torch.tensor([[0, 1, 9], [2, 29, 0]]), torch.tensor([1]))
+    for step, inline in ((decode, True), (prefill, False)):
+        message = torch.zeros(Step.message_size(max_seqs), dtype=torch.int64)
+        rest = step.pack_into(message)
+        assert (rest is None) == inline
+        header = message[:HEADER]
+        payload = message[HEADER : HEADER + Step.payload_size(header)] if inline else rest
+        got = Step.unpack(header, payload)
+        assert torch.equal(got.input_ids, step.input_ids) and torch.equal(got.seq_table, step.seq_table)
+        assert torch.equal(got.all_logits, step.all_logits)
