@@ -50,13 +50,14 @@ def serve(args) -> int:
     import uvicorn
 
     from server.app import ServerState, build_app
-    from server.engine import Engine
+    from server.engine import Engine, EngineThread
     from server.launcher import kill_workers, launch
     from server.tokenizer import load_tokenizer
 
     api_key = args.api_key or os.environ.get("TPSERVE_API_KEY") or None
     cfg = engine_config(args)
-    runner, dist, workers = launch(cfg, args.tensor_parallel_size)
+    compute = EngineThread()  # every torch call of this process runs there: loading now, the engine loop later
+    runner, dist, workers = compute.call(launch, cfg, args.tensor_parallel_size)
     tokenizer = load_tokenizer(cfg.model)
     name = args.served_model_name or os.path.basename(os.path.normpath(cfg.model))
     exit_code = {"code": 0}
@@ -83,7 +84,7 @@ def serve(args) -> int:
     engine.step_listeners.append(lambda dt, _: state.metrics.step_seconds.observe(dt))
     workers.on_death = engine.fail
     workers.watch()
-    engine.start()
+    engine.start(compute)
     engine.watchdog(args.step_timeout)
     app = build_app(state)
 

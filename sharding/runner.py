@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import threading
 import time
 from dataclasses import dataclass
 
@@ -117,6 +118,7 @@ class ModelRunner:
         self.load_seconds = time.perf_counter() - t0
         self.vocab_size = self.config.vocab_size
         self._sliding_window = self.model.sliding_window()
+        self.thread_id = threading.get_ident()  # steps are fastest on this thread (server/engine.py: EngineThread)
 
     def kv_cache_bytes(self) -> int:
         return sum(a.cache.k.nbytes + a.cache.v.nbytes for a in self.model.attention_layers)
