@@ -11,8 +11,9 @@ through `runner.run`, greedy argmax on rank 0; median over steps, then over `--r
 
 The weight-streaming floor is measured the same way the decode reads weights: one pass of the decode's linear
 kernel (oneDNN with packed weights, sharding/kernels.py; plain F.linear too, for reference) with a row of activations
-over tensors shaped like every weight of the model, with 1 thread, and with 2 single-thread processes each streaming
-half of them at the same time. Decode times then read as a multiple of the floor.
+over tensors shaped like every weight of the model: one process with 1 thread and with 2 threads (TP=1's limits), and
+2 single-thread processes each streaming half of them at the same time (TP=2's). Decode times then read as a multiple
+of the floor, and the ratio of the floors is what TP=2 can gain over TP=1 on this machine at best.
 Check the foreign load (printed with every number) before trusting a figure: there are only 2 cores.
 """
 
@@ -119,11 +120,11 @@ def weight_shapes(size: str) -> list[tuple[int, int]]:
     return [(qkv, h), (h, h), (2 * inter, h), (h, inter)] * c["num_hidden_layers"] + [(v, h)]
 
 
-def _stream(shapes, part, parts, reps, barrier, queue, kernel):
+def _stream(shapes, part, parts, reps, barrier, queue, kernel, threads=1):
     import torch
     import torch.nn.functional as F
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(threads)
     ws = [torch.randn(n // parts, k) for n, k in shapes]  # this process's share of the output rows
     nbytes = sum(w.nbytes for w in ws)
     xs = {k: torch.randn(1, k) for _, k in shapes}
@@ -145,11 +146,11 @@ def _stream(shapes, part, parts, reps, barrier, queue, kernel):
     queue.put((part, times[1:], nbytes))
 
 
-def floor(size: str, parts: int, reps: int, kernel: str = "packed") -> dict:
-    """ms for one pass over all weights: `parts` single-thread processes streaming 1/parts each, concurrently."""
+def floor(size: str, parts: int, reps: int, kernel: str = "packed", threads: int = 1) -> dict:
+    """ms for one pass over all weights: `parts` processes of `threads` threads streaming 1/parts each, concurrently."""
     ctx = mp.get_context("spawn")
     barrier, queue = ctx.Barrier(parts), ctx.Queue()
-    procs = [ctx.Process(target=_stream, args=(weight_shapes(size), i, parts, reps, barrier, queue, kernel))
+    procs = [ctx.Process(target=_stream, args=(weight_shapes(size), i, parts, reps, barrier, queue, kernel, threads))
              for i in range(parts)]
     for p in procs:
         p.start()
@@ -159,7 +160,7 @@ def floor(size: str, parts: int, reps: int, kernel: str = "packed") -> dict:
     per_rep = [max(r[1][i] for r in res) for i in range(reps)]  # the pass ends when the slowest process ends
     nbytes = sum(r[2] for r in res)
     ms = statistics.median(per_rep) * 1e3
-    return dict(processes=parts, threads_each=1, kernel=kernel, ms=ms, gb_s=nbytes / ms / 1e6, bytes=nbytes,
+    return dict(processes=parts, threads_each=threads, kernel=kernel, ms=ms, gb_s=nbytes / ms / 1e6, bytes=nbytes,
                 load=load_avg())
 
 
@@ -201,10 +202,10 @@ def main(argv: list[str] | None = None) -> int:
     report: dict = dict(model=str(folder), checkpoint_bytes=ckpt_bytes, size=args.size, runs=[], floor=[])
     if not args.no_floor and not args.load_only:
         for kernel in ("packed", "f_linear"):
-            for parts in (1, 2):
-                f = floor(args.size, parts, 5, kernel)
+            for parts, threads in ((1, 1), (1, 2), (2, 1)):
+                f = floor(args.size, parts, 5, kernel, threads)
                 report["floor"].append(f)
-                print(f"floor ({kernel}): {parts} x 1-thread process(es): {f['ms']:.1f} ms per pass "
+                print(f"floor ({kernel}): {parts} process(es) x {threads} thread(s): {f['ms']:.1f} ms per pass "
                       f"({f['gb_s']:.1f} GB/s), load {f['load']}", flush=True)
     for cfg in args.configs.split(","):
         tp, threads = (int(x) for x in cfg.split("x"))

@@ -9,10 +9,12 @@ from sharding.attention import AttentionMetadata, KVCache, attend
 from sharding.step import Step
 
 
-def naive(q, k_all, v_all, scale, window=None):
+def naive(q, k_all, v_all, scale, window=None, softcap=None):
     """q [n, H, d] at the last n positions of k_all/v_all [T, H, d], causal."""
     n, t = q.shape[0], k_all.shape[0]
     s = torch.einsum("nhd,thd->hnt", q, k_all) * scale
+    if softcap is not None:
+        s = torch.tanh(s / softcap) * softcap
     qpos = torch.arange(t - n, t)[:, None]
     kpos = torch.arange(t)[None, :]
     mask = kpos <= qpos
@@ -23,8 +25,8 @@ def naive(q, k_all, v_all, scale, window=None):
 
 
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 2), (3, 1)])
-@pytest.mark.parametrize("window", [None, 5])
-def test_mixed_steps_equal_per_sequence_attention(heads, kv_heads, window):
+@pytest.mark.parametrize("window,softcap", [(None, None), (5, None), (None, 2.0)])
+def test_mixed_steps_equal_per_sequence_attention(heads, kv_heads, window, softcap):
     torch.manual_seed(0)
     d, max_len, n_slots = 8, 32, 6
     scale = 1 / math.sqrt(d)
@@ -33,7 +35,10 @@ def test_mixed_steps_equal_per_sequence_attention(heads, kv_heads, window):
     history: dict[int, tuple[list, list]] = {}  # slot -> per-position k, v
     # steps of (slot, n new tokens): prefills join while others decode, in non-consecutive slots
     steps = [[(0, 5)], [(0, 1), (3, 7)], [(0, 1), (3, 1), (1, 2)], [(1, 1), (3, 1)],
-             [(0, 1), (1, 1), (2, 9), (3, 1), (5, 1)], [(0, 1), (2, 1), (5, 1)], [(4, 3), (2, 1)]]
+             [(0, 1), (1, 1), (2, 9), (3, 1), (5, 1)], [(0, 1), (2, 1), (5, 1)], [(4, 3), (2, 1)],
+             # all-decode steps of >= EXPLICIT_DECODE_MIN_BATCH sequences of different lengths (matmul path)
+             [(0, 1), (1, 1), (2, 1), (3, 1), (5, 1)], [(0, 1), (1, 1), (2, 1), (3, 1), (4, 1), (5, 1)],
+             [(1, 1), (2, 1), (3, 1), (4, 1)]]
     for entries in steps:
         table, n_total = [], 0
         for slot, n in entries:
@@ -46,7 +51,7 @@ def test_mixed_steps_equal_per_sequence_attention(heads, kv_heads, window):
         k = torch.randn(n_total, kv_heads, d)
         v = torch.randn(n_total, kv_heads, d)
         cache.write(meta, k, v)
-        out = attend(q, cache, meta, kv_for_q, scale).view(n_total, heads, d)
+        out = attend(q, cache, meta, kv_for_q, scale, softcap=softcap).view(n_total, heads, d)
         at = 0
         for slot, n, start in table:
             hk, hv = history.setdefault(slot, ([], []))
@@ -54,7 +59,7 @@ def test_mixed_steps_equal_per_sequence_attention(heads, kv_heads, window):
             ks, vs = torch.stack(hk), torch.stack(hv)
             if kv_for_q is not None:
                 ks, vs = ks[:, kv_for_q], vs[:, kv_for_q]
-            ref = naive(q[at:at + n], ks, vs, scale, window)
+            ref = naive(q[at:at + n], ks, vs, scale, window, softcap)
             torch.testing.assert_close(out[at:at + n], ref, msg=f"slot {slot} in step {table}")
             at += n
 
