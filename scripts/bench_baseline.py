@@ -15,6 +15,9 @@ units: output tokens/s = all generated tokens / wall time of the whole batch. Al
   dequantized from the same file). One sequence at a time (llama-cpp-python's high-level API has no batching).
 - tpserve: the offline LLM API in this process, TP=1 (threads: TPSERVE_THREADS or all cores).
 
+Every engine is loaded first; then each of `--repeats` rounds runs every engine and batch once (after one untimed
+warm-up per batch size), so the drift of a shared host hits all engines alike. Medians over rounds are reported.
+
 Check the foreign CPU load (`uptime`) before trusting any number: 2 cores are easily oversubscribed.
 """
 
@@ -70,93 +73,109 @@ def f32_gguf(out: Path) -> Path:
     return out
 
 
-def bench_transformers(model_path: str, batches: list[int], repeats: int, max_tokens: int, dtype: str) -> list[dict]:
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+class Transformers:
+    """transformers `generate`, one by one (batch 1) or as one left-padded batch."""
 
-    tok = AutoTokenizer.from_pretrained(model_path)
-    tok.padding_side = "left"
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype)).eval()
-    rows = []
-    kw = dict(do_sample=False, min_new_tokens=max_tokens, max_new_tokens=max_tokens, pad_token_id=tok.eos_token_id)
-    for b in batches:
-        enc = tok([PROMPT] * b, return_tensors="pt", padding=True)
-        with torch.inference_mode():
-            model.generate(**enc, max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=tok.eos_token_id)
-        for r in range(repeats):
-            load = load_avg()
-            with torch.inference_mode():
-                t0 = time.perf_counter()
-                model.generate(**enc, max_new_tokens=1, min_new_tokens=1, do_sample=False,
-                               pad_token_id=tok.eos_token_id)
-                ttft = time.perf_counter() - t0
-                t0 = time.perf_counter()
-                out = model.generate(**enc, **kw)
-                wall = time.perf_counter() - t0
-            n = (out.shape[1] - enc["input_ids"].shape[1]) * b
-            rows.append(dict(engine="transformers", dtype=dtype, batch=b, repeat=r, prompt_tokens=enc["input_ids"].shape[1],
-                             output_tokens=n, seconds=wall, tok_s=n / wall, ttft_ms=ttft * 1e3,
-                             decode_ms_per_step=(wall - ttft) / (max_tokens - 1) * 1e3, load=load))
-            print(f"transformers {dtype} batch {b:>2}: {n / wall:7.1f} tok/s, step {rows[-1]['decode_ms_per_step']:.1f} ms,"
-                  f" TTFT {ttft * 1e3:.0f} ms  (load {load})", flush=True)
-    return rows
+    engine = "transformers"
+
+    def __init__(self, model_path: str, dtype: str, max_tokens: int):
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.torch, self.dtype, self.max_tokens = torch, dtype, max_tokens
+        self.tok = AutoTokenizer.from_pretrained(model_path)
+        self.tok.padding_side = "left"
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype)).eval()
+        self.warm: set[int] = set()  # batch sizes run once before timing
+
+    def _generate(self, enc, n: int):
+        with self.torch.inference_mode():
+            return self.model.generate(**enc, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                                       pad_token_id=self.tok.eos_token_id)
+
+    def measure(self, b: int) -> dict:
+        enc = self.tok([PROMPT] * b, return_tensors="pt", padding=True)
+        if b not in self.warm:
+            self._generate(enc, 4)
+            self.warm.add(b)
+        t0 = time.perf_counter()
+        self._generate(enc, 1)
+        ttft = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        out = self._generate(enc, self.max_tokens)
+        wall = time.perf_counter() - t0
+        return dict(dtype=self.dtype, prompt_tokens=enc["input_ids"].shape[1],
+                    output_tokens=(out.shape[1] - enc["input_ids"].shape[1]) * b, seconds=wall, ttft=ttft)
+
+    def close(self) -> None:
+        pass
 
 
-def bench_llamacpp(gguf_path: Path, repeats: int, max_tokens: int, threads: int) -> list[dict]:
-    from llama_cpp import Llama
+class LlamaCpp:
+    """llama.cpp through llama-cpp-python on the F32 GGUF; one sequence at a time (batch 1 only)."""
 
-    llm = Llama(model_path=str(gguf_path), n_ctx=512, n_threads=threads, n_threads_batch=threads, verbose=False)
-    ids = llm.tokenize(PROMPT.encode(), add_bos=False, special=True)
-    rows = []
-    for r in range(repeats + 1):
-        llm.reset()
-        load = load_avg()
+    engine = "llama.cpp"
+
+    def __init__(self, gguf_path: Path, max_tokens: int, threads: int):
+        from llama_cpp import Llama
+
+        self.max_tokens, self.threads = max_tokens, threads
+        self.llm = Llama(model_path=str(gguf_path), n_ctx=512, n_threads=threads, n_threads_batch=threads,
+                         verbose=False)
+        self.ids = self.llm.tokenize(PROMPT.encode(), add_bos=False, special=True)
+        self.measure(1)  # warm-up
+
+    def measure(self, b: int) -> dict:
+        assert b == 1
+        self.llm.reset()
         t0 = time.perf_counter()
         ttft, n = None, 0
-        for _ in llm.generate(ids, temp=0.0, top_k=1, reset=True):
+        for _ in self.llm.generate(self.ids, temp=0.0, top_k=1, reset=True):
             n += 1
             if ttft is None:
                 ttft = time.perf_counter() - t0
-            if n == max_tokens:
+            if n == self.max_tokens:
                 break
         wall = time.perf_counter() - t0
-        if r == 0:
-            continue  # warm-up
-        rows.append(dict(engine="llama.cpp", dtype="f32", batch=1, repeat=r, prompt_tokens=len(ids), output_tokens=n,
-                         seconds=wall, tok_s=n / wall, ttft_ms=ttft * 1e3,
-                         decode_ms_per_step=(wall - ttft) / (n - 1) * 1e3, threads=threads, load=load))
-        print(f"llama.cpp f32 batch  1: {n / wall:7.1f} tok/s, step {rows[-1]['decode_ms_per_step']:.1f} ms, "
-              f"TTFT {ttft * 1e3:.0f} ms ({threads} threads, load {load})", flush=True)
-    return rows
+        return dict(dtype="f32", prompt_tokens=len(self.ids), output_tokens=n, seconds=wall, ttft=ttft,
+                    threads=self.threads)
+
+    def close(self) -> None:
+        self.llm.close()
 
 
-def bench_tpserve(model_path: str, batches: list[int], repeats: int, max_tokens: int, dtype: str) -> list[dict]:
-    from server.llm import LLM
-    from server.sampling import SamplingParams
+class Tpserve:
+    """tpserve's offline LLM API in this process, TP=1."""
 
-    llm = LLM(model_path, tensor_parallel_size=1, dtype=dtype, max_num_seqs=max(batches))
-    ids = llm.tokenizer.encode(PROMPT)
-    rows = []
-    try:
-        llm.generate([ids], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
-        for b in batches:
-            for r in range(repeats):
-                load = load_avg()
-                t0 = time.perf_counter()
-                llm.generate([ids] * b, SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
-                ttft = time.perf_counter() - t0
-                t0 = time.perf_counter()
-                outs = llm.generate([ids] * b, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
-                wall = time.perf_counter() - t0
-                n = sum(len(o.token_ids) for o in outs)
-                rows.append(dict(engine="tpserve", dtype=dtype, batch=b, repeat=r, prompt_tokens=len(ids),
-                                 output_tokens=n, seconds=wall, tok_s=n / wall, ttft_ms=ttft * 1e3,
-                                 decode_ms_per_step=(wall - ttft) / (max_tokens - 1) * 1e3, load=load))
-                print(f"tpserve {dtype} batch {b:>2}: {n / wall:7.1f} tok/s, step "
-                      f"{rows[-1]['decode_ms_per_step']:.1f} ms, TTFT {ttft * 1e3:.0f} ms  (load {load})", flush=True)
-    finally:
-        llm.close()
-    return rows
+    engine = "tpserve"
+
+    def __init__(self, model_path: str, dtype: str, max_tokens: int, max_batch: int):
+        from server.llm import LLM
+        from server.sampling import SamplingParams
+
+        self.dtype, self.max_tokens, self.params = dtype, max_tokens, SamplingParams
+        self.llm = LLM(model_path, tensor_parallel_size=1, dtype=dtype, max_num_seqs=max_batch)
+        self.ids = self.llm.tokenizer.encode(PROMPT)
+        self.warm: set[int] = set()
+
+    def _generate(self, b: int, n: int):
+        return self.llm.generate([self.ids] * b, self.params(max_tokens=n, temperature=0, ignore_eos=True))
+
+    def measure(self, b: int) -> dict:
+        if b not in self.warm:
+            self._generate(b, 4)
+            self.warm.add(b)
+        t0 = time.perf_counter()
+        self._generate(b, 1)
+        ttft = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        outs = self._generate(b, self.max_tokens)
+        wall = time.perf_counter() - t0
+        return dict(dtype=self.dtype, prompt_tokens=len(self.ids), output_tokens=sum(len(o.token_ids) for o in outs),
+                    seconds=wall, ttft=ttft)
+
+    def close(self) -> None:
+        self.llm.close()
 
 
 def summarize(rows: list[dict]) -> list[dict]:
@@ -186,19 +205,34 @@ def main(argv: list[str] | None = None) -> int:
     model = args.model or str(ensure_default_model())
     batches = [int(b) for b in args.batches.split(",")]
     which = args.only or ["transformers", "llamacpp", "tpserve"]
-    rows: list[dict] = []
-    print(f"load before: {load_avg()}", flush=True)
+    engines = []
     if "transformers" in which:
-        rows += bench_transformers(model, batches, args.repeats, args.max_tokens, args.dtype)
+        engines.append(Transformers(model, args.dtype, args.max_tokens))
     if "llamacpp" in which:
         try:
-            path = f32_gguf(Path(args.gguf))
-            rows += bench_llamacpp(path, args.repeats, args.max_tokens, args.threads)
+            engines.append(LlamaCpp(f32_gguf(Path(args.gguf)), args.max_tokens, args.threads))
         except ImportError as e:
             print(f"llama.cpp skipped: {e}", flush=True)
     if "tpserve" in which:
-        rows += bench_tpserve(model, batches, args.repeats, args.max_tokens,
-                              "auto" if args.dtype == "float32" else args.dtype)
+        engines.append(Tpserve(model, "auto" if args.dtype == "float32" else args.dtype, args.max_tokens,
+                               max(batches)))
+    rows: list[dict] = []
+    print(f"load before: {load_avg()}", flush=True)
+    # Repeats go round the engines (every engine and batch once per round): a shared host's speed drifts by tens of
+    # percent within minutes, and this way a slow spell hits every engine alike.
+    for r in range(args.repeats):
+        for e in engines:
+            for b in batches if e.engine != "llama.cpp" else [1]:
+                load = load_avg()
+                m = e.measure(b)
+                n, wall, ttft = m.pop("output_tokens"), m.pop("seconds"), m.pop("ttft")
+                rows.append(dict(engine=e.engine, batch=b, repeat=r, output_tokens=n, seconds=wall, tok_s=n / wall,
+                                 ttft_ms=ttft * 1e3, decode_ms_per_step=(wall - ttft) / (args.max_tokens - 1) * 1e3,
+                                 load=load, **m))
+                print(f"[round {r}] {e.engine} {m['dtype']} batch {b:>2}: {n / wall:7.1f} tok/s, step "
+                      f"{rows[-1]['decode_ms_per_step']:.1f} ms, TTFT {ttft * 1e3:.0f} ms  (load {load})", flush=True)
+    for e in engines:
+        e.close()
     summary = summarize(rows)
     print("\nmedians:")
     for s in summary:

@@ -187,6 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--load-only", action="store_true", help="only start-up: time to ready and peak memory")
     ap.add_argument("--no-floor", action="store_true")
+    ap.add_argument("--rounds", type=int, default=2, help="alternate every floor and configuration this many times")
     ap.add_argument("--output", default=None)
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--tp", type=int, default=1, help=argparse.SUPPRESS)
@@ -199,24 +200,47 @@ def main(argv: list[str] | None = None) -> int:
     folder = Path(args.model) if args.model else make_model(args.size, Path(tempfile.gettempdir()) / f"tpserve-bench-{args.size}")
     ckpt_bytes = sum(f.stat().st_size for f in folder.glob("*.safetensors"))
     print(f"model {folder} ({ckpt_bytes / 1e9:.2f} GB); load {load_avg()}", flush=True)
-    report: dict = dict(model=str(folder), checkpoint_bytes=ckpt_bytes, size=args.size, runs=[], floor=[])
-    if not args.no_floor and not args.load_only:
-        for kernel in ("packed", "f_linear"):
-            for parts, threads in ((1, 1), (1, 2), (2, 1)):
-                f = floor(args.size, parts, 5, kernel, threads)
-                report["floor"].append(f)
-                print(f"floor ({kernel}): {parts} process(es) x {threads} thread(s): {f['ms']:.1f} ms per pass "
-                      f"({f['gb_s']:.1f} GB/s), load {f['load']}", flush=True)
-    for cfg in args.configs.split(","):
-        tp, threads = (int(x) for x in cfg.split("x"))
-        r = run_config(folder, tp, threads, args)
-        report["runs"].append(r)
-        line = (f"TP={tp} x {threads} thread(s): ready {r['ready_s']:.1f} s (load {r['load_s']:.1f} s), peak MB per "
-                f"rank {[round(m) for m in r['peak_mb']]}")
-        for b in args.batches:
-            if f"decode_ms_b{b}" in r:
-                line += f", B={b} {r[f'decode_ms_b{b}']:.1f} ms/step"
-        print(line + f"  (load before {r['load_before']}, after {r['load_after']})", flush=True)
+    report: dict = dict(model=str(folder), checkpoint_bytes=ckpt_bytes, size=args.size, rounds=args.rounds, runs=[],
+                        floor=[])
+    floors = [] if args.no_floor or args.load_only else [(k, p, t) for k in ("packed", "f_linear")
+                                                          for p, t in ((1, 1), (1, 2), (2, 1))]
+    configs = [tuple(int(x) for x in cfg.split("x")) for cfg in args.configs.split(",")]
+    # Rounds: every floor and every configuration once per round, so a slow spell of a shared host (its memory
+    # bandwidth moves by tens of percent within minutes) hits all of them alike; medians over rounds are reported.
+    for rnd in range(args.rounds):
+        for kernel, parts, threads in floors:
+            f = floor(args.size, parts, 5, kernel, threads)
+            f["round"] = rnd
+            report["floor"].append(f)
+            print(f"[round {rnd}] floor ({kernel}): {parts} process(es) x {threads} thread(s): {f['ms']:.1f} ms per "
+                  f"pass ({f['gb_s']:.1f} GB/s), load {f['load']}", flush=True)
+        for tp, threads in configs:
+            r = run_config(folder, tp, threads, args)
+            r["round"] = rnd
+            report["runs"].append(r)
+            line = (f"[round {rnd}] TP={tp} x {threads} thread(s): ready {r['ready_s']:.1f} s (load {r['load_s']:.1f} "
+                    f"s), peak MB per rank {[round(m) for m in r['peak_mb']]}")
+            for b in args.batches:
+                if f"decode_ms_b{b}" in r:
+                    line += f", B={b} {r[f'decode_ms_b{b}']:.1f} ms/step"
+            print(line + f"  (load before {r['load_before']}, after {r['load_after']})", flush=True)
+    print("medians over rounds:")
+    summary = report["summary"] = dict(floor={}, runs={})
+    for kernel, parts, threads in floors:
+        ms = statistics.median(f["ms"] for f in report["floor"]
+                               if (f["kernel"], f["processes"], f["threads_each"]) == (kernel, parts, threads))
+        key = f"{kernel} {parts}x{threads}"
+        summary["floor"][key] = ms
+        print(f"  floor {key}: {ms:.1f} ms per pass")
+    for tp, threads in configs:
+        rs = [r for r in report["runs"] if (r["tp"], r["threads"]) == (tp, threads)]
+        row = dict(ready_s=statistics.median(r["ready_s"] for r in rs), load_s=statistics.median(r["load_s"] for r in rs),
+                   peak_mb=[max(r["peak_mb"][i] for r in rs) for i in range(tp)])
+        row.update({f"decode_ms_b{b}": statistics.median(r[f"decode_ms_b{b}"] for r in rs)
+                    for b in args.batches if all(f"decode_ms_b{b}" in r for r in rs)})
+        summary["runs"][f"{tp}x{threads}"] = row
+        print(f"  TP={tp} x {threads}: " + ", ".join(f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}"
+                                                     for k, v in row.items()))
     if args.output:
         Path(args.output).parent.mkdir(parents=True, exist_ok=True)
         Path(args.output).write_text(json.dumps(report, indent=1))

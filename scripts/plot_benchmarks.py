@@ -61,13 +61,17 @@ def main() -> None:
 
     ax = axes[2]
     tp = load(res / "tp_0.9b.json")
-    if tp:
-        labels = [f"TP={r['tp']} x {r['threads']}t" for r in tp["runs"]]
-        ax.bar(labels, [r.get("decode_ms_b1", 0) for r in tp["runs"]], color="tab:blue", label="decode, batch 1")
-        for f in tp["floor"]:
-            if f.get("kernel", "packed") == "packed":
-                ax.axhline(f["ms"], ls="--", color="tab:red" if f["processes"] == 1 else "tab:green",
-                           label=f"floor: {f['processes']} x 1-thread process(es)")
+    if tp and "summary" in tp:  # medians over bench_tp's rounds
+        runs = tp["summary"]["runs"]
+        labels = [f"TP={k.split('x')[0]} x {k.split('x')[1]}t" for k in runs]
+        ax.bar(labels, [r.get("decode_ms_b1", 0) for r in runs.values()], color="tab:blue", label="decode, batch 1")
+        colors = {"1x1": "tab:red", "1x2": "tab:orange", "2x1": "tab:green"}
+        for key, ms in tp["summary"]["floor"].items():
+            kernel, shape = key.split()
+            if kernel == "packed":
+                procs, threads = shape.split("x")
+                ax.axhline(ms, ls="--", color=colors.get(shape, "gray"),
+                           label=f"floor: {procs} process(es) x {threads} thread(s)")
         ax.set(ylabel="ms per decode step", title="~0.9B Llama fp32: decode vs weight-streaming floor")
         ax.legend(fontsize=7)
     fig.tight_layout()
