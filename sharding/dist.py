@@ -71,9 +71,13 @@ class Dist:
         return torch.cat([b[..., :n] for b, n in zip(bufs, sizes)], dim=-1)
 
     def broadcast_control(self, t: torch.Tensor) -> torch.Tensor:
-        """Broadcast a CPU int64 tensor from rank 0 over the CPU group, in place."""
+        """Broadcast a contiguous CPU int64 tensor from rank 0, in place: through the shared-memory segment when the
+        ranks share one (the step message, every step), else over the CPU gloo group."""
         if self.world_size > 1:
-            dist.broadcast(t, src=0, group=self.cpu_group)
+            if self.fast_all_reduce is not None:
+                self.fast_all_reduce.broadcast(t, src=0)
+            else:
+                dist.broadcast(t, src=0, group=self.cpu_group)
         return t
 
     def all_reduce_control(self, t: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.MIN) -> torch.Tensor:

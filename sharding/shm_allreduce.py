@@ -1,4 +1,5 @@
-"""A shared-memory all-reduce for CPU ranks on one host: ~7 us per hidden-size vector where gloo takes 0.2-0.5 ms.
+"""A shared-memory all-reduce (and broadcast) for CPU ranks on one host: a few us per hidden-size vector where gloo
+takes 0.2-0.5 ms.
 
 Set-up: rank 0 creates a file in /dev/shm, sends its name to the others over the (gloo) CPU group, every rank maps
 it and reports success through a gloo all-reduce (which is also the barrier), then rank 0 unlinks the name at once:
@@ -14,10 +15,14 @@ calls; a tensor larger than a slot is one call per chunk):
      commutative, so ranks 0 and 1 start from their own tensor (s0 + s1 == s1 + s0 bitwise) and save a copy;
      every rank performs the same roundings in the same order, so all ranks get bitwise identical results.
 
-Why two buffers are enough: rank r writes slot[n % 2][r] again only in call n + 2. To start call n + 2 it must have
-finished call n + 1, i.e. seen counter[j] >= n + 1 for every j, and rank j stores n + 1 only after its sum of
-call n has returned: every read of buffer n % 2 is done before anyone can overwrite it. A fast rank that is already
-in call n + 1 writes the other buffer, which nobody is reading.
+A broadcast is a call of the same sequence: the source copies into its slot of buffer n % 2 and stores n; every
+other rank waits for the source's counter to reach n, copies the slot out, then stores its own counter = n.
+
+Why two buffers are enough: a rank writes into buffer n % 2 in call n only once it has seen counter[j] >= n - 1 for
+every peer j, and a rank stores n - 1 only after it has finished call n - 2 (its sum, or its copy out of the
+source's slot): every read of buffer n % 2 is done before anyone can overwrite it. After an all-reduce (which waits
+for every peer anyway) this costs nothing; after a broadcast, which waits for the source only, it may wait. A fast
+rank that is already in call n + 1 writes the other buffer, which nobody is reading.
 
 Memory ordering: this relies on x86's total store order (TSO): stores become visible in program order and loads
 are not reordered with older loads, so a peer that sees counter == n also sees the data stored before it, and a
@@ -117,6 +122,7 @@ class ShmAllReduce:
         self._check_pids = all(_alive(p) for p in self._pids)  # False if peers live in another pid namespace
         self._peers = [j for j in range(world_size) if j != rank]
         self._seq = 0
+        self._synced = 0  # every peer is known to have reached at least this call
         self._bufs: dict[torch.dtype, torch.Tensor] = {}  # dtype -> [2, world, slot elements] view of the data
         self._views: dict[tuple, tuple] = {}  # (dtype, shape) -> per parity, per rank views shaped like the input
 
@@ -152,10 +158,51 @@ class ShmAllReduce:
             t.copy_(flat.view(t.shape))
         return t
 
+    def broadcast(self, t: torch.Tensor, src: int = 0) -> torch.Tensor:
+        """Copy rank `src`'s `t` into every rank's `t` (contiguous, same shape and dtype everywhere), in place.
+
+        The step description goes this way to the ranks every step: no gloo round trip (~0.3 ms median, ~4 ms p90 on
+        2 cores). A rank waiting here for the next step sleeps between checks after a moment (see _wait_slow)."""
+        if self._mm is None:
+            raise RuntimeError("shared-memory broadcast used after close()")
+        if not t.is_contiguous():
+            raise ValueError("shared-memory broadcast needs a contiguous tensor")
+        buf = self._buf(t.dtype)
+        flat, cap = t.view(-1), buf.shape[-1]
+        for start in range(0, max(1, flat.numel()), cap):
+            self._bcast(flat[start : start + cap], buf, src)
+        return t
+
+    def _bcast(self, t: torch.Tensor, buf: torch.Tensor, src: int) -> None:
+        self._seq = n = self._seq + 1
+        slot = buf[n & 1, src, : t.numel()]
+        if self.rank == src:
+            self._await_all(n - 1)  # nobody still reads this buffer's call n - 2
+            slot.copy_(t)
+            self._flags[LINE * self.rank] = n
+        else:
+            self._await(src, n)
+            t.copy_(slot)
+            self._flags[LINE * self.rank] = n  # after the read: src may reuse the buffer once all have said so
+
+    def _await(self, j: int, n: int) -> None:
+        i, flags = LINE * j, self._flags
+        for _ in range(self.spin):
+            if flags[i] >= n:
+                return
+        self._wait_slow(j, n)
+
+    def _await_all(self, n: int) -> None:
+        if self._synced < n:
+            for j in self._peers:
+                self._await(j, n)
+            self._synced = n
+
     def _reduce(self, t: torch.Tensor, slots) -> None:
         """One call: publish my slot, wait for every peer's, sum in rank order into `t` (slots: this call's)."""
         self._seq = n = self._seq + 1
         rank, flags = self.rank, self._flags
+        self._await_all(n - 1)  # a no-op after an all-reduce; after a broadcast, peers may still read call n - 2
         slots[rank].copy_(t)
         flags[LINE * rank] = n  # after the data: TSO makes peers see the data once they see n
         for j in self._peers:
@@ -165,6 +212,7 @@ class ShmAllReduce:
                     break
             else:
                 self._wait_slow(j, n)
+        self._synced = n
         if rank < 2:  # t already holds s_rank, and s0 + s1 == s1 + s0 exactly
             t.add_(slots[1 - rank])
         else:
@@ -184,12 +232,12 @@ class ShmAllReduce:
             if now - last_check > 0.1:
                 last_check = now
                 if self._check_pids and not _alive(self._pids[j]):
-                    raise RuntimeError(f"shared-memory all-reduce: rank {j} (pid {self._pids[j]}) has exited; "
+                    raise RuntimeError(f"shared-memory collective: rank {j} (pid {self._pids[j]}) has exited; "
                                        f"rank {self.rank} was waiting for it in call {n}")
                 if now - start > self.timeout_s:
-                    raise RuntimeError(f"shared-memory all-reduce: rank {j} did not reach call {n} within "
+                    raise RuntimeError(f"shared-memory collective: rank {j} did not reach call {n} within "
                                        f"{self.timeout_s:g} s (it is at call {self._flags[LINE * j]}); it is hung "
-                                       f"or the ranks made different numbers of all-reduce calls")
+                                       f"or the ranks made different sequences of calls")
             time.sleep(1e-5 if now - start < 1.0 else 1e-3)
 
     def close(self) -> None:

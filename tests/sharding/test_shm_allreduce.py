@@ -1,4 +1,5 @@
-"""The shared-memory all-reduce, run on 2 and 3 real ranks, equals gloo's and gives every rank identical bits."""
+"""The shared-memory all-reduce, run on 2 and 3 real ranks, equals gloo's and gives every rank identical bits; its
+broadcast, mixed into the same call sequence, delivers the source's tensor."""
 
 import hashlib
 import os
@@ -75,6 +76,26 @@ def check_rank(rank: int, world: int, port: int, queue) -> None:
             b = torch.randn(2, 576, generator=torch.Generator().manual_seed(i * world + rank))
             h.update(digest(small.all_reduce(b) if i % 2 else fast.all_reduce(b)).encode())
         digests.append(h.hexdigest())
+        # broadcasts mixed into the same call sequence: back to back (the source must not overwrite a buffer a slow
+        # rank still reads), chunked through the small slots, int64 like the step message, between all-reduces
+        rng = torch.Generator().manual_seed(7)  # the same schedule on every rank
+        for i in range(1500):
+            kind = int(torch.randint(0, 4, (1,), generator=rng))
+            n = int(torch.randint(1, 3000, (1,), generator=rng))
+            if i % 89 == rank:
+                time.sleep(0.002)
+            ar = small if kind == 2 else fast
+            if kind == 3:
+                a = torch.full((576,), float(rank + i))
+                if ar.all_reduce(a)[0].item() != sum(r + i for r in range(world)):
+                    mismatches.append(("mixed all-reduce", i))
+                continue
+            msg = torch.arange(n, dtype=torch.int64) * (i + 1) if rank == 0 else torch.full((n,), -1, dtype=torch.int64)
+            if not torch.equal(ar.broadcast(msg, src=0), torch.arange(n, dtype=torch.int64) * (i + 1)):
+                mismatches.append(("broadcast", i, n))
+        x = torch.full((5,), float(rank))
+        if not torch.equal(fast.broadcast(x, src=world - 1), torch.full((5,), float(world - 1))):
+            mismatches.append("broadcast from the last rank")
         small.close()
         try:
             small.all_reduce(torch.ones(3))
