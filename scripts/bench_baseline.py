@@ -73,6 +73,20 @@ def f32_gguf(out: Path) -> Path:
     return out
 
 
+def timed(engine, b: int, generate) -> tuple:
+    """(output, wall seconds, TTFT seconds) of `generate(max_tokens)` for batch size b, after one untimed warm-up per
+    batch size; TTFT is the time of a separate 1-token generation."""
+    if b not in engine.warm:
+        generate(4)
+        engine.warm.add(b)
+    t0 = time.perf_counter()
+    generate(1)
+    ttft = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    out = generate(engine.max_tokens)
+    return out, time.perf_counter() - t0, ttft
+
+
 class Transformers:
     """transformers `generate`, one by one (batch 1) or as one left-padded batch."""
 
@@ -95,15 +109,7 @@ class Transformers:
 
     def measure(self, b: int) -> dict:
         enc = self.tok([PROMPT] * b, return_tensors="pt", padding=True)
-        if b not in self.warm:
-            self._generate(enc, 4)
-            self.warm.add(b)
-        t0 = time.perf_counter()
-        self._generate(enc, 1)
-        ttft = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        out = self._generate(enc, self.max_tokens)
-        wall = time.perf_counter() - t0
+        out, wall, ttft = timed(self, b, lambda n: self._generate(enc, n))
         return dict(dtype=self.dtype, prompt_tokens=enc["input_ids"].shape[1],
                     output_tokens=(out.shape[1] - enc["input_ids"].shape[1]) * b, seconds=wall, ttft=ttft)
 
@@ -162,15 +168,7 @@ class Tpserve:
         return self.llm.generate([self.ids] * b, self.params(max_tokens=n, temperature=0, ignore_eos=True))
 
     def measure(self, b: int) -> dict:
-        if b not in self.warm:
-            self._generate(b, 4)
-            self.warm.add(b)
-        t0 = time.perf_counter()
-        self._generate(b, 1)
-        ttft = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        outs = self._generate(b, self.max_tokens)
-        wall = time.perf_counter() - t0
+        outs, wall, ttft = timed(self, b, lambda n: self._generate(b, n))
         return dict(dtype=self.dtype, prompt_tokens=len(self.ids), output_tokens=sum(len(o.token_ids) for o in outs),
                     seconds=wall, ttft=ttft)
 
