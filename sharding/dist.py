@@ -64,8 +64,11 @@ class Dist:
         if t.shape[-1] < width:
             t = torch.nn.functional.pad(t, (0, width - t.shape[-1]))
         t = t.contiguous()
-        bufs = [torch.empty_like(t) for _ in range(self.world_size)] if self.is_first else None
-        dist.gather(t, bufs, dst=0, group=self.device_group)
+        if self.fast_all_reduce is not None:  # ranks on one host: through the shared-memory segment
+            bufs = self.fast_all_reduce.gather(t, dst=0)
+        else:
+            bufs = [torch.empty_like(t) for _ in range(self.world_size)] if self.is_first else None
+            dist.gather(t, bufs, dst=0, group=self.device_group)
         if not self.is_first:
             return None
         return torch.cat([b[..., :n] for b, n in zip(bufs, sizes)], dim=-1)

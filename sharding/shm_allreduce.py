@@ -1,4 +1,4 @@
-"""A shared-memory all-reduce (and broadcast) for CPU ranks on one host: a few us per hidden-size vector where gloo
+"""A shared-memory all-reduce (and broadcast, gather) for CPU ranks on one host: a few us per hidden-size vector where gloo
 takes 0.2-0.5 ms.
 
 Set-up: rank 0 creates a file in /dev/shm, sends its name to the others over the (gloo) CPU group, every rank maps
@@ -16,7 +16,9 @@ calls; a tensor larger than a slot is one call per chunk):
      every rank performs the same roundings in the same order, so all ranks get bitwise identical results.
 
 A broadcast is a call of the same sequence: the source copies into its slot of buffer n % 2 and stores n; every
-other rank waits for the source's counter to reach n, copies the slot out, then stores its own counter = n.
+other rank waits for the source's counter to reach n, copies the slot out, then stores its own counter = n. A gather
+is the mirror image: every rank but the destination copies into its slot and stores n; the destination waits for
+each, copies the slots out, then stores n.
 
 Why two buffers are enough: a rank writes into buffer n % 2 in call n only once it has seen counter[j] >= n - 1 for
 every peer j, and a rank stores n - 1 only after it has finished call n - 2 (its sum, or its copy out of the
@@ -184,6 +186,35 @@ class ShmAllReduce:
             self._await(src, n)
             t.copy_(slot)
             self._flags[LINE * self.rank] = n  # after the read: src may reuse the buffer once all have said so
+
+    def gather(self, t: torch.Tensor, dst: int = 0) -> list[torch.Tensor] | None:
+        """Every rank's `t` (contiguous, same shape and dtype everywhere) on rank `dst`, in rank order; None on the
+        others. The LM head's vocabulary blocks reach rank 0 this way every step."""
+        if self._mm is None:
+            raise RuntimeError("shared-memory gather used after close()")
+        if not t.is_contiguous():
+            raise ValueError("shared-memory gather needs a contiguous tensor")
+        buf = self._buf(t.dtype)
+        flat, cap = t.view(-1), buf.shape[-1]
+        outs = [torch.empty_like(flat) for _ in range(self.world_size)] if self.rank == dst else None
+        for start in range(0, max(1, flat.numel()), cap):
+            self._gather(flat[start : start + cap], buf, dst,
+                         None if outs is None else [o[start : start + cap] for o in outs])
+        return None if outs is None else [o.view(t.shape) for o in outs]
+
+    def _gather(self, t: torch.Tensor, buf: torch.Tensor, dst: int, outs: list[torch.Tensor] | None) -> None:
+        self._seq = n = self._seq + 1
+        k = t.numel()
+        if outs is None:
+            self._await_all(n - 1)  # nobody still reads this buffer's call n - 2
+            buf[n & 1, self.rank, :k].copy_(t)
+        else:
+            outs[self.rank].copy_(t)
+            for j in self._peers:
+                self._await(j, n)
+                outs[j].copy_(buf[n & 1, j, :k])
+            self._synced = n
+        self._flags[LINE * self.rank] = n  # dst: after its reads, so the others may reuse the buffer
 
     def _await(self, j: int, n: int) -> None:
         i, flags = LINE * j, self._flags

@@ -1,5 +1,5 @@
 """The shared-memory all-reduce, run on 2 and 3 real ranks, equals gloo's and gives every rank identical bits; its
-broadcast, mixed into the same call sequence, delivers the source's tensor."""
+broadcast and gather, mixed into the same call sequence, deliver the right tensors."""
 
 import hashlib
 import os
@@ -85,6 +85,13 @@ def check_rank(rank: int, world: int, port: int, queue) -> None:
             if i % 89 == rank:
                 time.sleep(0.002)
             ar = small if kind == 2 else fast
+            if kind == 1:  # a gather to rank 0 (the LM head's blocks), chunked through the small slots when long
+                g = torch.arange(n, dtype=torch.float32) + 1000 * rank + i
+                got = (small if n % 2 else fast).gather(g, dst=0)
+                want = [torch.arange(n, dtype=torch.float32) + 1000 * r + i for r in range(world)]
+                if (got is None) != (rank != 0) or (got is not None and not all(map(torch.equal, got, want))):
+                    mismatches.append(("gather", i, n))
+                continue
             if kind == 3:
                 a = torch.full((576,), float(rank + i))
                 if ar.all_reduce(a)[0].item() != sum(r + i for r in range(world)):
