@@ -121,9 +121,9 @@ def serve(args) -> int:
     finally:
         engine.stop()
         if engine.dead is None and dist.world_size > 1:
-            try:
-                runner.stop_workers()
-            except Exception:  # noqa: BLE001 - a rank already gone
+            try:  # on the engine thread, which owns the collectives (free once the loop has stopped)
+                compute.submit(runner.stop_workers).result(timeout=10)
+            except Exception:  # noqa: BLE001 - a rank already gone, or the loop never came back
                 exit_code["code"] = exit_code["code"] or 1
         workers.close(timeout=10)
         dist.shutdown()
