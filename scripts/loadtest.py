@@ -69,6 +69,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--no-ignore-eos", action="store_true", help="do not send ignore_eos: true")
     p.add_argument("--no-usage", action="store_true", help="do not send stream_options (count chunks instead)")
     p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--extra-body", metavar="JSON", help="fields merged into every request body, e.g. "
+                   "'{\"logit_bias\": {\"2\": -100}}' to hold lengths on a server without ignore_eos")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output", default="results/loadtest.json", help="JSON report; plots go next to it")
     p.add_argument("--no-plot", action="store_true")
@@ -77,8 +79,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     try:
         args.concurrency = [int(c) for c in args.concurrency.split(",")] if args.concurrency else None
         args.request_rate = [float(r) for r in args.request_rate.split(",")] if args.request_rate else None
+        args.extra_body = json.loads(args.extra_body) if args.extra_body else {}
+        if not isinstance(args.extra_body, dict):
+            raise ValueError("--extra-body must be a JSON object")
     except ValueError as exc:
-        p.error(f"bad --concurrency or --request-rate: {exc}")
+        p.error(f"bad --concurrency, --request-rate or --extra-body: {exc}")
     if args.request_rate and args.concurrency and len(args.concurrency) > 1:
         p.error("with --request-rate, --concurrency is a single cap, not a sweep")
     if any(c < 1 for c in args.concurrency or []) or any(r <= 0 for r in args.request_rate or []):
@@ -167,6 +172,7 @@ def build_payload(args, model: str, entry: dict) -> dict:
         body["ignore_eos"] = True
     if not args.no_usage:
         body["stream_options"] = {"include_usage": True}
+    body.update(args.extra_body)
     return body
 
 
