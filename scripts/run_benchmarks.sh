@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Every benchmark behind BENCHMARKS.md, in one run (~35 min on 2 cores), then the summary plot.
-# Needs the benchmark extras in the venv: `.venv/bin/pip install llama-cpp-python==0.3.36 diskcache jinja2`.
+# Needs the benchmark extras in the venv:
+# `.venv/bin/pip install llama-cpp-python==0.3.36 diskcache jinja2 sse-starlette starlette-context pydantic-settings`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
@@ -15,6 +16,7 @@ $PY scripts/bench_serving.py --tag tp1_auto
 TPSERVE_THREADS=1 $PY scripts/bench_serving.py --tag tp1_t1
 $PY scripts/bench_serving.py --tag tp1_bf16 --dtype bfloat16
 $PY scripts/bench_serving.py --tag tp2 --tp 2
+$PY scripts/bench_servers.py --levels 1:4,8:16 --rounds 3
 $PY scripts/bench_tp.py --steps 12 --repeats 2 --rounds 2 --output results/tp_0.9b.json
 $PY scripts/bench_tp.py --size 1gb --load-only --configs 1x2,2x1 --rounds 2 --output results/tp_1gb.json
 $PY scripts/bench_allreduce.py --three

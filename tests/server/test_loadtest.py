@@ -27,3 +27,19 @@ def test_loadtest_sweep_against_tpserve(server_factory, checkpoints, tmp_path):
         assert level["output_tokens_source"] == "usage" and level["mean_output_tokens"] == 10
         assert level["ttft_ms"]["p50"] > 0 and level["output_throughput"] > 0
     assert all(Path(p).exists() for p in report["plots"])
+
+    # --extra-body reaches the server, merged over the generated fields (here: a shorter max_tokens)
+    out2 = tmp_path / "lt2.json"
+    rc = load_script().main(["--base-url", s.url, "--concurrency", "2", "--num-requests", "2", "--input-len", "8",
+                             "--output-len", "10", "--extra-body", '{"max_tokens": 4}', "--output", str(out2),
+                             "--no-progress", "--no-plot"])
+    assert rc == 0
+    level = json.loads(out2.read_text())["levels"][0]
+    assert level["completed"] == 2 and level["mean_output_tokens"] == 4
+
+
+def test_loadtest_rejects_a_bad_extra_body(capsys):
+    assert load_script().main(["--extra-body", "[1, 2]"]) == 2
+    assert "--extra-body must be a JSON object" in capsys.readouterr().err
+    assert load_script().main(["--extra-body", "{not json"]) == 2
+    assert "--extra-body" in capsys.readouterr().err
