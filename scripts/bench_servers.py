@@ -97,8 +97,8 @@ def main(argv: list[str] | None = None) -> int:
     tp_port, ll_port = free_port(), free_port()
     env = dict(os.environ, TPSERVE_THREADS=str(args.threads))
     procs = {
-        "tpserve": subprocess.Popen([sys.executable, "-m", "server.cli", "serve", model, "--host", "127.0.0.1", "--port",
-                                     str(tp_port), "--log-level", "warning"], cwd=ROOT, env=env),
+        "tpserve": subprocess.Popen([sys.executable, "-m", "server.cli", "serve", model, "--host", "127.0.0.1",
+                                     "--port", str(tp_port), "--log-level", "warning"], cwd=ROOT, env=env),
         "llama.cpp": subprocess.Popen([sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--n_threads",
                                        str(args.threads), "--n_threads_batch", str(args.threads), "--n_ctx", "2048",
                                        "--interrupt_requests", "False",  # else a new request cuts the running one

@@ -1,10 +1,10 @@
 """docs/img/bench_summary.png from the JSON the benchmark scripts wrote into results/.
 
-    python scripts/plot_benchmarks.py    # after bench_baseline (fp32 and bf16), bench_serving, bench_tp
+    python scripts/plot_benchmarks.py    # after bench_baseline (fp32 and bf16), bench_serving, bench_servers, bench_tp
 
 Panels: offline output tok/s by batch (tpserve, transformers, llama.cpp), served tok/s by concurrency against the
-transformers baselines, and TP decode ms/step at batch 1 against the weight-streaming floor. A missing input file
-leaves its panel empty.
+transformers baselines and llama.cpp's own server (bench_servers), and TP decode ms/step at batch 1 against the
+weight-streaming floor. A missing input file leaves its panel empty.
 """
 
 from __future__ import annotations
@@ -50,6 +50,14 @@ def main() -> None:
     for path in sorted((res / "serving").glob("*_summary.json")):
         rows = load(path)
         ax.plot([r["concurrency"] for r in rows], [r["output_tok_s"] for r in rows], "o-", label=f"tpserve {path.stem[:-8]}")
+    side = load(res / "servers.json")  # bench_servers: tpserve and llama.cpp's server in alternating rounds
+    for server in ("tpserve", "llama.cpp"):
+        rows = sorted((r for r in (side["summary"] if side else []) if r["server"] == server),
+                      key=lambda r: r["concurrency"])
+        if rows:
+            ax.plot([r["concurrency"] for r in rows], [r["output_tok_s"] for r in rows],
+                    "D--" if server == "tpserve" else "^:", markersize=8,
+                    label=f"{server} {'server ' if server != 'tpserve' else ''}(side-by-side run)")
     base = load(res / "baseline_fp32.json")
     for r in _group(base["summary"] if base else []).get(("transformers", "float32"), []):
         ax.axhline(r["tok_s"], ls="--", lw=0.8, color="gray")
