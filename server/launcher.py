@@ -77,8 +77,15 @@ class Workers:
     procs: list[subprocess.Popen] = field(default_factory=list)
     on_death: Callable[[str], None] | None = None
     _closing: bool = False
+    _watching: bool = False
 
     def watch(self) -> None:
+        """Start the watcher once (later calls only keep it; it reads `on_death` when a rank dies); none without
+        spawned ranks."""
+        if self._watching or not self.procs:
+            return
+        self._watching = True
+
         def loop() -> None:
             while not self._closing:
                 for rank, p in enumerate(self.procs, start=1):
