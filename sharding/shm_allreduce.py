@@ -165,15 +165,20 @@ class ShmAllReduce:
 
         The step description goes this way to the ranks every step: no gloo round trip (~0.3 ms median, ~4 ms p90 on
         2 cores). A rank waiting here for the next step sleeps between checks after a moment (see _wait_slow)."""
-        if self._mm is None:
-            raise RuntimeError("shared-memory broadcast used after close()")
-        if not t.is_contiguous():
-            raise ValueError("shared-memory broadcast needs a contiguous tensor")
-        buf = self._buf(t.dtype)
-        flat, cap = t.view(-1), buf.shape[-1]
+        buf, flat, cap = self._flat(t, "broadcast")
         for start in range(0, max(1, flat.numel()), cap):
             self._bcast(flat[start : start + cap], buf, src)
         return t
+
+    def _flat(self, t: torch.Tensor, what: str) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """The buffers for t's dtype, t as a flat view and the per-call capacity; checks what broadcast and gather
+        need (an open segment, a contiguous tensor)."""
+        if self._mm is None:
+            raise RuntimeError(f"shared-memory {what} used after close()")
+        if not t.is_contiguous():
+            raise ValueError(f"shared-memory {what} needs a contiguous tensor")
+        buf = self._buf(t.dtype)
+        return buf, t.view(-1), buf.shape[-1]
 
     def _bcast(self, t: torch.Tensor, buf: torch.Tensor, src: int) -> None:
         self._seq = n = self._seq + 1
@@ -190,12 +195,7 @@ class ShmAllReduce:
     def gather(self, t: torch.Tensor, dst: int = 0) -> list[torch.Tensor] | None:
         """Every rank's `t` (contiguous, same shape and dtype everywhere) on rank `dst`, in rank order; None on the
         others. The LM head's vocabulary blocks reach rank 0 this way every step."""
-        if self._mm is None:
-            raise RuntimeError("shared-memory gather used after close()")
-        if not t.is_contiguous():
-            raise ValueError("shared-memory gather needs a contiguous tensor")
-        buf = self._buf(t.dtype)
-        flat, cap = t.view(-1), buf.shape[-1]
+        buf, flat, cap = self._flat(t, "gather")
         outs = [torch.empty_like(flat) for _ in range(self.world_size)] if self.rank == dst else None
         for start in range(0, max(1, flat.numel()), cap):
             self._gather(flat[start : start + cap], buf, dst,
