@@ -79,6 +79,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--outdir", default="results/serving")
     ap.add_argument("--output", default="results/servers.json")
     args = ap.parse_args(argv)
+    import importlib.util
+
+    missing = [m for m in ("llama_cpp", "sse_starlette", "starlette_context", "pydantic_settings")
+               if importlib.util.find_spec(m) is None]
+    if missing:
+        print(f"bench_servers needs llama.cpp's server in this venv (missing: {', '.join(missing)}): pip install "
+              "llama-cpp-python==0.3.36 diskcache jinja2 sse-starlette starlette-context pydantic-settings",
+              file=sys.stderr)
+        return 2
     from bench_baseline import f32_gguf
 
     from loaders.default_model import ensure_default_model
