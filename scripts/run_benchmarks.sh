@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Every benchmark behind BENCHMARKS.md, in one run (~35 min on 2 cores), then the summary plot.
+# Every benchmark behind BENCHMARKS.md, in one run (~50 min on 2 cores), then the summary plot.
 # Needs the benchmark extras in the venv:
 # `.venv/bin/pip install llama-cpp-python==0.3.36 diskcache jinja2 sse-starlette starlette-context pydantic-settings`.
 set -euo pipefail
@@ -20,5 +20,7 @@ $PY scripts/bench_servers.py --levels 1:4,8:16 --rounds 3
 $PY scripts/bench_tp.py --steps 12 --repeats 2 --rounds 2 --output results/tp_0.9b.json
 $PY scripts/bench_tp.py --size 1gb --load-only --configs 1x2,2x1 --rounds 2 --output results/tp_1gb.json
 $PY scripts/bench_allreduce.py --three
+$PY scripts/bench_compile.py --rounds 3
+$PY scripts/bench_compile.py --mode freezing --batches 1 --rounds 2
 $PY scripts/plot_benchmarks.py
 uptime
