@@ -234,8 +234,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  floor {key}: {ms:.1f} ms per pass")
     for tp, threads in configs:
         rs = [r for r in report["runs"] if (r["tp"], r["threads"]) == (tp, threads)]
-        row = dict(ready_s=statistics.median(r["ready_s"] for r in rs), load_s=statistics.median(r["load_s"] for r in rs),
-                   peak_mb=[max(r["peak_mb"][i] for r in rs) for i in range(tp)])
+        row = dict(ready_s=statistics.median(r["ready_s"] for r in rs),
+                   load_s=statistics.median(r["load_s"] for r in rs), peak_mb=[max(r["peak_mb"][i] for r in rs) for i in range(tp)])
         row.update({f"decode_ms_b{b}": statistics.median(r[f"decode_ms_b{b}"] for r in rs)
                     for b in args.batches if all(f"decode_ms_b{b}" in r for r in rs)})
         summary["runs"][f"{tp}x{threads}"] = row

@@ -285,6 +285,11 @@ def _decode_attention(q, k, v, mask, scale, softcap):
     if softcap is None and (q.dtype != torch.float32 or q.shape[0] < EXPLICIT_DECODE_MIN_BATCH
                             or q.device.type != "cpu"):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    return _explicit_attention(q, k, v, mask, scale, softcap)
+
+
+def _explicit_attention(q, k, v, mask, scale, softcap):
+    """softmax(q k^T * scale [soft-capped], masked) v as plain matmuls; mask: True = attend (broadcastable)."""
     scores = torch.matmul(q, k.transpose(-1, -2)).mul_(scale)
     if softcap is not None:
         scores = torch.tanh(scores.div_(softcap)).mul_(softcap)
@@ -301,11 +306,7 @@ def _sdpa(q, k, v, mask, causal, scale, softcap, gqa=False):
         k = k.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3)
         v = v.repeat_interleave(q.shape[-3] // v.shape[-3], dim=-3)
     # soft-capped scores (Gemma 2) are not expressible through SDPA: compute them explicitly
-    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
-    scores = torch.tanh(scores / softcap) * softcap
     if causal:
-        n, t = scores.shape[-2], scores.shape[-1]
+        n, t = q.shape[-2], k.shape[-2]
         mask = torch.ones(n, t, dtype=torch.bool, device=q.device).tril(t - n)
-    if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf"))
-    return torch.matmul(torch.softmax(scores.float(), dim=-1).to(q.dtype), v)
+    return _explicit_attention(q, k, v, mask, scale, softcap)
