@@ -171,6 +171,9 @@ def build_app(state: ServerState) -> FastAPI:
         m.running.set(e.num_running)
         m.waiting.set(e.num_waiting)
         m.kv_usage.set(e.kv_usage())
+        m.sync_counter(m.prefix_queries, "prefix_queries", e.blocks.prefix_query_tokens)
+        m.sync_counter(m.prefix_hits, "prefix_hits", e.blocks.prefix_hit_tokens)
+        m.sync_counter(m.preemptions, "preemptions", e.scheduler.num_preemptions)
         return Response(generate_latest(m.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
@@ -292,13 +295,17 @@ def render_chat(state: ServerState, body: ChatCompletionRequest) -> list[int]:
 
 
 def check_length(state: ServerState, ids: list[int], max_tokens: int) -> None:
+    """prompt + max_tokens must fit the max model length, which never exceeds what the whole KV cache holds (the
+    server refuses to start otherwise, or lowers a default length to the cache): a request that passes always fits."""
     limit = state.max_model_len
+    why = f"this server's max model length is {limit}"
+    if state.engine.pool_tokens <= limit:
+        why += f" (its whole KV cache holds {state.engine.pool_tokens} tokens)"
     if len(ids) >= limit:
-        raise APIError(400, f"the prompt has {len(ids)} tokens; this server's max model length is {limit}",
-                       param="prompt", code="context_length_exceeded")
+        raise APIError(400, f"the prompt has {len(ids)} tokens; {why}", param="prompt", code="context_length_exceeded")
     if len(ids) + max_tokens > limit:
-        raise APIError(400, f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds the max model length "
-                            f"{limit}; lower max_tokens to at most {limit - len(ids)}", param="max_tokens",
+        raise APIError(400, f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds {limit} tokens: {why}; "
+                            f"lower max_tokens to at most {limit - len(ids)}", param="max_tokens",
                        code="context_length_exceeded")
 
 

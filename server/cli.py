@@ -27,7 +27,39 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="weights and activations dtype (auto: the checkpoint's)")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="longest prompt + completion in tokens (default: min(model maximum, 2048))")
-    p.add_argument("--max-num-seqs", type=int, default=32, help="sequences decoded together (KV-cache slots)")
+    p.add_argument("--max-num-seqs", type=int, default=32,
+                   help="most sequences in the running batch (default 32; reserves no memory)")
+    p.add_argument("--kv-cache-memory", type=parse_bytes, default=None, metavar="SIZE",
+                   help="KV cache per rank, e.g. 4GiB, 512MiB (default: half the memory available after the weights, "
+                        "split among this host's ranks, at most what --max-num-seqs sequences of --max-model-len "
+                        "tokens use; on CUDA see --gpu-memory-utilization)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="CUDA: fraction of the device's memory this process may use in all (default 0.9)")
+    p.add_argument("--block-size", type=int, default=16, choices=[8, 16, 32, 64, 128],
+                   help="tokens per KV-cache block (default 16)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="tokens per step: decoding sequences first, then prefill chunks (default 512)")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse the KV cache of earlier requests' identical prefixes (default on)")
+
+
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
+          "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}
+
+
+def parse_bytes(text: str) -> int:
+    """'4GiB', '512MiB', '1.5GB', '1000000' -> bytes (an argparse type: a readable error for anything else)."""
+    import re
+
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", text)
+    unit = m and m.group(2).lower()
+    if not m or unit not in _UNITS:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size: use a number with an optional unit, e.g. 4GiB, "
+                                         "512MiB, 2GB")
+    value = int(float(m.group(1)) * _UNITS[unit])
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: the KV cache needs more than 0 bytes")
+    return value
 
 
 def positive(name: str, value: int | None) -> None:
@@ -42,8 +74,26 @@ def engine_config(args):
     positive("--tensor-parallel-size", args.tensor_parallel_size)
     positive("--max-num-seqs", args.max_num_seqs)
     positive("--max-model-len", args.max_model_len)
+    positive("--max-num-batched-tokens", args.max_num_batched_tokens)
+    if args.max_num_batched_tokens is not None and args.max_num_batched_tokens < args.max_num_seqs:
+        raise SystemExit(f"tpserve: error: --max-num-batched-tokens ({args.max_num_batched_tokens}) must be at least "
+                         f"--max-num-seqs ({args.max_num_seqs}): every running sequence decodes one token per step")
+    if not 0 < args.gpu_memory_utilization <= 1:
+        raise SystemExit(f"tpserve: error: --gpu-memory-utilization must be in (0, 1] (got {args.gpu_memory_utilization})")
     model = args.model or args.model_flag
-    return EngineConfig(resolve_model(model), args.dtype, args.max_num_seqs, args.max_model_len)
+    return EngineConfig(resolve_model(model), args.dtype, args.max_num_seqs, args.max_model_len,
+                        block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
+                        gpu_memory_utilization=args.gpu_memory_utilization)
+
+
+def describe_cache(runner, engine) -> str:
+    """The pool at start, as vLLM prints it: blocks, tokens, and how many max-length sequences fit at once."""
+    tokens = runner.num_blocks * runner.block_size
+    return (f"KV cache {runner.kv_cache_bytes() / 2**20:.0f} MiB per rank: {runner.num_blocks} blocks of "
+            f"{runner.block_size} tokens = {tokens} tokens; maximum concurrency at {runner.max_model_len} tokens per "
+            f"sequence: {tokens / runner.max_model_len:.2f}x; prefix caching "
+            f"{'on' if engine.blocks.enable_prefix_caching else 'off'}; {engine.scheduler.max_num_batched_tokens} "
+            f"tokens per step")
 
 
 def serve(args) -> int:
@@ -78,7 +128,7 @@ def serve(args) -> int:
             os._exit(1)  # uvicorn did not stop in time
         threading.Thread(target=stop_later, daemon=True).start()
 
-    engine = Engine(runner, tokenizer, on_fatal=fatal)
+    engine = Engine(runner, tokenizer, args.max_num_batched_tokens, args.enable_prefix_caching, on_fatal=fatal)
     state = ServerState(engine, tokenizer, name, runner.vocab_size, api_key=api_key,
                         max_queued_requests=args.max_queued_requests, max_body_bytes=args.max_body_bytes)
     engine.step_listeners.append(lambda dt, _: state.metrics.step_seconds.observe(dt))
@@ -114,8 +164,9 @@ def serve(args) -> int:
                             timeout_graceful_shutdown=5, limit_concurrency=args.max_connections)
     server = DrainingServer(config)
     server_ref["server"] = server
+    print(f"tpserve: {describe_cache(runner, engine)}", flush=True)
     print(f"tpserve: serving {name} on http://{args.host}:{args.port} (tensor parallel size "
-          f"{args.tensor_parallel_size}, KV cache {runner.kv_cache_bytes() / 2**20:.0f} MiB per rank)", flush=True)
+          f"{args.tensor_parallel_size})", flush=True)
     try:
         server.run()
     finally:
@@ -140,7 +191,9 @@ def generate(args) -> int:
     if not prompts:
         raise SystemExit("tpserve: error: give --prompt (repeatable) or prompts on standard input, one per line")
     cfg = engine_config(args)
-    llm = LLM(cfg.model, args.tensor_parallel_size, cfg.dtype, cfg.max_num_seqs, cfg.max_model_len)
+    llm = LLM(cfg.model, args.tensor_parallel_size, cfg.dtype, cfg.max_num_seqs, cfg.max_model_len,
+              block_size=cfg.block_size, kv_cache_memory=cfg.kv_cache_memory,
+              max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=args.enable_prefix_caching)
     try:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
         if args.chat:

@@ -17,14 +17,20 @@ from typing import Callable
 
 import torch
 
+from server.block_manager import BlockManager
 from server.sampling import SampleRow, sample
-from server.scheduler import Scheduler, Sequence
+from server.scheduler import Scheduled, Scheduler, Sequence
 from sharding.runner import ModelRunner
-from sharding.step import Step
+from sharding.step import LOGITS_ALL, LOGITS_LAST, Step
 
 logger = logging.getLogger(__name__)
 
 HEARTBEAT_S = 1.0
+
+# Tokens per step (--max-num-batched-tokens): decoding sequences first, then prefill chunks. Small enough that a step
+# with a prefill chunk keeps the running streams' inter-token gap within a few decode steps on CPU, large enough that
+# prefill runs at full speed (see BENCHMARKS.md, "A long prompt arrives").
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 512
 
 
 class EngineThread:
@@ -83,12 +89,14 @@ def eos_token_ids(model_path: str, tokenizer) -> frozenset[int]:
 
 class Engine:
     def __init__(self, runner: ModelRunner, tokenizer, max_num_batched_tokens: int | None = None,
-                 on_fatal: Callable[[str], None] | None = None):
+                 enable_prefix_caching: bool = True, on_fatal: Callable[[str], None] | None = None):
         self.runner = runner
         self.tokenizer = tokenizer
         self.max_model_len = runner.max_model_len
-        self.scheduler = Scheduler(runner.cfg.max_num_seqs, runner.max_model_len,
-                                   max_num_batched_tokens or max(2048, runner.max_model_len))
+        self.blocks = BlockManager(runner.num_blocks, runner.block_size, enable_prefix_caching)
+        self.scheduler = Scheduler(runner.cfg.max_num_seqs,
+                                   max_num_batched_tokens or max(DEFAULT_MAX_NUM_BATCHED_TOKENS, runner.cfg.max_num_seqs),
+                                   self.blocks)
         self.eos_ids = eos_token_ids(runner.cfg.model, tokenizer)
         self.on_fatal = on_fatal
         self.dead: str | None = None
@@ -120,7 +128,12 @@ class Engine:
         return len(self.scheduler.waiting) + self._inbox.qsize()
 
     def kv_usage(self) -> float:
-        return len(self.scheduler.running) / self.scheduler.max_num_seqs
+        """Fraction of KV-cache blocks held by sequences (cached free blocks count as free)."""
+        return self.blocks.usage()
+
+    @property
+    def pool_tokens(self) -> int:
+        return self.blocks.num_blocks * self.blocks.block_size
 
     # ---- the loop ----------------------------------------------------------------------------------------------
     def _drain_inbox(self) -> None:
@@ -135,7 +148,6 @@ class Engine:
                 else:
                     self.scheduler.add(seq)
             elif not seq.finished:
-                seq.aborted = True
                 self._finish(seq, "abort")
 
     def _finish(self, seq: Sequence, reason: str) -> None:
@@ -150,28 +162,48 @@ class Engine:
         """Run one step if there is work; False when there was none."""
         self._drain_inbox()
         batch = self.scheduler.schedule()
-        if not batch:
+        if not batch.items:
             return False
         t0 = time.perf_counter()
-        ids, table, all_logits = [], [], []
-        for i, seq in enumerate(batch):
-            tokens, start = seq.next_input()
-            ids.extend(tokens)
-            table.append((seq.slot, len(tokens), start))
-            if start == 0 and seq.params.prompt_logprobs is not None and len(tokens) > 1:
-                all_logits.append(i)
-        step = Step(torch.tensor(ids, dtype=torch.int64), torch.tensor(table, dtype=torch.int64),
-                    torch.tensor(all_logits, dtype=torch.int64) if all_logits else None)
+        ids, table = [], []
+        for item in batch.items:
+            seq = item.seq
+            ids.extend(seq.token_ids[item.start : item.start + item.n])
+            flags = LOGITS_LAST if item.samples else 0
+            if seq.wants_prompt_logprobs and item.start <= len(seq.prompt_ids) - 2:
+                flags |= LOGITS_ALL
+            table.append((seq.row, item.n, item.start, flags))
+        updates = torch.tensor(batch.block_updates, dtype=torch.int64) if batch.block_updates else None
+        step = Step(torch.tensor(ids, dtype=torch.int64), torch.tensor(table, dtype=torch.int64), updates)
         self._step_started = time.monotonic()
         logits = self.runner.run(step)
         self._step_started = None
-        if all_logits:
-            logits = self._take_prompt_logprobs(batch, table, set(all_logits), logits)
-        rows = [SampleRow(s.params, s.generator, s.prompt_ids, s.output_ids, s.banned_ids()) for s in batch]
+        self.scheduler.finished_step(batch)
+        sampling, rows, at = [], [], 0
+        for item, (_, n, start, flags) in zip(batch.items, table):
+            if flags & LOGITS_ALL:
+                self._record_prompt_logprobs(item.seq, logits[at : at + n], start)
+                at += n
+                if flags & LOGITS_LAST:
+                    sampling.append(item)
+                    rows.append(at - 1)
+            elif flags & LOGITS_LAST:
+                sampling.append(item)
+                rows.append(at)
+                at += 1
+        if sampling:
+            self._sample(sampling, logits if len(rows) == logits.shape[0] else logits[rows])
+        dt = time.perf_counter() - t0
+        for listener in self.step_listeners:
+            listener(dt, len(ids))
+        return True
+
+    def _sample(self, items: list[Scheduled], logits: torch.Tensor) -> None:
+        seqs = [item.seq for item in items]
+        rows = [SampleRow(s.params, s.generator, s.prompt_ids, s.output_ids, s.banned_ids()) for s in seqs]
         sampled = sample(logits, rows)
         now = time.monotonic()
-        for i, seq in enumerate(batch):
-            seq.num_cached += table[i][1]
+        for i, seq in enumerate(seqs):
             self._append(seq, sampled.token_ids[i], now)
             if sampled.logprobs is not None and seq.params.logprobs is not None:
                 seq.token_logprobs.append(sampled.logprobs[i])
@@ -181,36 +213,32 @@ class Engine:
                 seq.emit(seq, seq.detok.release(final=True), True)
             else:
                 seq.emit(seq, seq.detok.release(), False)
-        dt = time.perf_counter() - t0
-        for listener in self.step_listeners:
-            listener(dt, len(ids))
-        return True
 
     @staticmethod
-    def _take_prompt_logprobs(batch: list[Sequence], table: list[tuple[int, int, int]], want: set[int],
-                              logits: torch.Tensor) -> torch.Tensor:
-        """Logits came for every token of the sequences in `want` (their prompts): record each prompt token's
-        logprob (and top alternatives) under the model's own distribution; return the last-token rows to sample."""
-        last_rows, row = [], 0
-        for i, seq in enumerate(batch):
-            n = table[i][1] if i in want else 1
-            if i in want:
-                lp = torch.log_softmax(logits[row : row + n - 1].float(), dim=-1)  # row j predicts prompt token j+1
-                target = torch.tensor(seq.prompt_ids[1:n], dtype=torch.int64)
-                seq.prompt_logprobs = lp.gather(1, target[:, None]).squeeze(1).tolist()
-                k = seq.params.prompt_logprobs or 0
-                if k:
-                    vals, idx = lp.topk(min(k, lp.shape[-1]), dim=-1)
-                    seq.prompt_top_logprobs = [list(zip(r_i, r_v)) for r_i, r_v in zip(idx.tolist(), vals.tolist())]
-                else:
-                    seq.prompt_top_logprobs = [[] for _ in range(n - 1)]
-            row += n
-            last_rows.append(row - 1)
-        return logits[last_rows]
+    def _record_prompt_logprobs(seq: Sequence, logits: torch.Tensor, start: int) -> None:
+        """Logits came for every token of a chunk of the prompt: row j predicts the token at start + j + 1. Record
+        each prompt token's logprob (and top alternatives) under the model's own distribution, once (a recomputed
+        chunk after a preemption adds nothing)."""
+        if seq.prompt_logprobs is None:
+            seq.prompt_logprobs, seq.prompt_top_logprobs = [], []
+        first = len(seq.prompt_logprobs) + 1  # the next prompt position without a logprob
+        last = min(start + logits.shape[0], len(seq.prompt_ids) - 1)
+        if last < first:
+            return
+        lp = torch.log_softmax(logits[first - 1 - start : last - start].float(), dim=-1)
+        target = torch.tensor(seq.prompt_ids[first : last + 1], dtype=torch.int64)
+        seq.prompt_logprobs += lp.gather(1, target[:, None]).squeeze(1).tolist()
+        k = seq.params.prompt_logprobs or 0
+        if k:
+            vals, idx = lp.topk(min(k, lp.shape[-1]), dim=-1)
+            seq.prompt_top_logprobs += [list(zip(r_i, r_v)) for r_i, r_v in zip(idx.tolist(), vals.tolist())]
+        else:
+            seq.prompt_top_logprobs += [[] for _ in range(last - first + 1)]
 
     def _append(self, seq: Sequence, token: int, now: float) -> None:
         p = seq.params
         seq.output_ids.append(token)
+        seq.token_ids.append(token)
         if seq.first_token_time is None:
             seq.first_token_time = now
         seq.last_token_time = now
@@ -223,7 +251,7 @@ class Engine:
         seq.detok.add(token)
         if seq.detok.stopped_by is not None:
             seq.finish_reason = "stop"
-        elif len(seq.output_ids) >= p.max_tokens or seq.num_cached + 1 >= self.max_model_len:
+        elif len(seq.output_ids) >= p.max_tokens or len(seq.token_ids) >= self.max_model_len:
             seq.finish_reason = "length"
 
     def run_until_idle(self) -> None:

@@ -12,8 +12,18 @@ class Metrics:
         self.registry = CollectorRegistry()
         r = self.registry
         self.running = Gauge("tpserve_requests_running", "Sequences in the running batch", registry=r)
-        self.waiting = Gauge("tpserve_requests_waiting", "Sequences waiting for a KV-cache slot", registry=r)
-        self.kv_usage = Gauge("tpserve_kv_cache_usage_ratio", "Fraction of KV-cache slots in use", registry=r)
+        self.waiting = Gauge("tpserve_requests_waiting", "Sequences waiting to be scheduled", registry=r)
+        self.kv_usage = Gauge("tpserve_kv_cache_usage_ratio",
+                              "Fraction of KV-cache blocks held by sequences (cached free blocks count as free)",
+                              registry=r)
+        self.prefix_queries = Counter("tpserve_prefix_cache_queries",
+                                      "Prompt tokens looked up in the prefix cache (at admission)", registry=r)
+        self.prefix_hits = Counter("tpserve_prefix_cache_hits",
+                                   "Prompt tokens found in the prefix cache (their prefill was skipped)", registry=r)
+        self.preemptions = Counter("tpserve_num_preemptions",
+                                   "Running sequences preempted for lack of KV-cache blocks (recomputed later)",
+                                   registry=r)
+        self._synced: dict[str, float] = {}
         self.finished = Counter("tpserve_requests_finished", "Finished sequences by finish reason", ["reason"],
                                 registry=r)
         self.prompt_tokens = Counter("tpserve_prompt_tokens", "Prompt tokens processed", registry=r)
@@ -26,3 +36,10 @@ class Metrics:
                              buckets=LATENCY_BUCKETS, registry=r)
         self.step_seconds = Histogram("tpserve_step_seconds", "Duration of one engine step", buckets=LATENCY_BUCKETS,
                                       registry=r)
+
+    def sync_counter(self, counter: Counter, name: str, total: float) -> None:
+        """Bring a counter up to a running total kept elsewhere (the engine's own counts)."""
+        delta = total - self._synced.get(name, 0.0)
+        if delta > 0:
+            counter.inc(delta)
+            self._synced[name] = total

@@ -1,8 +1,17 @@
-"""Continuous batching: which sequences run in the next step.
+"""Continuous batching over a paged KV cache: which sequences run in the next step, and how many tokens each.
 
-Every running sequence decodes one token per step; waiting sequences join as soon as a KV-cache slot is free and the
-step's token budget allows their prompt (one is always admitted when a slot is free, so a long prompt cannot
-starve). Finished or aborted sequences leave between steps and give their slot back at once.
+A step has a token budget (`max_num_batched_tokens`). It serves every decoding sequence first (one token each),
+then fills the rest with prefill chunks: sequences part-way through their prompt, then waiting ones in arrival order.
+A prompt longer than what is left is prefilled over several steps while the other streams keep decoding.
+
+Blocks come from the block manager (server/block_manager.py). A waiting sequence starts with the longest run of
+cached full blocks that matches its tokens (automatic prefix caching) and computes the rest. When a running sequence
+needs a block and none is free, the most recently admitted sequences are preempted: their blocks are freed (kept in
+the prefix cache until evicted), they go back to the front of the queue, and they are recomputed later with their
+generated tokens as part of the prompt, so their output does not change.
+
+Each running sequence also holds a row of the block table that every rank mirrors (sharding/step.py); the step
+message carries the (row, index, block) entries that changed.
 """
 
 from __future__ import annotations
@@ -16,10 +25,13 @@ from typing import Callable
 
 import torch
 
+from server.block_manager import BlockManager
 from server.detokenize import IncrementalDetokenizer
 from server.sampling import SamplingParams
 
 _ids = itertools.count()
+
+WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
 
 
 @dataclass(eq=False)
@@ -31,20 +43,23 @@ class Sequence:
     eos_ids: frozenset[int] = frozenset()
     seq_id: int = field(default_factory=lambda: next(_ids))
     output_ids: list[int] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)  # prompt + output: every token whose K/V it will need
     token_logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     prompt_logprobs: list[float] | None = None  # of prompt tokens 1.. (the first has none), when params ask
     prompt_top_logprobs: list[list[tuple[int, float]]] | None = None
-    slot: int = -1
-    num_cached: int = 0  # tokens whose K/V are in the cache
+    status: str = WAITING
+    row: int = -1  # its row of the block table while running
+    num_computed: int = 0  # tokens whose K/V are in the cache
+    num_preemptions: int = 0
     finish_reason: str | None = None
-    aborted: bool = False
     generator: torch.Generator | None = None
     arrival: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
     last_token_time: float | None = None
 
     def __post_init__(self) -> None:
+        self.token_ids = list(self.prompt_ids)
         if self.params.seed is not None:
             self.generator = torch.Generator().manual_seed(self.params.seed)
 
@@ -52,11 +67,16 @@ class Sequence:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
-    def next_input(self) -> tuple[list[int], int]:
-        """Token ids to feed this step and the position of the first one."""
-        if self.num_cached == 0:
-            return self.prompt_ids, 0
-        return [self.output_ids[-1]], self.num_cached
+    @property
+    def num_remaining(self) -> int:
+        """Known tokens not yet in the cache: 1 while decoding, more during a prefill (or a recompute)."""
+        return len(self.token_ids) - self.num_computed
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """It needs the logits of every prompt token (echo + logprobs), so cached blocks cannot stand in for them."""
+        return self.params.prompt_logprobs is not None and (
+            self.prompt_logprobs is None or len(self.prompt_logprobs) < len(self.prompt_ids) - 1)
 
     def banned_ids(self) -> list[int]:
         if self.params.ignore_eos or len(self.output_ids) >= self.params.min_tokens:
@@ -64,48 +84,131 @@ class Sequence:
         return sorted(self.eos_ids | set(self.params.stop_token_ids))
 
 
+@dataclass(slots=True)
+class Scheduled:
+    """One sequence's part of a step: tokens token_ids[start : start + n]; it samples when they reach its end."""
+
+    seq: Sequence
+    start: int
+    n: int
+
+    @property
+    def samples(self) -> bool:
+        return self.start + self.n == len(self.seq.token_ids)
+
+
+@dataclass(slots=True)
+class Batch:
+    items: list[Scheduled]
+    block_updates: list[tuple[int, int, int]]  # (row, index, block) entries of the block table that changed
+
+
 class Scheduler:
-    def __init__(self, max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int):
+    def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, blocks: BlockManager):
+        if max_num_batched_tokens < max_num_seqs:
+            raise ValueError(f"--max-num-batched-tokens ({max_num_batched_tokens}) must be at least --max-num-seqs "
+                             f"({max_num_seqs}): every running sequence decodes one token per step")
         self.max_num_seqs = max_num_seqs
-        self.max_model_len = max_model_len
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.blocks = blocks
         self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []
-        self.free_slots = list(range(max_num_seqs))
-        heapq.heapify(self.free_slots)
+        self.running: list[Sequence] = []  # in admission order: preemption takes from the end
+        self.free_rows = list(range(max_num_seqs))
+        self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
-    @property
-    def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
-
-    def schedule(self) -> list[Sequence]:
-        """The sequences of the next step: all running ones, plus waiting ones admitted in arrival order."""
+    def schedule(self) -> Batch:
+        """The next step: every decoding sequence, then prefill chunks within the token budget."""
         self.running = [s for s in self.running if not s.finished]
         self.waiting = deque(s for s in self.waiting if not s.finished)
-        budget = self.max_num_batched_tokens - len(self.running)
-        admitted_any = False
-        while self.waiting and self.free_slots:
-            seq = self.waiting[0]
-            if admitted_any and len(seq.prompt_ids) > budget:
+        updates: list[tuple[int, int, int]] = []
+        items: list[Scheduled] = []
+        decoding = sum(1 for s in self.running if s.num_remaining == 1)
+        prefill_budget = self.max_num_batched_tokens - decoding  # decoders' tokens are set aside first
+        preempted = False
+        i = 0
+        while i < len(self.running):
+            seq = self.running[i]
+            is_decode = seq.num_remaining == 1
+            n = 1 if is_decode else min(seq.num_remaining, prefill_budget)
+            if n <= 0:
+                i += 1
+                continue
+            while not self._grow(seq, seq.num_computed + n, updates):
+                victim = self.running[-1]  # the most recently admitted
+                preempted = True
+                if victim.num_remaining == 1 and victim is not seq:
+                    prefill_budget += 1  # its reserved decode token is free again
+                self._preempt(victim)
+                if victim is seq:
+                    break
+            if seq.status != RUNNING:  # it preempted itself: nothing later in `running` is left either
                 break
+            if not is_decode:
+                prefill_budget -= n
+            items.append(Scheduled(seq, seq.num_computed, n))
+            i += 1
+        # admit waiting sequences while rows, budget and blocks allow (none after a preemption: blocks are short)
+        while self.waiting and not preempted and self.free_rows and prefill_budget > 0:
+            seq = self.waiting[0]
+            computed: list[int] = []
+            if self.blocks.enable_prefix_caching and not seq.wants_prompt_logprobs:
+                computed = self.blocks.lookup(seq.token_ids)
+            num_cached = len(computed) * self.blocks.block_size
+            n = min(len(seq.token_ids) - num_cached, prefill_budget)
+            new = self.blocks.allocate(seq, num_cached + n, computed)
+            if new is None:
+                break  # wait for blocks; running sequences are never preempted for a waiting one
             self.waiting.popleft()
-            seq.slot = heapq.heappop(self.free_slots)
-            budget -= len(seq.prompt_ids)
+            self.blocks.record_prefix_query(len(seq.token_ids), num_cached)
+            seq.status, seq.row, seq.num_computed = RUNNING, heapq.heappop(self.free_rows), num_cached
             self.running.append(seq)
-            admitted_any = True
-        # keep the batch in slot order: consecutive slots let attention read the cache without a gather
-        self.running.sort(key=lambda s: s.slot)
-        return list(self.running)
+            self._record(seq, new, updates)
+            prefill_budget -= n
+            items.append(Scheduled(seq, num_cached, n))
+        return Batch(items, updates)
+
+    def _grow(self, seq: Sequence, num_tokens: int, updates: list) -> bool:
+        new = self.blocks.allocate(seq, num_tokens)
+        if new is None:
+            return False
+        self._record(seq, new, updates)
+        return True
+
+    def _record(self, seq: Sequence, new: list[int], updates: list) -> None:
+        if new:
+            first = len(self.blocks.block_table(seq)) - len(new)
+            updates.extend((seq.row, first + j, b) for j, b in enumerate(new))
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Free its blocks and row; it is recomputed from the front of the queue later (same output)."""
+        self.running.remove(seq)
+        self._release(seq)
+        seq.status, seq.num_computed = WAITING, 0
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def _release(self, seq: Sequence) -> None:
+        self.blocks.free(seq)
+        if seq.row >= 0:
+            heapq.heappush(self.free_rows, seq.row)
+            seq.row = -1
+
+    def finished_step(self, batch: Batch) -> None:
+        """After the step: the scheduled tokens are in the cache; their full blocks join the prefix cache."""
+        for item in batch.items:
+            seq = item.seq
+            seq.num_computed = item.start + item.n
+            self.blocks.cache_blocks(seq, seq.token_ids, seq.num_computed)
 
     def free(self, seq: Sequence) -> None:
-        """Give the sequence's slot back (it is finished or aborted)."""
-        if seq.slot >= 0:
-            heapq.heappush(self.free_slots, seq.slot)
-            seq.slot = -1
-        if seq in self.running:
+        """The sequence is finished or aborted: give its blocks and row back."""
+        if seq.status == RUNNING:
             self.running.remove(seq)
-        elif seq in self.waiting:
+            self._release(seq)
+        elif seq.status == WAITING and seq in self.waiting:
             self.waiting.remove(seq)
+        seq.status = FINISHED

@@ -1,20 +1,25 @@
-"""Rotary embeddings, the slot-based KV cache and attention over it for a mixed prefill/decode step.
+"""Rotary embeddings, the paged KV cache and attention over it for a mixed prefill/decode step.
 
-The cache of one layer is [max_num_seqs, local_kv_heads, max_model_len, head_dim] for K and for V, allocated once.
-A sequence owns one slot for its life; its token at position p lives at [slot, :, p]. Attention metadata (positions,
-rotary cos/sin, masks) is built once per step and shared by every layer.
+The cache of one layer is a pool of fixed-size blocks, allocated once: [2 (K, V), kv_heads, num_blocks, block_size,
+head_dim]. A sequence owns a list of blocks (its row of the block table, mirrored on every rank from the step
+messages); its token at position p lives in block table[p // block_size] at offset p % block_size ("slot"
+block * block_size + offset). Attention metadata (positions, slots, rotary cos/sin, the blocks to read, masks) is
+built once per step and shared by every layer.
+
+Reading a sequence's keys means gathering its blocks into one contiguous run (one index_select per layer for the whole
+decode batch, K and V together), unless its blocks already are one run in the pool. scripts/bench_paged_attention.py
+measures this against the contiguous slot cache it replaced.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
-from sharding.step import Step
-
-
+from sharding.step import LOGITS_ALL, LOGITS_LAST, Step
 def rope_inv_freq(config) -> tuple[torch.Tensor, float]:
     """Inverse frequencies and attention scaling, as transformers computes them for this config."""
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
@@ -65,121 +70,167 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 class Prefill:
     token_start: int
     n: int
-    slot: int
     start_pos: int
+    blocks: torch.Tensor | None  # the sequence's blocks up to start_pos + n; None when it starts at 0 (the step's
+    #                              own K/V are all it reads)
     mask: torch.Tensor | None  # [n, start_pos + n] bool, None when plainly causal from position 0
+    key_start: int = 0  # first key any query of the chunk sees (> 0 under a sliding window)
 
 
 @dataclass(slots=True)
 class AttentionMetadata:
     positions: torch.Tensor  # [N]
-    token_slots: torch.Tensor  # [N]
+    slots: torch.Tensor  # [N] where each token's K/V go: block * block_size + offset
     cos: torch.Tensor | None
     sin: torch.Tensor | None
     decode_tokens: torch.Tensor  # [B] indices into the flat tokens
-    decode_slots: torch.Tensor  # [B]
-    decode_slot_range: tuple[int, int] | None  # when the decode slots are exactly range(a, b), a view replaces a gather
+    decode_lens: torch.Tensor  # [B] keys each decoding sequence sees (its position + 1)
+    decode_blocks: torch.Tensor | None  # [B * nblk] the decode batch's blocks, row-major; None with decode_range
+    decode_range: tuple[int, int] | None  # when those blocks are exactly range(a, b): a view replaces the gather
+    decode_nblk: int  # blocks per decoding sequence in the gather (the longest one's)
     decode_len: int  # keys to look at: max context length over the decode batch
-    decode_mask: torch.Tensor | None  # [B, 1, 1, decode_len] bool; None when every row sees all decode_len keys
+    decode_mask: torch.Tensor | None  # [B, decode_len] bool; None when every row sees all decode_len keys
     prefills: list[Prefill]
-    logits_indices: torch.Tensor  # [R] tokens whose logits are computed: each sequence's last one (S), or all of them
+    logits_indices: torch.Tensor  # [R] tokens whose logits are computed (see sharding/step.py: flags)
     all_decode: bool = False  # every token is a decode token, in sequence order (decode_tokens == arange(N))
-    write_rows: dict = field(default_factory=dict)  # per cache geometry: flat row of each (token, kv head)
+    write_rows: dict = field(default_factory=dict)  # per cache geometry: flat row of each (token, K/V head)
 
     @staticmethod
-    def build(step: Step, rotary: RotaryTable | None, sliding_window: int | None, device: torch.device
-              ) -> "AttentionMetadata":
-        """Vectorized over the step's sequences; only prefilling sequences (few per step) loop in Python."""
+    def build(step: Step, block_table: torch.Tensor, block_size: int, rotary: "RotaryTable | None",
+              sliding_window: int | None, device: torch.device) -> "AttentionMetadata":
+        """Vectorized over the step's sequences; only prefilling sequences (few per step) loop in Python.
+        `block_table` [rows, blocks per sequence] already holds this step's updates."""
         table = step.seq_table
-        slots, ns, starts = table[:, 0], table[:, 1], table[:, 2]
+        rows, ns, starts, flags = table[:, 0], table[:, 1], table[:, 2], table[:, 3]
         n_seqs = table.shape[0]
         ends = ns.cumsum(0)
         is_decode = ns == 1
         all_decode = bool(is_decode.all())
         if all_decode:
-            positions, token_slots = starts, slots
+            positions, token_rows = starts, rows
             decode_idx = torch.arange(n_seqs)
             decode_tokens = decode_idx
-            prefills = []
         else:
             offsets = ends - ns
-            token_slots = slots.repeat_interleave(ns)
+            token_rows = rows.repeat_interleave(ns)
             positions = (starts - offsets).repeat_interleave(ns) + torch.arange(int(ends[-1]))
             decode_idx = is_decode.nonzero().squeeze(1)  # sequence indices
             decode_tokens = offsets[decode_idx]  # their tokens' indices in the flat step
-            prefills = []
+        slots = block_table[token_rows, positions // block_size] * block_size + positions % block_size
+        prefills = []
+        if not all_decode:
             for i in (~is_decode).nonzero().squeeze(1).tolist():
-                slot, n, start = table[i].tolist()
-                mask = None
-                if start > 0 or (sliding_window is not None and start + n > sliding_window):
-                    q = torch.arange(start, start + n)[:, None]
-                    k = torch.arange(start + n)[None, :]
-                    mask = k <= q
-                    if sliding_window is not None:
-                        mask &= k > q - sliding_window
-                    mask = mask.to(device)
-                prefills.append(Prefill(int(offsets[i]), n, slot, start, mask))
-        decode_len, decode_mask, slot_range = 0, None, None
-        decode_slots = slots[decode_idx]
+                row, n, start, _ = table[i].tolist()
+                blocks = None
+                if start > 0:
+                    blocks = block_table[row, : (start + n + block_size - 1) // block_size].to(device)
+                prefills.append(Prefill(int(offsets[i]), n, start, blocks, None))
+        decode_lens = starts[decode_idx] + 1
+        decode_blocks, decode_range, nblk, decode_len = None, None, 0, 0
         if decode_idx.numel():
-            lens = starts[decode_idx] + 1
-            lo, hi = int(lens.min()), int(lens.max())
-            decode_len = hi
-            windowed = sliding_window is not None and hi > sliding_window
-            if lo != hi or windowed:
-                k = torch.arange(decode_len)[None, :]
-                mask = k < lens[:, None]
-                if sliding_window is not None:
-                    mask &= k >= (lens[:, None] - sliding_window)
-                decode_mask = mask[:, None, None, :].to(device)
-            first = int(decode_slots[0])
-            if bool((decode_slots == torch.arange(first, first + decode_slots.numel())).all()):
-                slot_range = (first, first + decode_slots.numel())
-        logits_indices = ends - 1
-        if step.all_logits is not None and step.all_logits.numel():
-            # whole sequences' logits for the listed ones, the last token's for the others, in sequence order
-            want_all = torch.zeros(n_seqs, dtype=torch.bool)
-            want_all[step.all_logits] = True
-            rows_per_seq = torch.where(want_all, ns, torch.ones_like(ns))
-            row_ends = rows_per_seq.cumsum(0)
-            first_token = torch.where(want_all, ends - ns, ends - 1)
-            logits_indices = (first_token - (row_ends - rows_per_seq)).repeat_interleave(rows_per_seq) \
-                + torch.arange(int(row_ends[-1]))
-        return AttentionMetadata(
+            decode_len = int(decode_lens.max())
+            nblk = (decode_len + block_size - 1) // block_size
+            blocks = block_table[rows[decode_idx], :nblk].reshape(-1)
+            first = int(blocks[0])
+            if bool((blocks == torch.arange(first, first + blocks.numel())).all()):
+                decode_range = (first, first + blocks.numel())
+            else:
+                decode_blocks = blocks.to(device)
+        logits_indices = _logits_indices(ends, ns, flags)
+        meta = AttentionMetadata(
             positions=positions.to(device),
-            token_slots=token_slots.to(device),
+            slots=slots.to(device),
             cos=rotary.cos[positions] if rotary is not None else None,
             sin=rotary.sin[positions] if rotary is not None else None,
             decode_tokens=decode_tokens.to(device),
-            decode_slots=decode_slots.to(device),
-            decode_slot_range=slot_range,
+            decode_lens=decode_lens.to(device),
+            decode_blocks=decode_blocks,
+            decode_range=decode_range,
+            decode_nblk=nblk,
             decode_len=decode_len,
-            decode_mask=decode_mask,
+            decode_mask=None,
             prefills=prefills,
             logits_indices=logits_indices.to(device),
             all_decode=all_decode,
         )
+        return meta.windowed(sliding_window)
+
+    def windowed(self, window: int | None) -> "AttentionMetadata":
+        """This step's masks with each query limited to the `window` latest keys (itself included), as transformers'
+        sliding-window mask: key k is seen from query q when q - window < k <= q. window None: plainly causal.
+        Keys sit in position order in the gathered blocks, so a mask over positions is a mask over blocks too."""
+        device = self.positions.device
+        prefills = []
+        for p in self.prefills:
+            mask = None
+            if p.start_pos > 0 or (window is not None and p.start_pos + p.n > window):
+                q = torch.arange(p.start_pos, p.start_pos + p.n, device=device)[:, None]
+                k = torch.arange(p.start_pos + p.n, device=device)[None, :]
+                mask = k <= q
+                if window is not None:
+                    mask &= k > q - window
+            key_start = max(0, p.start_pos - window + 1) if window is not None else 0
+            prefills.append(dataclasses.replace(p, mask=mask, key_start=key_start))
+        decode_mask = None
+        if self.decode_len:
+            lens = self.decode_lens
+            windowed = window is not None and self.decode_len > window
+            if windowed or bool((lens != self.decode_len).any()):
+                k = torch.arange(self.decode_len, device=device)[None, :]
+                decode_mask = k < lens[:, None]
+                if windowed:
+                    decode_mask &= k >= lens[:, None] - window
+        return dataclasses.replace(self, prefills=prefills, decode_mask=decode_mask, write_rows=self.write_rows)
 
 
-class KVCache:
-    """K and V of one layer for every slot: [max_num_seqs, kv_heads, max_model_len, head_dim] each."""
+def _logits_indices(ends: torch.Tensor, ns: torch.Tensor, flags: torch.Tensor) -> torch.Tensor:
+    """Flat token indices whose logits the step returns, in sequence order: every token of a LOGITS_ALL sequence,
+    the last token of a LOGITS_LAST one, none of the others (a prefill chunk that is not the prompt's last)."""
+    want_all = (flags & LOGITS_ALL) != 0
+    if not bool(want_all.any()):
+        last = (flags & LOGITS_LAST) != 0
+        return (ends - 1)[last] if not bool(last.all()) else ends - 1
+    rows_per_seq = torch.where(want_all, ns, ((flags & LOGITS_LAST) != 0).long())
+    row_ends = rows_per_seq.cumsum(0)
+    first_token = torch.where(want_all, ends - ns, ends - 1)
+    return (first_token - (row_ends - rows_per_seq)).repeat_interleave(rows_per_seq) + torch.arange(int(row_ends[-1]))
 
-    def __init__(self, max_num_seqs: int, kv_heads: int, max_len: int, head_dim: int, dtype: torch.dtype,
+
+class PagedKVCache:
+    """K and V of one layer for every block: [2, kv_heads, num_blocks, block_size, head_dim], allocated once."""
+
+    def __init__(self, num_blocks: int, block_size: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
                  device: torch.device):
-        self.k = torch.zeros(max_num_seqs, kv_heads, max_len, head_dim, dtype=dtype, device=device)
-        self.v = torch.zeros_like(self.k)
+        self.num_blocks, self.block_size, self.kv_heads, self.head_dim = num_blocks, block_size, kv_heads, head_dim
+        self.pool = torch.zeros(2, kv_heads, num_blocks, block_size, head_dim, dtype=dtype, device=device)
+
+    @staticmethod
+    def bytes_per_block(block_size: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        return 2 * kv_heads * block_size * head_dim * dtype.itemsize
 
     def write(self, meta: AttentionMetadata, k: torch.Tensor, v: torch.Tensor) -> None:
-        """k, v: [N, kv_heads, head_dim] for the step's tokens, stored at (slot, position).
-
-        One index_copy_ into the flattened cache per tensor; the flat rows are computed once per step and geometry."""
-        _, heads, max_len, head_dim = self.k.shape
-        rows = meta.write_rows.get((heads, max_len))
+        """k, v: [N, kv_heads, head_dim] for the step's tokens, stored at their slots: one index_copy_ for both, with
+        the flat rows computed once per step and geometry."""
+        heads, d = self.kv_heads, self.head_dim
+        per_head = self.num_blocks * self.block_size
+        rows = meta.write_rows.get((heads, per_head))
         if rows is None:
-            base = meta.token_slots[:, None] * heads + torch.arange(heads, device=k.device)[None, :]
-            rows = meta.write_rows[(heads, max_len)] = (base * max_len + meta.positions[:, None]).reshape(-1)
-        self.k.view(-1, head_dim).index_copy_(0, rows, k.reshape(-1, head_dim))
-        self.v.view(-1, head_dim).index_copy_(0, rows, v.reshape(-1, head_dim))
+            base = torch.arange(2 * heads, device=k.device)[None, :] * per_head
+            rows = meta.write_rows[(heads, per_head)] = (base + meta.slots[:, None]).reshape(-1)
+        self.pool.view(-1, d).index_copy_(0, rows, torch.cat([k, v], dim=1).reshape(-1, d))
+
+    def gather(self, blocks: torch.Tensor | None, block_range: tuple[int, int] | None, n_seqs: int, length: int
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V [kv_heads, n_seqs, length, head_dim] of n_seqs sequences whose blocks are `blocks` (row-major,
+        the same count for each) or the range `block_range`: a view for a range, else one copy."""
+        heads, d = self.kv_heads, self.head_dim
+        kv = self.pool.view(2 * heads, self.num_blocks, self.block_size, d)
+        if block_range is not None:
+            kv = kv[:, block_range[0] : block_range[1]]
+        else:
+            kv = kv.index_select(1, blocks)
+        kv = kv.view(2 * heads, n_seqs, -1, d)[:, :, :length]
+        return kv[:heads], kv[heads:]
 
 
 class GroupedHeads:
@@ -191,13 +242,17 @@ class GroupedHeads:
     are padded to the largest (padding repeats a head; its output is dropped).
     """
 
-    def __init__(self, kv_for_q: torch.Tensor | None):
-        self.kv_for_q = kv_for_q
+    def __init__(self, kv_for_q: "list[int] | torch.Tensor | None", device: torch.device | None = None):
         if kv_for_q is None:
+            self.kv_for_q = None
             self.uniform, self.group = True, 1
             self.q_index = self.out_index = None
             return
-        kv = kv_for_q.tolist()
+        if isinstance(kv_for_q, torch.Tensor):
+            kv, device = kv_for_q.tolist(), kv_for_q.device
+        else:
+            kv = list(kv_for_q)
+        self.kv_for_q = torch.tensor(kv, device=device)
         assert kv == sorted(kv), "query heads of one KV head must be contiguous"
         counts = [kv.count(j) for j in range(max(kv) + 1)]
         self.group = max(counts)
@@ -209,58 +264,47 @@ class GroupedHeads:
                 q_index += list(range(first, first + c)) + [first + c - 1] * (self.group - c)
                 out_index += [j * self.group + i for i in range(c)]
                 first += c
-            self.q_index = torch.tensor(q_index, device=kv_for_q.device)
-            self.out_index = torch.tensor(out_index, device=kv_for_q.device)
-
-    _memo: dict[int, "GroupedHeads"] = {}
+            self.q_index = torch.tensor(q_index, device=device)
+            self.out_index = torch.tensor(out_index, device=device)
 
     @classmethod
     def of(cls, kv_for_q: "torch.Tensor | GroupedHeads | None") -> "GroupedHeads":
-        if isinstance(kv_for_q, GroupedHeads):
-            return kv_for_q
-        key = id(kv_for_q)
-        g = cls._memo.get(key)
-        if g is None or g.kv_for_q is not kv_for_q:
-            g = cls._memo[key] = cls(kv_for_q)
-        return g
+        return kv_for_q if isinstance(kv_for_q, GroupedHeads) else cls(kv_for_q)
 
     def expand(self, kv: torch.Tensor) -> torch.Tensor:
-        """[..., kv_heads, T, d] -> [..., heads, T, d] (a copy; only prefill of uneven groups uses it)."""
+        """[..., kv_heads, T, d] -> [..., heads, T, d] (a copy; prefill uses it)."""
         return kv if self.kv_for_q is None else kv.index_select(-3, self.kv_for_q)
 
 
-def attend(q: torch.Tensor, cache: KVCache, meta: AttentionMetadata,
-           kv_for_q: "torch.Tensor | GroupedHeads | None", scale: float, softcap: float | None = None
-           ) -> torch.Tensor:
-    """Attention of the step's queries q [N, heads, head_dim] over the cache (already holding this step's K/V).
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: PagedKVCache, meta: AttentionMetadata,
+           groups: "GroupedHeads | torch.Tensor | None", scale: float, softcap: float | None = None) -> torch.Tensor:
+    """Store the step's k, v [N, kv_heads, head_dim] in the cache, then attend with its queries q [N, heads, head_dim].
 
-    kv_for_q maps each local query head to its local KV head (None when they are the same heads), as a tensor or
-    as GroupedHeads prepared from one. Returns [N, heads * head_dim].
+    groups maps each local query head to its local KV head (GroupedHeads, or the kv_for_q tensor it is made from; None
+    when they are the same heads). Returns [N, heads * head_dim].
     """
+    cache.write(meta, k, v)
     n_tokens, heads, head_dim = q.shape
-    gh = GroupedHeads.of(kv_for_q)
+    gh = GroupedHeads.of(groups)
     out = q.new_empty(n_tokens, heads, head_dim) if not meta.all_decode else None
 
     for p in meta.prefills:
-        qs = q[p.token_start : p.token_start + p.n].transpose(0, 1)  # [heads, n, d]
-        ks = cache.k[p.slot, :, : p.start_pos + p.n]
-        vs = cache.v[p.slot, :, : p.start_pos + p.n]
-        if gh.uniform:
-            o = _sdpa(qs, ks, vs, p.mask, p.mask is None, scale, softcap, gqa=gh.group > 1)
+        a, z = p.token_start, p.token_start + p.n
+        if p.blocks is None:  # from position 0: its own keys are all it sees
+            ks, vs = k[a:z].transpose(0, 1), v[a:z].transpose(0, 1)
         else:
-            o = _sdpa(qs, gh.expand(ks), gh.expand(vs), p.mask, p.mask is None, scale, softcap)
-        out[p.token_start : p.token_start + p.n] = o.transpose(0, 1)
+            ks, vs = cache.gather(p.blocks, None, 1, p.start_pos + p.n)
+            ks, vs = ks[:, 0], vs[:, 0]
+        mask = p.mask
+        if p.key_start:  # a sliding window: keys before the first query's window are never seen
+            ks, vs, mask = ks[:, p.key_start :], vs[:, p.key_start :], mask[:, p.key_start :]
+        out[a:z] = _prefill_attention(q[a:z].transpose(0, 1), ks, vs, gh, mask, scale, softcap).transpose(0, 1)
 
-    if meta.decode_tokens.numel():
+    if meta.decode_len:
         qd = q if meta.all_decode else q[meta.decode_tokens]  # [B, heads, d]
         b = qd.shape[0]
-        if meta.decode_slot_range is not None:
-            a, z = meta.decode_slot_range
-            kd, vd = cache.k[a:z, :, : meta.decode_len], cache.v[a:z, :, : meta.decode_len]
-        else:
-            kd = cache.k[meta.decode_slots, :, : meta.decode_len]
-            vd = cache.v[meta.decode_slots, :, : meta.decode_len]
-        kv_heads = kd.shape[1]
+        kd, vd = cache.gather(meta.decode_blocks, meta.decode_range, b, meta.decode_len)  # [kv, B, T, d]
+        kv_heads = kd.shape[0]
         if gh.q_index is not None:
             qd = qd.index_select(1, gh.q_index)
         o = _decode_attention(qd.reshape(b, kv_heads, gh.group, head_dim), kd, vd, meta.decode_mask, scale, softcap)
@@ -274,18 +318,20 @@ def attend(q: torch.Tensor, cache: KVCache, meta: AttentionMetadata,
 
 
 # Batched decode attention is two small matmuls per KV head. On CPU, SDPA's fused kernel loops over (batch, head)
-# blocks and loses to plain batched matmuls from ~4 sequences on (SmolLM2 shapes, 2 threads: 62 vs 32 us at 8
-# sequences x 40 keys, 342 vs 205 us at 32 x 150; at 1-2 sequences SDPA is ~15 % faster). float32 only: in bf16 the
-# explicit scores would be rounded to bf16, where SDPA keeps them in float32.
+# blocks and loses to plain batched matmuls from ~4 sequences on (scripts/bench_paged_attention.py); at 1-3 sequences
+# SDPA is faster. float32 only: in bf16 the explicit scores would be rounded to bf16, where SDPA keeps them in float32.
 EXPLICIT_DECODE_MIN_BATCH = 4
 
 
 def _decode_attention(q, k, v, mask, scale, softcap):
-    """q [B, kv_heads, group, d] against k/v [B, kv_heads, T, d] (views of the cache); mask [B, 1, 1, T] or None."""
-    if softcap is None and (q.dtype != torch.float32 or q.shape[0] < EXPLICIT_DECODE_MIN_BATCH
-                            or q.device.type != "cpu"):
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
-    return _explicit_attention(q, k, v, mask, scale, softcap)
+    """q [B, kv_heads, group, d] (a KV head's query heads as its "query positions") against k/v [kv_heads, B, T, d];
+    mask [B, T] (True = attend) or None. Returns [B, kv_heads, group, d]."""
+    b = q.shape[0]
+    if softcap is None and (q.dtype != torch.float32 or b < EXPLICIT_DECODE_MIN_BATCH or q.device.type != "cpu"):
+        m = None if mask is None else mask[:, None, None, :]
+        return F.scaled_dot_product_attention(q, k.transpose(0, 1), v.transpose(0, 1), attn_mask=m, scale=scale)
+    m = None if mask is None else mask[None, :, None, :]
+    return _explicit_attention(q.transpose(0, 1), k, v, m, scale, softcap).transpose(0, 1)
 
 
 def _explicit_attention(q, k, v, mask, scale, softcap):
@@ -298,15 +344,26 @@ def _explicit_attention(q, k, v, mask, scale, softcap):
     return torch.matmul(torch.softmax(scores.float(), dim=-1).to(q.dtype), v)
 
 
-def _sdpa(q, k, v, mask, causal, scale, softcap, gqa=False):
-    if softcap is None:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale,
-                                              enable_gqa=gqa)
-    if gqa:
-        k = k.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3)
-        v = v.repeat_interleave(q.shape[-3] // v.shape[-3], dim=-3)
-    # soft-capped scores (Gemma 2) are not expressible through SDPA: compute them explicitly
-    if causal:
+def _prefill_attention(q, k, v, gh: GroupedHeads, mask, scale, softcap):
+    """q [heads, n, d] over k/v [kv_heads, L, d] (the sequence's keys up to its last query), causal or masked
+    (mask [n, L], True = attend). Kept on SDPA's fused CPU kernel (flash attention), which takes only 4-D inputs: 3-D
+    ones fall back to the path that materializes the scores (3-8x slower from 600 tokens on). Uniform GQA groups go
+    through enable_gqa (no copy); uneven ones (TP not dividing the heads) expand K/V to the query heads."""
+    gqa = gh.kv_for_q is not None and gh.uniform
+    if gh.kv_for_q is not None and (not gh.uniform or softcap is not None):
+        k, v = gh.expand(k), gh.expand(v)
+        gqa = False
+    if softcap is not None:  # soft-capped scores (Gemma 2) are not expressible through SDPA: explicit, in blocks
         n, t = q.shape[-2], k.shape[-2]
-        mask = torch.ones(n, t, dtype=torch.bool, device=q.device).tril(t - n)
-    return _explicit_attention(q, k, v, mask, scale, softcap)
+        if mask is None:
+            mask = torch.ones(n, t, dtype=torch.bool, device=q.device).tril(t - n)
+        out = q.new_empty(q.shape)
+        for a in range(0, n, PREFILL_QUERY_BLOCK):  # bounded memory: a block of queries' scores at a time
+            z = min(n, a + PREFILL_QUERY_BLOCK)
+            out[:, a:z] = _explicit_attention(q[:, a:z], k, v, mask[a:z], scale, softcap)
+        return out
+    return F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask, is_causal=mask is None,
+                                          scale=scale, enable_gqa=gqa)[0]
+
+
+PREFILL_QUERY_BLOCK = 512

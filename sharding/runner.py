@@ -2,6 +2,10 @@
 
 Rank 0 calls `run(step)`, which broadcasts the step's description over the CPU group and executes it; ranks > 0
 sit in `worker_loop()`, receiving descriptions and executing the same forward until a shutdown message arrives.
+
+The KV cache is a pool of blocks sized from a memory budget (`--kv-cache-memory`, or a share of the memory left after
+the weights); every rank gets the same number of blocks (the smallest any rank can afford), because rank 0's block
+manager hands out block ids that every rank uses.
 """
 
 from __future__ import annotations
@@ -11,14 +15,14 @@ import os
 import signal
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 from tqdm import tqdm
 
 from loaders.checkpoint import Checkpoint, CheckpointError
 from loaders.config import load_config
-from sharding.attention import AttentionMetadata, KVCache, RotaryTable
+from sharding.attention import AttentionMetadata, PagedKVCache, RotaryTable
 from sharding.dist import Dist
 from sharding.models import model_class
 from sharding.step import CMD_NOOP, CMD_SHUTDOWN, CMD_STEP, HEADER, Step
@@ -30,18 +34,59 @@ IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 @dataclass(slots=True)
 class EngineConfig:
-    """What every rank must agree on to build the same model and cache."""
+    """What every rank must agree on to build the same model and cache. Declared once: the worker's command line is
+    generated from these fields (`to_argv`) and parsed back (`from_argv`)."""
 
     model: str
     dtype: str = "auto"
-    max_num_seqs: int = 32
+    max_num_seqs: int = 32  # caps the running batch; reserves nothing
     max_model_len: int | None = None  # None: min(max_position_embeddings, 2048)
+    block_size: int = 16  # tokens per KV-cache block
+    kv_cache_memory: int | None = None  # bytes of KV cache per rank; None: see default_kv_budget
+    gpu_memory_utilization: float = 0.9  # CUDA: fraction of the device's memory this process may use in all
 
     def to_argv(self) -> list[str]:
-        argv = ["--model", self.model, "--dtype", self.dtype, "--max-num-seqs", str(self.max_num_seqs)]
-        if self.max_model_len is not None:
-            argv += ["--max-model-len", str(self.max_model_len)]
+        argv = []
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if value is not None:
+                argv += ["--" + f.name.replace("_", "-"), str(value)]
         return argv
+
+    @classmethod
+    def from_argv(cls, argv: list[str]) -> "EngineConfig":
+        import argparse
+
+        ap = argparse.ArgumentParser(prog="tpserve-worker")
+        for f in fields(cls):
+            kind = {"int": int, "float": float}.get(str(f.type).split(" ")[0], str)
+            ap.add_argument("--" + f.name.replace("_", "-"), dest=f.name, type=kind, required=f.name == "model")
+        return cls(**{k: v for k, v in vars(ap.parse_args(argv)).items() if v is not None})
+
+
+# CPU: the share of the memory available after every rank has loaded its weights that the KV cache may take (split
+# among the ranks of the host). The rest is for activations, the tokenizer, the HTTP server and the OS.
+KV_CPU_MEMORY_SHARE = 0.5
+
+
+def available_memory_bytes() -> int:
+    """MemAvailable from /proc/meminfo (Linux), else the physical memory reported by os.sysconf."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def default_kv_budget(cfg: EngineConfig, dist: Dist) -> int:
+    """Bytes of KV cache for this rank when --kv-cache-memory is not given."""
+    if dist.device.type == "cuda":  # vLLM's rule: this process may use gpu_memory_utilization of the device in all
+        free, total = torch.cuda.mem_get_info(dist.device)
+        return max(0, int(total * cfg.gpu_memory_utilization) - (total - free))
+    return int(available_memory_bytes() * KV_CPU_MEMORY_SHARE / max(1, dist.local_world_size))
 
 
 def check_plan(model: torch.nn.Module, ckpt: Checkpoint) -> None:
@@ -111,22 +156,61 @@ class ModelRunner:
         self.max_model_len = resolve_max_model_len(self.model, self.config, cfg.max_model_len)
         uses_rope = getattr(self.model, "uses_rotary", True)
         self.rotary = RotaryTable(self.config, self.max_model_len, self.dtype, dist.device) if uses_rope else None
-        for attn in self.model.attention_layers:
-            attn.cache = KVCache(cfg.max_num_seqs, attn.num_kv_heads, self.max_model_len, attn.head_dim, self.dtype,
-                                 dist.device)
         self._message = torch.zeros(Step.message_size(cfg.max_num_seqs), dtype=torch.int64)  # see sharding/step.py
         self.load_seconds = time.perf_counter() - t0
         self.vocab_size = self.config.vocab_size
         self._sliding_window = self.model.sliding_window()
         self.thread_id = threading.get_ident()  # steps are fastest on this thread (server/engine.py: EngineThread)
+        self.block_size = cfg.block_size
+        self.num_blocks = 0
+        self.block_table = torch.zeros(0, 0, dtype=torch.int64)
+
+    def bytes_per_block(self) -> int:
+        """KV-cache bytes of one block on this rank, over every layer."""
+        return sum(PagedKVCache.bytes_per_block(self.block_size, a.num_kv_heads, a.head_dim, self.dtype)
+                   for a in self.model.attention_layers)
+
+    def allocate_cache(self) -> None:
+        """Size the block pool from the budget, agree on the block count with every rank, allocate it (zeroed, so
+        the memory is resident from the start) and the block-table mirror. Every rank reaches the same verdict."""
+        per_block = self.bytes_per_block()
+        budget = self.cfg.kv_cache_memory
+        if budget is None:  # a share of the machine, but no more than a full batch of full-length sequences can use
+            full_batch = self.cfg.max_num_seqs * -(-self.max_model_len // self.block_size) * per_block
+            budget = min(default_kv_budget(self.cfg, self.dist), full_batch)
+        count = torch.tensor([budget // per_block], dtype=torch.int64)
+        self.dist.all_reduce_control(count, op=torch.distributed.ReduceOp.MIN)
+        num_blocks = int(count[0])
+        blocks_per_seq = -(-self.max_model_len // self.block_size)
+        if num_blocks < blocks_per_seq and self.cfg.max_model_len is None and num_blocks > 0:
+            # the default length does not fit the budget: serve what the pool holds (an explicit length is refused)
+            logger.warning("the KV cache holds %d tokens: --max-model-len lowered from its default %d to %d",
+                           num_blocks * self.block_size, self.max_model_len, num_blocks * self.block_size)
+            self.max_model_len = num_blocks * self.block_size
+            blocks_per_seq = num_blocks
+        if num_blocks < blocks_per_seq or num_blocks == 0:
+            raise ValueError(
+                f"the KV cache budget ({budget / 2**20:.1f} MiB per rank) holds {num_blocks} blocks of "
+                f"{self.block_size} tokens ({per_block / 2**20:.3f} MiB each), fewer than the {blocks_per_seq} one "
+                f"sequence of --max-model-len {self.max_model_len} needs: raise --kv-cache-memory to at least "
+                f"{blocks_per_seq * per_block / 2**20:.1f} MiB or lower --max-model-len")
+        for attn in self.model.attention_layers:
+            attn.cache = PagedKVCache(num_blocks, self.block_size, attn.num_kv_heads, attn.head_dim, self.dtype,
+                                      self.dist.device)
+        self.num_blocks = num_blocks
+        self.block_table = torch.zeros(self.cfg.max_num_seqs, blocks_per_seq, dtype=torch.int64)
 
     def kv_cache_bytes(self) -> int:
-        return sum(a.cache.k.nbytes + a.cache.v.nbytes for a in self.model.attention_layers)
+        return sum(a.cache.pool.nbytes for a in self.model.attention_layers)
 
     @torch.inference_mode()
     def execute(self, step: Step) -> torch.Tensor | None:
-        """Run the forward of one step; rank 0 gets float32 logits [num_seqs, vocab], the others None."""
-        meta = AttentionMetadata.build(step, self.rotary, self._sliding_window, self.dist.device)
+        """Run the forward of one step; rank 0 gets float32 logits [rows, vocab], the others None."""
+        u = step.block_updates
+        if u is not None:
+            self.block_table[u[:, 0], u[:, 1]] = u[:, 2]
+        meta = AttentionMetadata.build(step, self.block_table, self.block_size, self.rotary, self._sliding_window,
+                                       self.dist.device)
         return self.model(step.input_ids.to(self.dist.device), meta)
 
     # ---- rank 0 ------------------------------------------------------------------------------------------------
@@ -169,18 +253,16 @@ class ModelRunner:
             self.execute(Step.unpack(header, payload))
 
 
-def start_rank(cfg: EngineConfig, dist: Dist) -> ModelRunner:
-    """Build this rank's runner, then agree with every rank that all of them are ready.
-
-    A rank that fails still joins the status exchange (with its failure), so no rank waits forever for it; every
-    rank then raises, and rank 0's message names the ranks that failed.
-    """
-    runner, error = None, None
+def _agree(dist: Dist, what: str, fn):
+    """Run fn() on every rank, then agree that all of them succeeded. A rank that fails still joins the status
+    exchange (with its failure), so no rank waits forever for it; every rank then raises, and rank 0's message names
+    the ranks that failed."""
+    result, error = None, None
     try:
-        runner = ModelRunner(cfg, dist)
+        result = fn()
     except Exception as e:  # noqa: BLE001 - reported below, after the others have heard of it
         error = e
-        logger.error("rank %d failed to start: %s", dist.rank, e)
+        logger.error("rank %d failed to %s: %s", dist.rank, what, e)
     status = torch.zeros(dist.world_size, dtype=torch.int64)
     status[dist.rank] = 1 if error is None else 0
     dist.all_reduce_control(status, op=torch.distributed.ReduceOp.SUM)
@@ -188,27 +270,29 @@ def start_rank(cfg: EngineConfig, dist: Dist) -> ModelRunner:
     if error is not None:
         raise error
     if failed:
-        raise RuntimeError(f"rank(s) {', '.join(map(str, failed))} failed to start; see their messages above")
+        raise RuntimeError(f"rank(s) {', '.join(map(str, failed))} failed to {what}; see their messages above")
+    return result
+
+
+def start_rank(cfg: EngineConfig, dist: Dist) -> ModelRunner:
+    """Build this rank's runner and load its shard, then (once every rank has its weights in memory, so the memory
+    left is known) allocate the KV cache; every rank agrees after each phase."""
+    runner = _agree(dist, "start", lambda: ModelRunner(cfg, dist))
+    _agree(dist, "allocate the KV cache", runner.allocate_cache)
     return runner
 
 
 def worker_main(argv: list[str] | None = None) -> int:
     """Entry of ranks > 0 (`python -m sharding.worker`)."""
-    import argparse
+    import sys
 
     from sharding.dist import init_dist
 
-    ap = argparse.ArgumentParser(prog="tpserve-worker")
-    ap.add_argument("--model", required=True)
-    ap.add_argument("--dtype", default="auto")
-    ap.add_argument("--max-num-seqs", type=int, default=32)
-    ap.add_argument("--max-model-len", type=int, default=None)
-    args = ap.parse_args(argv)
+    cfg = EngineConfig.from_argv(sys.argv[1:] if argv is None else argv)
     # Ctrl-C in a terminal reaches every process of the group: rank 0 alone decides when the ranks stop
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     dist = init_dist()
     logging.basicConfig(level=logging.WARNING, format=f"[rank {dist.rank}] %(levelname)s %(message)s")
-    cfg = EngineConfig(args.model, args.dtype, args.max_num_seqs, args.max_model_len)
     try:
         runner = start_rank(cfg, dist)
     except Exception:  # noqa: BLE001 - the message was logged; rank 0 reports the failure

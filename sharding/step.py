@@ -1,14 +1,19 @@
 """One step's description, as rank 0 decides it and every rank receives it.
 
-A step is a flat run of N tokens from S sequences: sequence i owns tokens [offset_i, offset_i + n_i), sits in KV-cache
-slot slot_i and starts at position start_i (its cached prefix). Decoding sequences contribute one token, prefilling
-ones their whole (remaining) prompt. Logits are computed for each sequence's last token, and for every token of the
-sequences listed in `all_logits` (prompt logprobs, for echo).
+A step is a flat run of N tokens from S sequences: sequence i owns tokens [offset_i, offset_i + n_i), starts at
+position start_i (the tokens before it are in the KV cache) and reads and writes the cache through row_i of the block
+table. The block table ([max_num_seqs, blocks per sequence], int64) lives on every rank as a mirror of rank 0's block
+manager: a step carries only the entries that changed since the last step, as (row, index, block) triples, and every
+rank applies them before the forward. A decoding sequence adds at most one block per step, so a decode step's updates
+are at most S.
 
-On the wire: one int64 message of a fixed size known to every rank (`message_size`): a header [cmd, N, S, F], then
-the payload ids[N], (slot, n, start)[S], all_logits[F] (sequence indices); positions are derived. Every decode step
-fits, so a decode step costs one broadcast; a step whose payload does not fit (a long prefill) sends the payload in a
-second broadcast, sized from the header.
+Per sequence, `flags` say which logits the step returns: LOGITS_LAST for its last token (it samples after this step),
+LOGITS_ALL for every one of its tokens (prompt logprobs), neither for a prefill chunk that is not the prompt's last.
+
+On the wire: one int64 message of a fixed size known to every rank (`message_size`): a header [cmd, N, S, U], then
+the payload ids[N], (row, n, start, flags)[S], (row, index, block)[U]; positions are derived. Every decode step fits,
+so a decode step costs one broadcast; a step whose payload does not fit (a prefill, a prefix-cache hit) sends the
+payload in a second broadcast, sized from the header.
 """
 
 from __future__ import annotations
@@ -22,12 +27,18 @@ CMD_SHUTDOWN = 2
 CMD_NOOP = 3  # a heartbeat while idle, so waiting ranks can tell a quiet server from a dead one
 HEADER = 4
 
+LOGITS_LAST = 1
+LOGITS_ALL = 2
+
+SEQ_FIELDS = 4  # row, n_tokens, start_pos, flags
+UPDATE_FIELDS = 3  # row, index in the row, block id
+
 
 @dataclass(slots=True)
 class Step:
     input_ids: torch.Tensor  # [N] int64
-    seq_table: torch.Tensor  # [S, 3] int64: slot, n_tokens, start_pos
-    all_logits: torch.Tensor | None = None  # [F] int64: sequences that want logits for every token, ascending
+    seq_table: torch.Tensor  # [S, 4] int64: row, n_tokens, start_pos, flags
+    block_updates: torch.Tensor | None = None  # [U, 3] int64: row, index, block id
 
     @property
     def num_tokens(self) -> int:
@@ -35,16 +46,16 @@ class Step:
 
     def pack(self) -> tuple[torch.Tensor, torch.Tensor]:
         parts = [self.input_ids, self.seq_table.reshape(-1)]
-        f = 0 if self.all_logits is None else self.all_logits.numel()
-        if f:
-            parts.append(self.all_logits)
-        header = torch.tensor([CMD_STEP, self.num_tokens, self.seq_table.shape[0], f], dtype=torch.int64)
+        u = 0 if self.block_updates is None else self.block_updates.shape[0]
+        if u:
+            parts.append(self.block_updates.reshape(-1))
+        header = torch.tensor([CMD_STEP, self.num_tokens, self.seq_table.shape[0], u], dtype=torch.int64)
         return header, torch.cat(parts)
 
     @staticmethod
     def message_size(max_num_seqs: int) -> int:
-        """Header plus the largest decode step's payload: N = S <= max_num_seqs tokens, 3 S, F <= S."""
-        return HEADER + 5 * max_num_seqs
+        """Header plus the largest decode step's payload: N = S <= max_num_seqs tokens, 4 S, 3 U with U <= S."""
+        return HEADER + (1 + SEQ_FIELDS + UPDATE_FIELDS) * max_num_seqs
 
     def pack_into(self, message: torch.Tensor) -> torch.Tensor | None:
         """Write the step into `message`; returns the payload when it must follow in a second broadcast."""
@@ -57,10 +68,11 @@ class Step:
 
     @staticmethod
     def payload_size(header: torch.Tensor) -> int:
-        return int(header[1]) + 3 * int(header[2]) + int(header[3])
+        return int(header[1]) + SEQ_FIELDS * int(header[2]) + UPDATE_FIELDS * int(header[3])
 
     @staticmethod
     def unpack(header: torch.Tensor, payload: torch.Tensor) -> "Step":
-        n, s, f = int(header[1]), int(header[2]), int(header[3])
-        return Step(payload[:n], payload[n : n + 3 * s].view(s, 3),
-                    payload[n + 3 * s : n + 3 * s + f] if f else None)
+        n, s, u = int(header[1]), int(header[2]), int(header[3])
+        e = n + SEQ_FIELDS * s
+        return Step(payload[:n], payload[n:e].view(s, SEQ_FIELDS),
+                    payload[e : e + UPDATE_FIELDS * u].view(u, UPDATE_FIELDS) if u else None)

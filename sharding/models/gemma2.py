@@ -8,8 +8,6 @@ to the window once per step for the sliding layers, and only when some token of 
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
 from sharding.attention import AttentionMetadata
@@ -67,22 +65,8 @@ class Gemma2ForCausalLM(GemmaForCausalLM):
 
 
 def window_meta(meta: AttentionMetadata, window: int) -> AttentionMetadata:
-    """The step's causal metadata with each query limited to the `window` latest keys (itself included), as
-    transformers' sliding-window mask: key k is seen from query q when q - window < k <= q."""
+    """The step's causal metadata narrowed to a sliding window (AttentionMetadata.windowed), unless no token of the
+    step sees past the window (causal is the same thing then)."""
     if not meta.positions.numel() or int(meta.positions.max()) < window:
-        return meta  # no token sees past the window: causal is the same thing
-    device = meta.positions.device
-    prefills = []
-    for p in meta.prefills:
-        mask = p.mask
-        if p.start_pos + p.n > window:
-            q = torch.arange(p.start_pos, p.start_pos + p.n, device=device)[:, None]
-            k = torch.arange(p.start_pos + p.n, device=device)[None, :]
-            mask = (k <= q) & (k > q - window)
-        prefills.append(dataclasses.replace(p, mask=mask))
-    decode_mask = meta.decode_mask
-    if meta.decode_tokens.numel():
-        lens = meta.positions[meta.decode_tokens] + 1
-        k = torch.arange(meta.decode_len, device=device)[None, :]
-        decode_mask = ((k < lens[:, None]) & (k >= lens[:, None] - window))[:, None, None, :]
-    return dataclasses.replace(meta, prefills=prefills, decode_mask=decode_mask)
+        return meta
+    return meta.windowed(window)

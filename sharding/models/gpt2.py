@@ -16,7 +16,7 @@ from torch import nn
 from loaders.checkpoint import Checkpoint, CheckpointError
 from loaders.partition import shard_heads, split_evenly
 from sharding.activations import activation
-from sharding.attention import AttentionMetadata, KVCache, attend
+from sharding.attention import AttentionMetadata, PagedKVCache, attend
 from sharding.dist import Dist
 from sharding.layers import ColumnParallelLinear, ParallelLMHead, Piece, RowParallelLinear, VocabParallelEmbedding
 from sharding.norms import LayerNorm, PositionEmbedding
@@ -58,12 +58,11 @@ class GPT2Attention(nn.Module):
         self.scale = hd ** -0.5 if getattr(config, "scale_attn_weights", True) else 1.0
         if getattr(config, "scale_attn_by_inverse_layer_idx", False):
             self.scale /= float(layer_idx + 1)
-        self.cache: KVCache | None = None
+        self.cache: PagedKVCache | None = None
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         q, k, v = self.c_attn(x).view(x.shape[0], 3, self.num_heads, self.head_dim).unbind(1)
-        self.cache.write(meta, k, v)
-        return self.c_proj(attend(q, self.cache, meta, None, self.scale))
+        return self.c_proj(attend(q, k, v, self.cache, meta, None, self.scale))
 
 
 class GPT2MLP(nn.Module):

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from loaders.partition import shard_heads, split_evenly
-from sharding.attention import AttentionMetadata, KVCache, RotaryTable, apply_rotary, attend
+from sharding.attention import AttentionMetadata, GroupedHeads, PagedKVCache, apply_rotary, attend
 from sharding.dist import Dist
 from sharding.layers import (ColumnParallelLinear, ParallelLMHead, Piece, RMSNorm, RowParallelLinear,
                              VocabParallelEmbedding)
@@ -29,8 +29,7 @@ class LlamaAttention(nn.Module):
         heads = shard_heads(self.total_num_heads, self.total_num_kv_heads, dist.world_size, dist.rank)
         self.num_heads, self.num_kv_heads = heads.num_heads, heads.num_kv_heads
         same = heads.num_heads == heads.num_kv_heads
-        self.register_buffer("kv_for_q", None if same else torch.tensor(heads.kv_for_q, device=device),
-                             persistent=False)
+        self.groups = GroupedHeads(None if same else heads.kv_for_q, device)
         hd, hidden = self.head_dim, config.hidden_size
         self.qkv_proj = ColumnParallelLinear(hidden, self.qkv_pieces(config, prefix, heads), self.qkv_bias(config),
                                              dtype, device)
@@ -39,7 +38,7 @@ class LlamaAttention(nn.Module):
             bias=getattr(config, "attention_bias", False), dist=dist, dtype=dtype, device=device)
         self.scale = self.head_dim ** -0.5
         self.softcap: float | None = None  # tanh soft-capping of attention scores (Gemma 2)
-        self.cache: KVCache | None = None
+        self.cache: PagedKVCache | None = None
 
     def qkv_bias(self, config) -> bool:
         return bool(getattr(config, "attention_bias", self.qkv_bias_default))
@@ -73,8 +72,7 @@ class LlamaAttention(nn.Module):
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         else:
             q, k = apply_rotary(q, meta.cos, meta.sin), apply_rotary(k, meta.cos, meta.sin)
-        self.cache.write(meta, k, v)
-        return self.o_proj(attend(q, self.cache, meta, self.kv_for_q, self.scale, softcap=self.softcap))
+        return self.o_proj(attend(q, k, v, self.cache, meta, self.groups, self.scale, softcap=self.softcap))
 
 
 class LlamaMLP(nn.Module):

@@ -1,7 +1,8 @@
 """Run tpserve's offline LLM on several checkpoints at one TP degree; JSON spec on stdin, JSON results written to spec['out'].
 
 Spec: {"tp": 2, "jobs": [{"model": path, "prompts": [[ids...]], "max_tokens": 32, "logprobs": 5, "temperature": 0,
-"seed": null, "dtype": "auto"}]}. Used by the tests so each TP degree starts its ranks in a fresh process.
+"seed": null, "dtype": "auto", "llm": {extra LLM keyword arguments}, "repeat": 1}]}. Results carry the engine's
+prefix-cache and preemption counters. Used by the tests so each TP degree starts its ranks in a fresh process.
 """
 
 import json
@@ -18,20 +19,33 @@ def main() -> None:
     for job in spec["jobs"]:
         try:
             llm = LLM(job.get("model"), tensor_parallel_size=spec["tp"], dtype=job.get("dtype", "auto"),
-                      max_num_seqs=job.get("max_num_seqs", 8), max_model_len=job.get("max_model_len"))
+                      max_num_seqs=job.get("max_num_seqs", 8), max_model_len=job.get("max_model_len"),
+                      **job.get("llm", {}))
         except Exception as e:  # reported to the test, which asserts on the message
             results.append({"error": f"{type(e).__name__}: {e}"})
             continue
         params = SamplingParams(max_tokens=job.get("max_tokens", 32), temperature=job.get("temperature", 0.0),
-                                seed=job.get("seed"), logprobs=job.get("logprobs"), ignore_eos=True)
+                                seed=job.get("seed"), logprobs=job.get("logprobs"), ignore_eos=True,
+                                prompt_logprobs=job.get("prompt_logprobs"))
         prompts = job.get("prompts") or [list(llm.tokenizer.apply_chat_template(
             job["messages"], add_generation_prompt=True, tokenize=True, return_dict=False))]
         if "messages" in job:
             params.ignore_eos = False
-        outs = llm.generate(prompts, params)
-        results.append({"outputs": [{"token_ids": o.token_ids, "text": o.text, "top_logprobs": o.top_logprobs}
-                                    for o in outs], "bytes_read": llm.runner.bytes_read,
-                        "checkpoint_bytes": Checkpoint(llm.cfg.model).total_bytes})
+        trace: list = []
+        if job.get("trace"):  # after every step: (output tokens, computed tokens) of every sequence so far
+            seen: list = []
+            add = llm.engine.add
+            llm.engine.add = lambda seq: (seen.append(seq), add(seq))
+            llm.engine.step_listeners.append(lambda dt, n: trace.append([(len(s.output_ids), s.num_computed)
+                                                                         for s in seen]))
+        rounds = [llm.generate(prompts, params) for _ in range(job.get("repeat", 1))]
+        outs = rounds[0]
+        results.append({"outputs": [{"token_ids": o.token_ids, "text": o.text, "top_logprobs": o.top_logprobs,
+                                     "prompt_logprobs": o.prompt_logprobs} for o in outs], "trace": trace, "bytes_read": llm.runner.bytes_read,
+                        "checkpoint_bytes": Checkpoint(llm.cfg.model).total_bytes,
+                        "repeats": [[o.token_ids for o in r] for r in rounds[1:]],
+                        "prefix_hit_tokens": llm.engine.blocks.prefix_hit_tokens,
+                        "preemptions": llm.engine.scheduler.num_preemptions})
         llm.close()
     with open(spec["out"], "w") as f:
         json.dump(results, f)

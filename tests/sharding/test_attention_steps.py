@@ -1,12 +1,13 @@
-"""attend() over mixed prefill/decode steps against a naive per-sequence reference (no processes)."""
+"""attend() over mixed prefill/decode steps on the paged cache against a naive per-sequence reference (no processes)."""
 
 import math
+import random
 
 import pytest
 import torch
 
-from sharding.attention import AttentionMetadata, KVCache, attend
-from sharding.step import Step
+from sharding.attention import AttentionMetadata, PagedKVCache, attend
+from sharding.step import LOGITS_ALL, LOGITS_LAST, Step
 
 
 def naive(q, k_all, v_all, scale, window=None, softcap=None):
@@ -24,55 +25,94 @@ def naive(q, k_all, v_all, scale, window=None, softcap=None):
     return torch.einsum("hnt,thd->nhd", s.softmax(-1), v_all)
 
 
-@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 2), (3, 1)])
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 2), (3, 1), (5, 2)])
 @pytest.mark.parametrize("window,softcap", [(None, None), (5, None), (None, 2.0)])
-def test_mixed_steps_equal_per_sequence_attention(heads, kv_heads, window, softcap):
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_mixed_steps_equal_per_sequence_attention(heads, kv_heads, window, softcap, block_size):
     torch.manual_seed(0)
-    d, max_len, n_slots = 8, 32, 6
+    d, n_rows, max_len = 8, 6, 32
     scale = 1 / math.sqrt(d)
-    kv_for_q = None if heads == kv_heads else torch.arange(heads) // (heads // kv_heads)
-    cache = KVCache(n_slots, kv_heads, max_len, d, torch.float32, torch.device("cpu"))
-    history: dict[int, tuple[list, list]] = {}  # slot -> per-position k, v
-    # steps of (slot, n new tokens): prefills join while others decode, in non-consecutive slots
+    kv_for_q = None if heads == kv_heads else torch.tensor([h * kv_heads // heads for h in range(heads)])
+    num_blocks = n_rows * max_len // block_size
+    cache = PagedKVCache(num_blocks, block_size, kv_heads, d, torch.float32, torch.device("cpu"))
+    table = torch.zeros(n_rows, max_len // block_size, dtype=torch.int64)
+    free = list(range(num_blocks))
+    random.Random(0).shuffle(free)  # blocks scattered over the pool, as a running server's are
+    history: dict[int, tuple[list, list]] = {}  # row -> per-position k, v
+    # steps of (row, n new tokens): prefills join while others decode; row 4 prefills in two chunks (the second one
+    # after a cached prefix); the all-decode steps of >= 4 sequences take the batched-matmul path
     steps = [[(0, 5)], [(0, 1), (3, 7)], [(0, 1), (3, 1), (1, 2)], [(1, 1), (3, 1)],
-             [(0, 1), (1, 1), (2, 9), (3, 1), (5, 1)], [(0, 1), (2, 1), (5, 1)], [(4, 3), (2, 1)],
-             # all-decode steps of >= EXPLICIT_DECODE_MIN_BATCH sequences of different lengths (matmul path)
+             [(0, 1), (1, 1), (2, 9), (3, 1), (5, 1)], [(0, 1), (2, 1), (5, 1)], [(4, 3), (2, 1)], [(4, 6), (2, 1)],
              [(0, 1), (1, 1), (2, 1), (3, 1), (5, 1)], [(0, 1), (1, 1), (2, 1), (3, 1), (4, 1), (5, 1)],
-             [(1, 1), (2, 1), (3, 1), (4, 1)]]
+             [(1, 1), (2, 1), (3, 1), (4, 1)], [(2, 1)]]
     for entries in steps:
-        table, n_total = [], 0
-        for slot, n in entries:
-            start = len(history.get(slot, ([], []))[0])
-            table.append((slot, n, start))
+        seq_table, updates, n_total = [], [], 0
+        for row, n in entries:
+            start = len(history.get(row, ([], []))[0])
+            for index in range(-(-start // block_size), -(-(start + n) // block_size)):
+                updates.append((row, index, free.pop()))
+            seq_table.append((row, n, start, LOGITS_LAST))
             n_total += n
-        step = Step(torch.zeros(n_total, dtype=torch.int64), torch.tensor(table, dtype=torch.int64))
-        meta = AttentionMetadata.build(step, None, window, torch.device("cpu"))
+        step = Step(torch.zeros(n_total, dtype=torch.int64), torch.tensor(seq_table, dtype=torch.int64),
+                    torch.tensor(updates, dtype=torch.int64) if updates else None)
+        if updates:
+            u = step.block_updates
+            table[u[:, 0], u[:, 1]] = u[:, 2]
+        meta = AttentionMetadata.build(step, table, block_size, None, window, torch.device("cpu"))
         q = torch.randn(n_total, heads, d)
         k = torch.randn(n_total, kv_heads, d)
         v = torch.randn(n_total, kv_heads, d)
-        cache.write(meta, k, v)
-        out = attend(q, cache, meta, kv_for_q, scale, softcap=softcap).view(n_total, heads, d)
+        out = attend(q, k, v, cache, meta, kv_for_q, scale, softcap=softcap).view(n_total, heads, d)
         at = 0
-        for slot, n, start in table:
-            hk, hv = history.setdefault(slot, ([], []))
+        for row, n, start, _ in seq_table:
+            hk, hv = history.setdefault(row, ([], []))
             hk.extend(k[at:at + n]); hv.extend(v[at:at + n])
             ks, vs = torch.stack(hk), torch.stack(hv)
             if kv_for_q is not None:
                 ks, vs = ks[:, kv_for_q], vs[:, kv_for_q]
             ref = naive(q[at:at + n], ks, vs, scale, window, softcap)
-            torch.testing.assert_close(out[at:at + n], ref, msg=f"slot {slot} in step {table}")
+            torch.testing.assert_close(out[at:at + n], ref, msg=f"row {row} in step {seq_table}")
             at += n
 
 
+def test_decode_over_consecutive_blocks_reads_a_view():
+    """One sequence whose blocks are consecutive in the pool is read through a view (no gather), with the same
+    result as the gather."""
+    torch.manual_seed(1)
+    bs, d = 4, 8
+    cache = PagedKVCache(16, bs, 2, d, torch.float32, torch.device("cpu"))
+    cache.pool.normal_()
+    table = torch.tensor([[3, 4, 5, 0]])
+    step = Step(torch.zeros(1, dtype=torch.int64), torch.tensor([[0, 1, 10, LOGITS_LAST]]))
+    meta = AttentionMetadata.build(step, table, bs, None, None, torch.device("cpu"))
+    assert meta.decode_range == (3, 6) and meta.decode_blocks is None
+    k_view, v_view = cache.gather(None, meta.decode_range, 1, meta.decode_len)
+    k_copy, v_copy = cache.gather(torch.tensor([3, 4, 5]), None, 1, meta.decode_len)
+    assert k_view.shape == (2, 1, 11, d) and torch.equal(k_view, k_copy) and torch.equal(v_view, v_copy)
+    assert k_view.data_ptr() == cache.pool[0, 0, 3].data_ptr()
+
+
+def test_logits_rows_follow_the_flags():
+    """LOGITS_LAST: the last token's row; LOGITS_ALL: every token's; neither (a mid-prompt chunk): none."""
+    table = torch.zeros(4, 8, dtype=torch.int64)
+    step = Step(torch.zeros(12, dtype=torch.int64),
+                torch.tensor([[0, 1, 5, LOGITS_LAST], [1, 4, 0, 0], [2, 3, 0, LOGITS_ALL | LOGITS_LAST],
+                              [3, 4, 8, LOGITS_ALL]]))
+    meta = AttentionMetadata.build(step, table, 4, None, None, torch.device("cpu"))
+    assert meta.logits_indices.tolist() == [0, 5, 6, 7, 8, 9, 10, 11]
+
+
 def test_step_message_round_trip():
-    """A decode step of up to max_num_seqs sequences fits the one fixed-size message; a longer step's payload
-    follows separately; both unpack to the same step."""
+    """A decode step of up to max_num_seqs sequences, each adding a block, fits the one fixed-size message; a longer
+    step's payload follows separately; both unpack to the same step."""
     from sharding.step import HEADER
 
     max_seqs = 4
-    decode = Step(torch.tensor([5, 6, 7, 8]), torch.tensor([[0, 1, 9], [1, 1, 3], [2, 1, 4], [3, 1, 7]]),
-                  torch.tensor([0, 1, 2, 3]))
-    prefill = Step(torch.arange(30), torch.tensor([[0, 1, 9], [2, 29, 0]]), torch.tensor([1]))
+    decode = Step(torch.tensor([5, 6, 7, 8]),
+                  torch.tensor([[0, 1, 9, 1], [1, 1, 3, 1], [2, 1, 4, 1], [3, 1, 7, 1]]),
+                  torch.tensor([[0, 2, 17], [1, 0, 3], [2, 1, 9], [3, 1, 11]]))
+    prefill = Step(torch.arange(30), torch.tensor([[0, 1, 9, 1], [2, 29, 0, 3]]),
+                   torch.tensor([[2, i, 40 + i] for i in range(8)]))
     for step, inline in ((decode, True), (prefill, False)):
         message = torch.zeros(Step.message_size(max_seqs), dtype=torch.int64)
         rest = step.pack_into(message)
@@ -81,4 +121,4 @@ def test_step_message_round_trip():
         payload = message[HEADER : HEADER + Step.payload_size(header)] if inline else rest
         got = Step.unpack(header, payload)
         assert torch.equal(got.input_ids, step.input_ids) and torch.equal(got.seq_table, step.seq_table)
-        assert torch.equal(got.all_logits, step.all_logits)
+        assert torch.equal(got.block_updates, step.block_updates)

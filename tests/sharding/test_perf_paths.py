@@ -3,7 +3,7 @@
 import torch
 import torch.nn.functional as F
 
-from sharding.attention import GroupedHeads, _sdpa
+from sharding.attention import GroupedHeads, _prefill_attention
 from sharding.layers import RMSNorm
 
 
@@ -17,26 +17,34 @@ def test_rmsnorm_fused_path_is_bit_identical():
 
 
 def test_grouped_decode_equals_expanded_kv():
+    """Decode attention with a KV head's query heads as its "query positions" (padded for uneven groups) equals
+    attention over K/V expanded to every query head, on the SDPA path (< 4 sequences) and the matmul path."""
+    from sharding.attention import _decode_attention
+
     for kv_for_q in ([0, 0, 0, 1, 1], [0, 0, 1, 1, 2, 2], [0, 1, 1, 1]):
+        gh = GroupedHeads(kv_for_q)
         kv = torch.tensor(kv_for_q)
-        gh = GroupedHeads(kv)
-        b, t, d = 3, 11, 16
-        q = torch.randn(b, len(kv_for_q), d)
-        k, v = torch.randn(b, max(kv_for_q) + 1, t, d), torch.randn(b, max(kv_for_q) + 1, t, d)
-        mask = torch.arange(t)[None, :] < torch.tensor([5, 11, 8])[:, None]
-        mask = mask[:, None, None, :]
-        ref = _sdpa(q.unsqueeze(2), gh.expand(k), gh.expand(v), mask, False, 0.25, None).squeeze(2)
-        qd = q.index_select(1, gh.q_index) if gh.q_index is not None else q
-        o = _sdpa(qd.reshape(b, k.shape[1], gh.group, d), k, v, mask, False, 0.25, None).reshape(b, -1, d)
-        if gh.out_index is not None:
-            o = o.index_select(1, gh.out_index)
-        torch.testing.assert_close(o, ref, rtol=0, atol=1e-6)
+        for b in (2, 5):
+            t, d = 11, 16
+            q = torch.randn(b, len(kv_for_q), d)
+            k, v = torch.randn(max(kv_for_q) + 1, b, t, d), torch.randn(max(kv_for_q) + 1, b, t, d)
+            lens = torch.randint(1, t + 1, (b,))
+            lens[0] = t
+            mask = torch.arange(t)[None, :] < lens[:, None]
+            ref = F.scaled_dot_product_attention(q.unsqueeze(2), k.transpose(0, 1)[:, kv], v.transpose(0, 1)[:, kv],
+                                                 attn_mask=mask[:, None, None, :], scale=0.25).squeeze(2)
+            qd = q.index_select(1, gh.q_index) if gh.q_index is not None else q
+            o = _decode_attention(qd.reshape(b, k.shape[0], gh.group, d), k, v, mask, 0.25, None).reshape(b, -1, d)
+            if gh.out_index is not None:
+                o = o.index_select(1, gh.out_index)
+            torch.testing.assert_close(o, ref, rtol=0, atol=1e-6)
 
 
-def test_sdpa_gqa_prefill_equals_repeated_kv():
-    q, k, v = torch.randn(6, 9, 16), torch.randn(2, 9, 16), torch.randn(2, 9, 16)
+def test_prefill_attention_gqa_equals_repeated_kv():
+    q, k, v = torch.randn(9, 6, 16), torch.randn(3, 6, 16), torch.randn(3, 6, 16)
+    gh = GroupedHeads([0, 0, 0, 1, 1, 1, 2, 2, 2])
     ref = F.scaled_dot_product_attention(q, k.repeat_interleave(3, 0), v.repeat_interleave(3, 0), is_causal=True)
-    torch.testing.assert_close(_sdpa(q, k, v, None, True, 16 ** -0.5, None, gqa=True), ref)
+    torch.testing.assert_close(_prefill_attention(q, k, v, gh, None, 16 ** -0.5, None), ref)
 
 
 def test_packed_linears_equal_plain_ones():
