@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from sharding import kernels
 from sharding.step import LOGITS_ALL, LOGITS_LAST, Step
 def rope_inv_freq(config) -> tuple[torch.Tensor, float]:
     """Inverse frequencies and attention scaling, as transformers computes them for this config."""
@@ -85,7 +86,8 @@ class AttentionMetadata:
     sin: torch.Tensor | None
     decode_tokens: torch.Tensor  # [B] indices into the flat tokens
     decode_lens: torch.Tensor  # [B] keys each decoding sequence sees (its position + 1)
-    decode_blocks: torch.Tensor | None  # [B * nblk] the decode batch's blocks, row-major; None with decode_range
+    decode_table: torch.Tensor | None  # [B, nblk] the decode batch's blocks (the paged kernel reads through it)
+    decode_blocks: torch.Tensor | None  # [B * nblk] the same, flat, for a gather; None with decode_range
     decode_range: tuple[int, int] | None  # when those blocks are exactly range(a, b): a view replaces the gather
     decode_nblk: int  # blocks per decoding sequence in the gather (the longest one's)
     decode_len: int  # keys to look at: max context length over the decode batch
@@ -93,6 +95,7 @@ class AttentionMetadata:
     prefills: list[Prefill]
     logits_indices: torch.Tensor  # [R] tokens whose logits are computed (see sharding/step.py: flags)
     all_decode: bool = False  # every token is a decode token, in sequence order (decode_tokens == arange(N))
+    window: int | None = None  # the sliding window the masks apply
     write_rows: dict = field(default_factory=dict)  # per cache geometry: flat row of each (token, K/V head)
 
     @staticmethod
@@ -126,16 +129,18 @@ class AttentionMetadata:
                     blocks = block_table[row, : (start + n + block_size - 1) // block_size].to(device)
                 prefills.append(Prefill(int(offsets[i]), n, start, blocks, None))
         decode_lens = starts[decode_idx] + 1
-        decode_blocks, decode_range, nblk, decode_len = None, None, 0, 0
+        decode_table, decode_blocks, decode_range, nblk, decode_len = None, None, None, 0, 0
         if decode_idx.numel():
             decode_len = int(decode_lens.max())
             nblk = (decode_len + block_size - 1) // block_size
-            blocks = block_table[rows[decode_idx], :nblk].reshape(-1)
+            decode_table = block_table[rows[decode_idx], :nblk]
+            blocks = decode_table.reshape(-1)
             first = int(blocks[0])
             if bool((blocks == torch.arange(first, first + blocks.numel())).all()):
                 decode_range = (first, first + blocks.numel())
             else:
                 decode_blocks = blocks.to(device)
+            decode_table = decode_table.to(device)
         logits_indices = _logits_indices(ends, ns, flags)
         meta = AttentionMetadata(
             positions=positions.to(device),
@@ -144,6 +149,7 @@ class AttentionMetadata:
             sin=rotary.sin[positions] if rotary is not None else None,
             decode_tokens=decode_tokens.to(device),
             decode_lens=decode_lens.to(device),
+            decode_table=decode_table,
             decode_blocks=decode_blocks,
             decode_range=decode_range,
             decode_nblk=nblk,
@@ -180,7 +186,8 @@ class AttentionMetadata:
                 decode_mask = k < lens[:, None]
                 if windowed:
                     decode_mask &= k >= lens[:, None] - window
-        return dataclasses.replace(self, prefills=prefills, decode_mask=decode_mask, write_rows=self.write_rows)
+        return dataclasses.replace(self, prefills=prefills, decode_mask=decode_mask, write_rows=self.write_rows,
+                                   window=window)
 
 
 def _logits_indices(ends: torch.Tensor, ns: torch.Tensor, flags: torch.Tensor) -> torch.Tensor:
@@ -302,12 +309,16 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: PagedKVCach
 
     if meta.decode_len:
         qd = q if meta.all_decode else q[meta.decode_tokens]  # [B, heads, d]
-        b = qd.shape[0]
-        kd, vd = cache.gather(meta.decode_blocks, meta.decode_range, b, meta.decode_len)  # [kv, B, T, d]
-        kv_heads = kd.shape[0]
+        b, kv_heads = qd.shape[0], cache.kv_heads
         if gh.q_index is not None:
             qd = qd.index_select(1, gh.q_index)
-        o = _decode_attention(qd.reshape(b, kv_heads, gh.group, head_dim), kd, vd, meta.decode_mask, scale, softcap)
+        qd = qd.reshape(b, kv_heads, gh.group, head_dim)
+        kernel = kernels.paged_decode_attention() if softcap is None and qd.dtype == torch.float32 else None
+        if kernel is not None and qd.device.type == "cpu":  # reads the blocks in place
+            o = kernel(qd, cache.pool, meta.decode_table, meta.decode_lens, scale, meta.window or 0)
+        else:
+            kd, vd = cache.gather(meta.decode_blocks, meta.decode_range, b, meta.decode_len)  # [kv, B, T, d]
+            o = _decode_attention(qd, kd, vd, meta.decode_mask, scale, softcap)
         o = o.reshape(b, kv_heads * gh.group, head_dim)
         if gh.out_index is not None:
             o = o.index_select(1, gh.out_index)

@@ -33,3 +33,66 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x [..., in] @ W^T (+ bias) with a weight from `pack`."""
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+# ---- paged decode attention (sharding/csrc/paged_attention.cpp) ----------------------------------------------------
+# Decode attention that reads K/V through the block table in place. The pure-torch path gathers the decode batch's
+# blocks into a contiguous copy first (one more write and read of every cached key and value per layer); see
+# scripts/bench_paged_attention.py. Compiled once per machine and torch version into $TPSERVE_HOME/kernels (needs a
+# C++ compiler and ninja; `make install` builds it); without them, or with TPSERVE_PAGED_KERNEL=0, the torch path runs.
+
+_PAGED: dict[str, object] = {}
+
+
+def _kernel_dir() -> str:
+    import hashlib
+    import platform
+
+    src = os.path.join(os.path.dirname(__file__), "csrc", "paged_attention.cpp")
+    flags = ""
+    try:
+        with open("/proc/cpuinfo") as f:  # -march=native: a build is only valid on the CPU it was made for
+            flags = next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        pass
+    with open(src, "rb") as f:
+        key = hashlib.sha256(f.read() + flags.encode() + torch.__version__.encode() + platform.machine().encode())
+    home = os.environ.get("TPSERVE_HOME") or os.path.join(os.path.expanduser("~"), ".cache", "tpserve")
+    return os.path.join(home, "kernels", "paged_attention-" + key.hexdigest()[:16])
+
+
+def build_paged_kernel(verbose: bool = False):
+    """Compile (or load the cached build of) the paged decode kernel; returns the op, or None if it cannot be built.
+    Every rank may call it at once: torch's build lock lets one compile while the others wait for it."""
+    if "op" in _PAGED:
+        return _PAGED["op"]
+    op = None
+    if os.environ.get("TPSERVE_PAGED_KERNEL", "1") != "0":
+        try:
+            from torch.utils.cpp_extension import load
+
+            build = _kernel_dir()
+            os.makedirs(build, exist_ok=True)
+            load(name="tpserve_paged_attention", sources=[os.path.join(os.path.dirname(__file__), "csrc",
+                                                                        "paged_attention.cpp")],
+                 extra_cflags=["-O3", "-march=native", "-fopenmp-simd"], build_directory=build,
+                 is_python_module=False, verbose=verbose)
+            op = torch.ops.tpserve.paged_decode_attention
+        except Exception as e:  # noqa: BLE001 - no compiler, no ninja, a failed build: the torch path serves
+            import logging
+
+            logging.getLogger(__name__).warning("paged decode kernel unavailable (%s); decode attention gathers "
+                                                "blocks in torch instead", str(e).splitlines()[0][:200])
+    _PAGED["op"] = op
+    return op
+
+
+def paged_decode_attention():
+    """The compiled op if it was built (`build_paged_kernel`, called at start), else None."""
+    return _PAGED.get("op")
+
+
+if __name__ == "__main__":  # `python -m sharding.kernels`: build the kernel now (make install does)
+    import sys
+
+    sys.exit(0 if build_paged_kernel(verbose=True) is not None else 1)

@@ -22,6 +22,7 @@ from tqdm import tqdm
 
 from loaders.checkpoint import Checkpoint, CheckpointError
 from loaders.config import load_config
+from sharding import kernels
 from sharding.attention import AttentionMetadata, PagedKVCache, RotaryTable
 from sharding.dist import Dist
 from sharding.models import model_class
@@ -194,6 +195,8 @@ class ModelRunner:
                 f"{self.block_size} tokens ({per_block / 2**20:.3f} MiB each), fewer than the {blocks_per_seq} one "
                 f"sequence of --max-model-len {self.max_model_len} needs: raise --kv-cache-memory to at least "
                 f"{blocks_per_seq * per_block / 2**20:.1f} MiB or lower --max-model-len")
+        if self.dist.device.type == "cpu":
+            kernels.build_paged_kernel()  # decode attention straight from the blocks (sharding/kernels.py)
         for attn in self.model.attention_layers:
             attn.cache = PagedKVCache(num_blocks, self.block_size, attn.num_kv_heads, attn.head_dim, self.dtype,
                                       self.dist.device)

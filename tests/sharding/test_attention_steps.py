@@ -25,10 +25,22 @@ def naive(q, k_all, v_all, scale, window=None, softcap=None):
     return torch.einsum("hnt,thd->nhd", s.softmax(-1), v_all)
 
 
+@pytest.fixture(params=["kernel", "torch"])
+def decode_path(request, monkeypatch):
+    """Decode attention through the compiled paged kernel (built as `make install` does), or the torch gather."""
+    from sharding import kernels
+
+    if request.param == "kernel":
+        assert kernels.build_paged_kernel() is not None, "the paged decode kernel did not build"
+    else:
+        monkeypatch.setitem(kernels._PAGED, "op", None)
+    return request.param
+
+
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 2), (3, 1), (5, 2)])
 @pytest.mark.parametrize("window,softcap", [(None, None), (5, None), (None, 2.0)])
 @pytest.mark.parametrize("block_size", [4, 16])
-def test_mixed_steps_equal_per_sequence_attention(heads, kv_heads, window, softcap, block_size):
+def test_mixed_steps_equal_per_sequence_attention(heads, kv_heads, window, softcap, block_size, decode_path):
     torch.manual_seed(0)
     d, n_rows, max_len = 8, 6, 32
     scale = 1 / math.sqrt(d)

@@ -1,0 +1,103 @@
+// Decode attention read straight from the paged KV cache (CPU, float32): no gather of the blocks into a contiguous
+// copy. One (sequence, KV head) pair per task; a KV head's `group` query heads share each key and value row read.
+//
+//   q      [B, H, G, D]             float32: the decode tokens' queries, grouped by KV head (G per head)
+//   pool   [2, H, NB, BS, D]        float32: K and V of every block (sharding/attention.py, PagedKVCache)
+//   table  [B, MAXB]                int64:   the blocks of each sequence, in position order
+//   lens   [B]                      int64:   keys each sequence sees (its position + 1)
+//   window                          keys within the last `window` positions only (0: all)
+//   out    [B, H, G, D]             float32
+//
+// Built at first use by sharding/kernels.py (torch.utils.cpp_extension); a pure-torch path stands in without it.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+namespace {
+
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& pool, const at::Tensor& table,
+                                  const at::Tensor& lens, double scale, int64_t window) {
+  TORCH_CHECK(q.dim() == 4 && pool.dim() == 5 && table.dim() == 2 && lens.dim() == 1, "paged_decode_attention: shapes");
+  TORCH_CHECK(q.scalar_type() == at::kFloat && pool.scalar_type() == at::kFloat, "paged_decode_attention: float32 only");
+  TORCH_CHECK(table.scalar_type() == at::kLong && lens.scalar_type() == at::kLong, "paged_decode_attention: int64 indices");
+  TORCH_CHECK(pool.is_contiguous() && table.is_contiguous() && lens.is_contiguous(), "paged_decode_attention: layout");
+  const at::Tensor qc = q.contiguous();
+  const int64_t B = qc.size(0), H = qc.size(1), G = qc.size(2), D = qc.size(3);
+  const int64_t NB = pool.size(2), BS = pool.size(3), MAXB = table.size(1);
+  TORCH_CHECK(pool.size(0) == 2 && pool.size(1) == H && pool.size(4) == D && table.size(0) == B && lens.size(0) == B,
+              "paged_decode_attention: shapes do not match");
+  at::Tensor out = at::empty_like(qc);
+  const float* qp = qc.data_ptr<float>();
+  const float* kp = pool.data_ptr<float>();
+  const float* vp = kp + H * NB * BS * D;
+  const int64_t* tp = table.data_ptr<int64_t>();
+  const int64_t* lp = lens.data_ptr<int64_t>();
+  float* op = out.data_ptr<float>();
+  const float fscale = static_cast<float>(scale);
+
+  at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;
+    for (int64_t bh = begin; bh < end; ++bh) {
+      const int64_t b = bh / H, h = bh % H;
+      const int64_t len = lp[b];
+      const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+      const int64_t n = len - first;
+      scores.resize(G * n);
+      const float* qbh = qp + bh * G * D;
+      const float* kh = kp + h * NB * BS * D;
+      const float* vh = vp + h * NB * BS * D;
+      const int64_t* blocks = tp + b * MAXB;
+      // scores[g][t] = q[g] . k[t] * scale, each key row read once for the group
+      for (int64_t t = first; t < len; ++t) {
+        const float* krow = kh + (blocks[t / BS] * BS + t % BS) * D;
+        for (int64_t g = 0; g < G; ++g) {
+          const float* qg = qbh + g * D;
+          float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+          for (int64_t d = 0; d < D; ++d) acc += qg[d] * krow[d];
+          scores[g * n + (t - first)] = acc * fscale;
+        }
+      }
+      // softmax per query head
+      for (int64_t g = 0; g < G; ++g) {
+        float* s = scores.data() + g * n;
+        float m = -std::numeric_limits<float>::infinity();
+        for (int64_t i = 0; i < n; ++i) m = std::max(m, s[i]);
+        float sum = 0.f;
+        for (int64_t i = 0; i < n; ++i) {
+          s[i] = std::exp(s[i] - m);
+          sum += s[i];
+        }
+        const float inv = 1.f / sum;
+        for (int64_t i = 0; i < n; ++i) s[i] *= inv;
+      }
+      // out[g] = sum_t p[g][t] v[t], each value row read once for the group
+      float* obh = op + bh * G * D;
+      std::fill(obh, obh + G * D, 0.f);
+      for (int64_t t = first; t < len; ++t) {
+        const float* vrow = vh + (blocks[t / BS] * BS + t % BS) * D;
+        for (int64_t g = 0; g < G; ++g) {
+          const float w = scores[g * n + (t - first)];
+          float* og = obh + g * D;
+#pragma omp simd
+          for (int64_t d = 0; d < D; ++d) og[d] += w * vrow[d];
+        }
+      }
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(tpserve, m) {
+  m.def("paged_decode_attention(Tensor q, Tensor pool, Tensor table, Tensor lens, float scale, int window) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(tpserve, CPU, m) { m.impl("paged_decode_attention", &paged_decode_attention); }
