@@ -80,7 +80,7 @@ def child(args: argparse.Namespace) -> None:
     import torch
 
     from server.llm import LLM
-    from sharding.step import Step
+    from sharding.step import LOGITS_LAST, Step
 
     t0 = time.perf_counter()
     llm = LLM(args.model, tensor_parallel_size=args.tp, max_num_seqs=32, max_model_len=256)
@@ -93,14 +93,16 @@ def child(args: argparse.Namespace) -> None:
         prompt = 8  # short, so the batch-32 prefill stays cheap on 2 cores
         for b in args.batches:
             reps = []
+            per_seq = runner.block_table.shape[1]  # sequence s owns blocks [s * per_seq, (s + 1) * per_seq)
+            blocks = torch.tensor([[s, j, s * per_seq + j] for s in range(b) for j in range(per_seq)])
             for _ in range(args.repeats):
                 ids = torch.randint(1, 1000, (b * prompt,))
-                runner.run(Step(ids, torch.tensor([[s, prompt, 0] for s in range(b)])))
+                runner.run(Step(ids, torch.tensor([[s, prompt, 0, LOGITS_LAST] for s in range(b)]), blocks))
                 times = []
                 for i in range(args.steps):
                     t = time.perf_counter()
                     logits = runner.run(Step(torch.randint(1, 1000, (b,)),
-                                             torch.tensor([[s, 1, prompt + i] for s in range(b)])))
+                                             torch.tensor([[s, 1, prompt + i, LOGITS_LAST] for s in range(b)])))
                     logits.argmax(-1).tolist()
                     times.append(time.perf_counter() - t)
                 reps.append(statistics.median(times) * 1e3)

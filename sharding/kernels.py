@@ -75,7 +75,7 @@ def build_paged_kernel(verbose: bool = False):
             os.makedirs(build, exist_ok=True)
             load(name="tpserve_paged_attention", sources=[os.path.join(os.path.dirname(__file__), "csrc",
                                                                         "paged_attention.cpp")],
-                 extra_cflags=["-O3", "-march=native", "-fopenmp-simd"], build_directory=build,
+                 extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp-simd"], build_directory=build,
                  is_python_module=False, verbose=verbose)
             op = torch.ops.tpserve.paged_decode_attention
         except Exception as e:  # noqa: BLE001 - no compiler, no ninja, a failed build: the torch path serves

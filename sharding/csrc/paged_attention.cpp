@@ -16,7 +16,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <limits>
 #include <vector>
 
 namespace {
@@ -67,14 +66,17 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& pool, c
       // softmax per query head
       for (int64_t g = 0; g < G; ++g) {
         float* s = scores.data() + g * n;
-        float m = -std::numeric_limits<float>::infinity();
-        for (int64_t i = 0; i < n; ++i) m = std::max(m, s[i]);
+        float m = s[0];  // (no infinities here: every key in [first, len) is attended; built with -ffast-math)
+#pragma omp simd reduction(max : m)
+        for (int64_t i = 1; i < n; ++i) m = std::max(m, s[i]);
         float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
         for (int64_t i = 0; i < n; ++i) {
-          s[i] = std::exp(s[i] - m);
+          s[i] = std::exp(s[i] - m);  // vectorized through glibc's libmvec (-ffast-math)
           sum += s[i];
         }
         const float inv = 1.f / sum;
+#pragma omp simd
         for (int64_t i = 0; i < n; ++i) s[i] *= inv;
       }
       // out[g] = sum_t p[g][t] v[t], each value row read once for the group
