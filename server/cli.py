@@ -39,6 +39,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="tokens per KV-cache block (default 16)")
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="tokens per step: decoding sequences first, then prefill chunks (default 512)")
+    p.add_argument("--max-prefill-tokens-while-decoding", type=int, default=64,
+                   help="while sequences decode, prefill tokens per step at most (default 64; 0: the step budget): "
+                        "bounds the pause a long prompt puts in every running stream")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse the KV cache of earlier requests' identical prefixes (default on)")
 
@@ -75,6 +78,9 @@ def engine_config(args):
     positive("--max-num-seqs", args.max_num_seqs)
     positive("--max-model-len", args.max_model_len)
     positive("--max-num-batched-tokens", args.max_num_batched_tokens)
+    if args.max_prefill_tokens_while_decoding < 0:
+        raise SystemExit("tpserve: error: --max-prefill-tokens-while-decoding must be at least 0 "
+                         f"(got {args.max_prefill_tokens_while_decoding})")
     if args.max_num_batched_tokens is not None and args.max_num_batched_tokens < args.max_num_seqs:
         raise SystemExit(f"tpserve: error: --max-num-batched-tokens ({args.max_num_batched_tokens}) must be at least "
                          f"--max-num-seqs ({args.max_num_seqs}): every running sequence decodes one token per step")
@@ -93,7 +99,8 @@ def describe_cache(runner, engine) -> str:
             f"{runner.block_size} tokens = {tokens} tokens; maximum concurrency at {runner.max_model_len} tokens per "
             f"sequence: {tokens / runner.max_model_len:.2f}x; prefix caching "
             f"{'on' if engine.blocks.enable_prefix_caching else 'off'}; {engine.scheduler.max_num_batched_tokens} "
-            f"tokens per step")
+            f"tokens per step ({engine.scheduler.max_prefill_tokens_while_decoding or 'no cap on'} prefill tokens "
+            f"while decoding)")
 
 
 def serve(args) -> int:
@@ -128,7 +135,8 @@ def serve(args) -> int:
             os._exit(1)  # uvicorn did not stop in time
         threading.Thread(target=stop_later, daemon=True).start()
 
-    engine = Engine(runner, tokenizer, args.max_num_batched_tokens, args.enable_prefix_caching, on_fatal=fatal)
+    engine = Engine(runner, tokenizer, args.max_num_batched_tokens, args.enable_prefix_caching, on_fatal=fatal,
+                    max_prefill_tokens_while_decoding=args.max_prefill_tokens_while_decoding)
     state = ServerState(engine, tokenizer, name, runner.vocab_size, api_key=api_key,
                         max_queued_requests=args.max_queued_requests, max_body_bytes=args.max_body_bytes)
     engine.step_listeners.append(lambda dt, _: state.metrics.step_seconds.observe(dt))

@@ -27,10 +27,12 @@ logger = logging.getLogger(__name__)
 
 HEARTBEAT_S = 1.0
 
-# Tokens per step (--max-num-batched-tokens): decoding sequences first, then prefill chunks. Small enough that a step
-# with a prefill chunk keeps the running streams' inter-token gap within a few decode steps on CPU, large enough that
-# prefill runs at full speed (see BENCHMARKS.md, "A long prompt arrives").
+# Tokens per step (--max-num-batched-tokens): decoding sequences first, then prefill chunks; large enough that a
+# prefill with nothing else running goes at full speed. While sequences decode, a step's prefill tokens are capped
+# (--max-prefill-tokens-while-decoding) so a long prompt arriving keeps every stream's inter-token gap within a few
+# decode steps (BENCHMARKS.md, "A long prompt arrives").
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 512
+DEFAULT_MAX_PREFILL_TOKENS_WHILE_DECODING = 64
 
 
 class EngineThread:
@@ -89,14 +91,15 @@ def eos_token_ids(model_path: str, tokenizer) -> frozenset[int]:
 
 class Engine:
     def __init__(self, runner: ModelRunner, tokenizer, max_num_batched_tokens: int | None = None,
-                 enable_prefix_caching: bool = True, on_fatal: Callable[[str], None] | None = None):
+                 enable_prefix_caching: bool = True, on_fatal: Callable[[str], None] | None = None,
+                 max_prefill_tokens_while_decoding: int | None = DEFAULT_MAX_PREFILL_TOKENS_WHILE_DECODING):
         self.runner = runner
         self.tokenizer = tokenizer
         self.max_model_len = runner.max_model_len
         self.blocks = BlockManager(runner.num_blocks, runner.block_size, enable_prefix_caching)
         self.scheduler = Scheduler(runner.cfg.max_num_seqs,
                                    max_num_batched_tokens or max(DEFAULT_MAX_NUM_BATCHED_TOKENS, runner.cfg.max_num_seqs),
-                                   self.blocks)
+                                   self.blocks, max_prefill_tokens_while_decoding)
         self.eos_ids = eos_token_ids(runner.cfg.model, tokenizer)
         self.on_fatal = on_fatal
         self.dead: str | None = None

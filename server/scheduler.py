@@ -2,7 +2,10 @@
 
 A step has a token budget (`max_num_batched_tokens`). It serves every decoding sequence first (one token each),
 then fills the rest with prefill chunks: sequences part-way through their prompt, then waiting ones in arrival order.
-A prompt longer than what is left is prefilled over several steps while the other streams keep decoding.
+A prompt longer than what is left is prefilled over several steps while the other streams keep decoding. While any
+sequence decodes, a step's prefill tokens are also capped at `max_prefill_tokens_while_decoding`: on a CPU a prefill
+token costs about as much as a whole decode step's weight streaming, so this cap is what bounds the gap a long prompt
+puts between two tokens of every running stream; with nothing decoding, prefill takes the whole budget.
 
 Blocks come from the block manager (server/block_manager.py). A waiting sequence starts with the longest run of
 cached full blocks that matches its tokens (automatic prefix caching) and computes the rest. When a running sequence
@@ -104,12 +107,14 @@ class Batch:
 
 
 class Scheduler:
-    def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, blocks: BlockManager):
+    def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, blocks: BlockManager,
+                 max_prefill_tokens_while_decoding: int | None = None):
         if max_num_batched_tokens < max_num_seqs:
             raise ValueError(f"--max-num-batched-tokens ({max_num_batched_tokens}) must be at least --max-num-seqs "
                              f"({max_num_seqs}): every running sequence decodes one token per step")
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_prefill_tokens_while_decoding = max_prefill_tokens_while_decoding
         self.blocks = blocks
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order: preemption takes from the end
@@ -127,6 +132,8 @@ class Scheduler:
         items: list[Scheduled] = []
         decoding = sum(1 for s in self.running if s.num_remaining == 1)
         prefill_budget = self.max_num_batched_tokens - decoding  # decoders' tokens are set aside first
+        if decoding and self.max_prefill_tokens_while_decoding:
+            prefill_budget = min(prefill_budget, self.max_prefill_tokens_while_decoding)
         preempted = False
         i = 0
         while i < len(self.running):

@@ -65,11 +65,12 @@ def bucket_rows(m: int) -> int:
     """The row count a packed linear runs at for m rows. oneDNN keeps a compiled primitive per distinct shape (~1 MB
     each, up to its cache's 1024 entries): four linears called at every row count from 1 to 512 grew a process by
     2.4 GB, and a server's steps (decode batches, prefill chunks, their mixes) take all of those counts. Rounding up
-    keeps the count of shapes small: exact up to 32 rows (decode batches), then multiples of 32 up to 512, of 128 up
-    to 2048 and of 512 beyond (at most ~6% padded rows; measured in BENCHMARKS.md, "Flat memory")."""
+    keeps the count of shapes small: exact up to 32 rows (decode batches), then multiples of 16 up to 128 (decode
+    batches with a small prefill chunk), of 32 up to 512, of 128 up to 2048 and of 512 beyond (~5 % padded rows on
+    average; measured in BENCHMARKS.md, "Flat memory")."""
     if m <= 32:
         return m
-    step = 32 if m <= 512 else 128 if m <= 2048 else 512
+    step = 16 if m <= 128 else 32 if m <= 512 else 128 if m <= 2048 else 512
     return -(-m // step) * step
 
 

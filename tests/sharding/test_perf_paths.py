@@ -87,4 +87,4 @@ def test_packed_linears_run_at_a_bounded_set_of_row_counts():
     assert all(bucket_rows(m) == m for m in range(1, 33))
     assert max(bucket_rows(m) / m for m in range(33, 4097)) < 2
     assert sum(bucket_rows(m) - m for m in range(33, 513)) / sum(range(33, 513)) < 0.06
-    assert len(buckets) <= 32 + 15 + 12 + 4
+    assert len(buckets) <= 32 + 6 + 12 + 12 + 4
