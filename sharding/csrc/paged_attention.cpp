@@ -55,6 +55,10 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& pool, c
       // scores[g][t] = q[g] . k[t] * scale, each key row read once for the group
       for (int64_t t = first; t < len; ++t) {
         const float* krow = kh + (blocks[t / BS] * BS + t % BS) * D;
+        if (t + BS < len) {  // the same row of the next block: blocks are scattered, so the hardware cannot guess
+          const float* next = kh + (blocks[(t + BS) / BS] * BS + t % BS) * D;
+          for (int64_t d = 0; d < D; d += 16) __builtin_prefetch(next + d);
+        }
         for (int64_t g = 0; g < G; ++g) {
           const float* qg = qbh + g * D;
           float acc = 0.f;
@@ -84,6 +88,10 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& pool, c
       std::fill(obh, obh + G * D, 0.f);
       for (int64_t t = first; t < len; ++t) {
         const float* vrow = vh + (blocks[t / BS] * BS + t % BS) * D;
+        if (t + BS < len) {
+          const float* next = vh + (blocks[(t + BS) / BS] * BS + t % BS) * D;
+          for (int64_t d = 0; d < D; d += 16) __builtin_prefetch(next + d);
+        }
         for (int64_t g = 0; g < G; ++g) {
           const float w = scores[g * n + (t - first)];
           float* og = obh + g * D;
