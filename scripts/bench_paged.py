@@ -49,7 +49,8 @@ from server.cli import parse_bytes  # noqa: E402
 SCENARIOS = ("capacity", "shared-prefix", "multi-turn", "long-prompt", "regression")
 SIZES = {  # scenario: (flag, default, value under --quick, help)
     "capacity": [("--cap-requests", 128, 16, ""), ("--cap-concurrency", 64, 16, "also the paged --max-num-seqs"),
-                 ("--cap-input-len", 256, 64, ""), ("--cap-output-len", 128, 8, "")],
+                 ("--cap-input-len", 256, 64, ""), ("--cap-output-len", 128, 8, ""),
+                 ("--cap-paged-args", "", "", "more flags for the paged server, one quoted string")],
     "shared-prefix": [("--system-len", 1500, 400, "system prompt tokens"), ("--questions", 32, 8, ""),
                       ("--question-len", 20, 20, ""), ("--sp-concurrency", 4, 4, ""), ("--sp-output-len", 16, 4, "")],
     "multi-turn": [("--conversations", 8, 2, ""), ("--turns", 6, 3, ""),
@@ -306,7 +307,7 @@ def capacity(ctx: Ctx) -> dict:
                     peak_kv_usage=peaks.get("tpserve_kv_cache_usage_ratio"), **load_stats(results, wall))
 
     runs = ctx.rounds("capacity", [("paged", ["--kv-cache-memory", a.kv_cache_memory, "--max-num-seqs",
-                                              str(a.cap_concurrency)], False),
+                                              str(a.cap_concurrency), *a.cap_paged_args.split()], False),
                                    ("slot", ["--max-num-seqs", str(slots)], True)], measure, rounds=1)
     paged, slot = runs
     summary = dict(kv_bytes_per_token=per_token, max_model_len=max_len, slot_seqs=slots,

@@ -85,7 +85,8 @@ def engine_config(args):
         raise SystemExit(f"tpserve: error: --max-num-batched-tokens ({args.max_num_batched_tokens}) must be at least "
                          f"--max-num-seqs ({args.max_num_seqs}): every running sequence decodes one token per step")
     if not 0 < args.gpu_memory_utilization <= 1:
-        raise SystemExit(f"tpserve: error: --gpu-memory-utilization must be in (0, 1] (got {args.gpu_memory_utilization})")
+        raise SystemExit("tpserve: error: --gpu-memory-utilization must be in (0, 1] "
+                         f"(got {args.gpu_memory_utilization})")
     model = args.model or args.model_flag
     return EngineConfig(resolve_model(model), args.dtype, args.max_num_seqs, args.max_model_len,
                         block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,

@@ -89,6 +89,20 @@ def eos_token_ids(model_path: str, tokenizer) -> frozenset[int]:
     return frozenset(ids)
 
 
+def attention_depth_tokens(config) -> int | None:
+    """The context length at which one token's attention costs as many multiply-adds as its linears (a Llama-shaped
+    layer: q/k/v/o and a gated MLP against 2 x heads x head_dim per cached key). SmolLM2-135M: ~3100 tokens."""
+    try:
+        h, inter = config.hidden_size, config.intermediate_size
+        heads = config.num_attention_heads
+        kv = getattr(config, "num_key_value_heads", None) or heads
+        d = getattr(config, "head_dim", None) or h // heads
+    except AttributeError:
+        return None
+    linears = h * (heads + 2 * kv) * d + heads * d * h + 3 * h * inter
+    return max(1, linears // (2 * heads * d))
+
+
 class Engine:
     def __init__(self, runner: ModelRunner, tokenizer, max_num_batched_tokens: int | None = None,
                  enable_prefix_caching: bool = True, on_fatal: Callable[[str], None] | None = None,
@@ -97,9 +111,9 @@ class Engine:
         self.tokenizer = tokenizer
         self.max_model_len = runner.max_model_len
         self.blocks = BlockManager(runner.num_blocks, runner.block_size, enable_prefix_caching)
-        self.scheduler = Scheduler(runner.cfg.max_num_seqs,
-                                   max_num_batched_tokens or max(DEFAULT_MAX_NUM_BATCHED_TOKENS, runner.cfg.max_num_seqs),
-                                   self.blocks, max_prefill_tokens_while_decoding)
+        step_tokens = max_num_batched_tokens or max(DEFAULT_MAX_NUM_BATCHED_TOKENS, runner.cfg.max_num_seqs)
+        self.scheduler = Scheduler(runner.cfg.max_num_seqs, step_tokens, self.blocks,
+                                   max_prefill_tokens_while_decoding, attention_depth_tokens(runner.config))
         self.eos_ids = eos_token_ids(runner.cfg.model, tokenizer)
         self.on_fatal = on_fatal
         self.dead: str | None = None

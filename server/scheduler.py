@@ -5,7 +5,8 @@ then fills the rest with prefill chunks: sequences part-way through their prompt
 A prompt longer than what is left is prefilled over several steps while the other streams keep decoding. While any
 sequence decodes, a step's prefill tokens are also capped at `max_prefill_tokens_while_decoding`: on a CPU a prefill
 token costs about as much as a whole decode step's weight streaming, so this cap is what bounds the gap a long prompt
-puts between two tokens of every running stream; with nothing decoding, prefill takes the whole budget.
+puts between two tokens of every running stream; deep into a long prompt, where each token's attention reads
+thousands of keys, the cap shrinks in proportion. With nothing decoding, prefill takes the whole budget.
 
 Blocks come from the block manager (server/block_manager.py). A waiting sequence starts with the longest run of
 cached full blocks that matches its tokens (automatic prefix caching) and computes the rest. When a running sequence
@@ -108,13 +109,16 @@ class Batch:
 
 class Scheduler:
     def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, blocks: BlockManager,
-                 max_prefill_tokens_while_decoding: int | None = None):
+                 max_prefill_tokens_while_decoding: int | None = None, attention_depth: int | None = None):
         if max_num_batched_tokens < max_num_seqs:
             raise ValueError(f"--max-num-batched-tokens ({max_num_batched_tokens}) must be at least --max-num-seqs "
                              f"({max_num_seqs}): every running sequence decodes one token per step")
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_prefill_tokens_while_decoding = max_prefill_tokens_while_decoding
+        # the context length at which a token's attention costs as much as its linears (attention_depth_tokens):
+        # a chunk deep into a long prompt is shortened so that its step stays about as long as one near the start
+        self.attention_depth = attention_depth
         self.blocks = blocks
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order: preemption takes from the end
@@ -139,7 +143,7 @@ class Scheduler:
         while i < len(self.running):
             seq = self.running[i]
             is_decode = seq.num_remaining == 1
-            n = 1 if is_decode else min(seq.num_remaining, prefill_budget)
+            n = 1 if is_decode else min(seq.num_remaining, self._chunk(prefill_budget, seq.num_computed, decoding))
             if n <= 0:
                 i += 1
                 continue
@@ -164,7 +168,7 @@ class Scheduler:
             if self.blocks.enable_prefix_caching and not seq.wants_prompt_logprobs:
                 computed = self.blocks.lookup(seq.token_ids)
             num_cached = len(computed) * self.blocks.block_size
-            n = min(len(seq.token_ids) - num_cached, prefill_budget)
+            n = min(len(seq.token_ids) - num_cached, self._chunk(prefill_budget, num_cached, decoding))
             new = self.blocks.allocate(seq, num_cached + n, computed)
             if new is None:
                 break  # wait for blocks; running sequences are never preempted for a waiting one
@@ -176,6 +180,13 @@ class Scheduler:
             prefill_budget -= n
             items.append(Scheduled(seq, num_cached, n))
         return Batch(items, updates)
+
+    def _chunk(self, budget: int, depth: int, decoding: int) -> int:
+        """Prefill tokens for a sequence whose first `depth` tokens are cached: the budget, shortened while others
+        decode by how much more a token costs at that depth (its attention reads `depth` keys)."""
+        if decoding and self.max_prefill_tokens_while_decoding and self.attention_depth and depth:
+            return max(1, budget * self.attention_depth // (self.attention_depth + depth))
+        return budget
 
     def _grow(self, seq: Sequence, num_tokens: int, updates: list) -> bool:
         new = self.blocks.allocate(seq, num_tokens)

@@ -41,7 +41,8 @@ def main() -> None:
         rounds = [llm.generate(prompts, params) for _ in range(job.get("repeat", 1))]
         outs = rounds[0]
         results.append({"outputs": [{"token_ids": o.token_ids, "text": o.text, "top_logprobs": o.top_logprobs,
-                                     "prompt_logprobs": o.prompt_logprobs} for o in outs], "trace": trace, "bytes_read": llm.runner.bytes_read,
+                                     "prompt_logprobs": o.prompt_logprobs} for o in outs], "trace": trace,
+                        "bytes_read": llm.runner.bytes_read,
                         "checkpoint_bytes": Checkpoint(llm.cfg.model).total_bytes,
                         "repeats": [[o.token_ids for o in r] for r in rounds[1:]],
                         "prefix_hit_tokens": llm.engine.blocks.prefix_hit_tokens,

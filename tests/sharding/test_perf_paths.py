@@ -78,8 +78,8 @@ def test_packed_linears_equal_plain_ones():
 
 
 def test_packed_linears_run_at_a_bounded_set_of_row_counts():
-    """Every row count maps to a bucket at least as large (~6 % more rows on average from 33 to 512), and 1..4096 use few
-    distinct shapes (each distinct shape costs oneDNN a compiled primitive that stays in memory)."""
+    """Every row count maps to a bucket at least as large (~6 % more rows on average from 33 to 512), and 1..4096 use
+    few distinct shapes (each distinct shape costs oneDNN a compiled primitive that stays in memory)."""
     from sharding.layers import bucket_rows
 
     buckets = {bucket_rows(m) for m in range(1, 4097)}
