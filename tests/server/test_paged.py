@@ -132,12 +132,16 @@ def small_pool(server_factory, checkpoints):
                           "--max-num-seqs", "8", "--max-num-batched-tokens", "16")
 
 
-def test_server_under_a_tiny_pool_preempts_and_answers_like_a_roomy_one(small_pool, server_factory, checkpoints):
+@pytest.fixture(scope="module")
+def roomy(server_factory, checkpoints):
+    return server_factory(checkpoints("llama"), 1, "--max-num-seqs", "8")
+
+
+def test_server_under_a_tiny_pool_preempts_and_answers_like_a_roomy_one(small_pool, roomy):
     """8 concurrent requests on a 96-token pool force preemptions; every answer equals the one a roomy server gives;
     a request that can never fit gets a 400 that names the limit; the metrics count hits and preemptions."""
     import asyncio
 
-    roomy = server_factory(checkpoints("llama"), 1, "--max-num-seqs", "8")
     # ~36 tokens each (two full blocks of 16 on the roomy server); with 40 more, 10 of the small pool's 12 blocks
     prompts = [f"Hello world! {i} How are you today? I am fine, thank you. The capital of France is Paris."
                for i in range(8)]
@@ -163,6 +167,28 @@ def test_server_under_a_tiny_pool_preempts_and_answers_like_a_roomy_one(small_po
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == "max_tokens" and "96 tokens" in err["message"] and err["code"] == "context_length_exceeded"
+
+
+def test_a_multi_turn_chat_replay_answers_the_same_with_and_without_the_cache(roomy, server_factory, checkpoints):
+    """Each turn resends the whole conversation: with prefix caching its earlier blocks are hits, and every answer
+    equals the one a server without the cache gives (greedy)."""
+    uncached = server_factory(checkpoints("llama"), 1, "--max-num-seqs", "8", "--no-enable-prefix-caching")
+
+    def replay(srv) -> list[str]:
+        client = openai.OpenAI(base_url=srv.v1, api_key="x", max_retries=0, timeout=120)
+        messages, answers = [], []
+        for turn in ("Hello world! How are you today?", "The capital of France is", "I am fine, thank you.",
+                     "Tensor parallelism splits every weight matrix"):
+            messages.append({"role": "user", "content": turn})
+            r = client.chat.completions.create(model=srv.model_name, messages=messages, max_tokens=12, temperature=0)
+            answers.append(r.choices[0].message.content)
+            messages.append({"role": "assistant", "content": answers[-1]})
+        return answers
+
+    before = metric(roomy, "tpserve_prefix_cache_hits_total")
+    assert replay(roomy) == replay(uncached)
+    assert metric(roomy, "tpserve_prefix_cache_hits_total") >= before + 16  # at least one full block per later turn
+    assert metric(uncached, "tpserve_prefix_cache_hits_total") == 0
 
 
 def test_the_pool_is_resident_from_the_start_and_sized_by_the_budget(server_factory, checkpoints):
