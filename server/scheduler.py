@@ -184,7 +184,7 @@ class Scheduler:
     def _chunk(self, budget: int, depth: int, decoding: int) -> int:
         """Prefill tokens for a sequence whose first `depth` tokens are cached: the budget, shortened while others
         decode by how much more a token costs at that depth (its attention reads `depth` keys)."""
-        if decoding and self.max_prefill_tokens_while_decoding and self.attention_depth and depth:
+        if budget > 0 and decoding and self.max_prefill_tokens_while_decoding and self.attention_depth and depth:
             return max(1, budget * self.attention_depth // (self.attention_depth + depth))
         return budget
 
