@@ -202,7 +202,9 @@ def generate(args) -> int:
     cfg = engine_config(args)
     llm = LLM(cfg.model, args.tensor_parallel_size, cfg.dtype, cfg.max_num_seqs, cfg.max_model_len,
               block_size=cfg.block_size, kv_cache_memory=cfg.kv_cache_memory,
-              max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=args.enable_prefix_caching)
+              gpu_memory_utilization=cfg.gpu_memory_utilization, max_num_batched_tokens=args.max_num_batched_tokens,
+              enable_prefix_caching=args.enable_prefix_caching,
+              max_prefill_tokens_while_decoding=args.max_prefill_tokens_while_decoding)
     try:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
         if args.chat:

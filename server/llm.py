@@ -33,10 +33,11 @@ class Completion:
 class LLM:
     def __init__(self, model: str | None = None, tensor_parallel_size: int = 1, dtype: str = "auto",
                  max_num_seqs: int = 32, max_model_len: int | None = None, *, block_size: int = 16,
-                 kv_cache_memory: int | None = None, max_num_batched_tokens: int | None = None,
+                 kv_cache_memory: int | None = None, gpu_memory_utilization: float = 0.9,
+                 max_num_batched_tokens: int | None = None,
                  enable_prefix_caching: bool = True, max_prefill_tokens_while_decoding: int | None = None):
         self.cfg = EngineConfig(resolve_model(model), dtype, max_num_seqs, max_model_len, block_size=block_size,
-                                kv_cache_memory=kv_cache_memory)
+                                kv_cache_memory=kv_cache_memory, gpu_memory_utilization=gpu_memory_utilization)
         self.runner, self.dist, self.workers = launch(self.cfg, tensor_parallel_size)
         self.tokenizer = load_tokenizer(self.cfg.model)
         self.engine = Engine(self.runner, self.tokenizer, max_num_batched_tokens, enable_prefix_caching,
