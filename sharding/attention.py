@@ -6,9 +6,10 @@ messages); its token at position p lives in block table[p // block_size] at offs
 block * block_size + offset). Attention metadata (positions, slots, rotary cos/sin, the blocks to read, masks) is
 built once per step and shared by every layer.
 
-Reading a sequence's keys means gathering its blocks into one contiguous run (one index_select per layer for the whole
-decode batch, K and V together), unless its blocks already are one run in the pool. scripts/bench_paged_attention.py
-measures this against the contiguous slot cache it replaced.
+Decode attention reads the blocks in place through a compiled kernel (sharding/csrc/paged_attention.cpp) when it
+is built; otherwise, and for a prefill chunk after cached tokens, a sequence's blocks are gathered into one
+contiguous run (one index_select per layer, K and V together), or viewed when they already are one run in the pool.
+scripts/bench_paged_attention.py measures both against the contiguous slot cache this replaced.
 """
 
 from __future__ import annotations
@@ -89,7 +90,6 @@ class AttentionMetadata:
     decode_table: torch.Tensor | None  # [B, nblk] the decode batch's blocks (the paged kernel reads through it)
     decode_blocks: torch.Tensor | None  # [B * nblk] the same, flat, for a gather; None with decode_range
     decode_range: tuple[int, int] | None  # when those blocks are exactly range(a, b): a view replaces the gather
-    decode_nblk: int  # blocks per decoding sequence in the gather (the longest one's)
     decode_len: int  # keys to look at: max context length over the decode batch
     decode_mask: torch.Tensor | None  # [B, decode_len] bool; None when every row sees all decode_len keys
     prefills: list[Prefill]
@@ -129,7 +129,7 @@ class AttentionMetadata:
                     blocks = block_table[row, : (start + n + block_size - 1) // block_size].to(device)
                 prefills.append(Prefill(int(offsets[i]), n, start, blocks, None))
         decode_lens = starts[decode_idx] + 1
-        decode_table, decode_blocks, decode_range, nblk, decode_len = None, None, None, 0, 0
+        decode_table, decode_blocks, decode_range, decode_len = None, None, None, 0
         if decode_idx.numel():
             decode_len = int(decode_lens.max())
             nblk = (decode_len + block_size - 1) // block_size
@@ -152,7 +152,6 @@ class AttentionMetadata:
             decode_table=decode_table,
             decode_blocks=decode_blocks,
             decode_range=decode_range,
-            decode_nblk=nblk,
             decode_len=decode_len,
             decode_mask=None,
             prefills=prefills,
@@ -186,8 +185,7 @@ class AttentionMetadata:
                 decode_mask = k < lens[:, None]
                 if windowed:
                     decode_mask &= k >= lens[:, None] - window
-        return dataclasses.replace(self, prefills=prefills, decode_mask=decode_mask, write_rows=self.write_rows,
-                                   window=window)
+        return dataclasses.replace(self, prefills=prefills, decode_mask=decode_mask, window=window)
 
 
 def _logits_indices(ends: torch.Tensor, ns: torch.Tensor, flags: torch.Tensor) -> torch.Tensor:

@@ -175,14 +175,13 @@ class ModelRunner:
         """Size the block pool from the budget, agree on the block count with every rank, allocate it (zeroed, so
         the memory is resident from the start) and the block-table mirror. Every rank reaches the same verdict."""
         per_block = self.bytes_per_block()
+        blocks_per_seq = -(-self.max_model_len // self.block_size)
         budget = self.cfg.kv_cache_memory
         if budget is None:  # a share of the machine, but no more than a full batch of full-length sequences can use
-            full_batch = self.cfg.max_num_seqs * -(-self.max_model_len // self.block_size) * per_block
-            budget = min(default_kv_budget(self.cfg, self.dist), full_batch)
+            budget = min(default_kv_budget(self.cfg, self.dist), self.cfg.max_num_seqs * blocks_per_seq * per_block)
         count = torch.tensor([budget // per_block], dtype=torch.int64)
         self.dist.all_reduce_control(count, op=torch.distributed.ReduceOp.MIN)
         num_blocks = int(count[0])
-        blocks_per_seq = -(-self.max_model_len // self.block_size)
         if num_blocks < blocks_per_seq and self.cfg.max_model_len is None and num_blocks > 0:
             # the default length does not fit the budget: serve what the pool holds (an explicit length is refused)
             logger.warning("the KV cache holds %d tokens: --max-model-len lowered from its default %d to %d",
