@@ -114,6 +114,8 @@ def serve(args) -> int:
 
     api_key = args.api_key or os.environ.get("TPSERVE_API_KEY") or None
     cfg = engine_config(args)
+    if not args.grammar_compile_timeout > 0:
+        raise SystemExit(f"tpserve: error: --grammar-compile-timeout must be above 0 (got {args.grammar_compile_timeout})")
     compute = EngineThread()  # every torch call of this process runs there: loading now, the engine loop later
     runner, dist, workers = compute.call(launch, cfg, args.tensor_parallel_size)
     tokenizer = load_tokenizer(cfg.model)
@@ -138,8 +140,10 @@ def serve(args) -> int:
 
     engine = Engine(runner, tokenizer, args.max_num_batched_tokens, args.enable_prefix_caching, on_fatal=fatal,
                     max_prefill_tokens_while_decoding=args.max_prefill_tokens_while_decoding)
+    engine.grammars.compile_timeout = args.grammar_compile_timeout
     state = ServerState(engine, tokenizer, name, runner.vocab_size, api_key=api_key,
-                        max_queued_requests=args.max_queued_requests, max_body_bytes=args.max_body_bytes)
+                        max_queued_requests=args.max_queued_requests, max_body_bytes=args.max_body_bytes,
+                        tool_call_parser=args.tool_call_parser)
     engine.step_listeners.append(lambda dt, _: state.metrics.step_seconds.observe(dt))
     workers.on_death = engine.fail
     workers.watch()
@@ -233,6 +237,13 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 (or TPSERVE_API_KEY)")
     s.add_argument("--max-queued-requests", type=int, default=256, help="waiting sequences before answering 429")
     s.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024, help="largest request body (413 above)")
+    s.add_argument("--tool-call-parser", choices=["hermes"], default=None,
+                   help='read tool calls out of the model\'s text for tool_choice "auto" (hermes: <tool_call>{...}'
+                        '</tool_call>, as Qwen2/Qwen3 and SmolLM-style templates teach); without it, "auto" is '
+                        'refused and "required" or a named function still force a call')
+    s.add_argument("--grammar-compile-timeout", type=float, default=10.0, metavar="SECONDS",
+                   help="longest a structured-output grammar may take to compile before the request is refused "
+                        "(default 10)")
     s.add_argument("--max-connections", type=int, default=1024, help="open connections before uvicorn answers 503")
     s.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds to finish requests on SIGTERM")
     s.add_argument("--step-timeout", type=float, default=120.0,

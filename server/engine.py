@@ -18,6 +18,7 @@ from typing import Callable
 import torch
 
 from server.block_manager import BlockManager
+from server.grammar import Grammars
 from server.sampling import SampleRow, sample
 from server.scheduler import Scheduled, Scheduler, Sequence
 from sharding.runner import ModelRunner
@@ -115,6 +116,7 @@ class Engine:
         self.scheduler = Scheduler(runner.cfg.max_num_seqs, step_tokens, self.blocks,
                                    max_prefill_tokens_while_decoding, attention_depth_tokens(runner.config))
         self.eos_ids = eos_token_ids(runner.cfg.model, tokenizer)
+        self.grammars = Grammars(tokenizer, runner.config.vocab_size, self.eos_ids)
         self.on_fatal = on_fatal
         self.dead: str | None = None
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -218,6 +220,10 @@ class Engine:
     def _sample(self, items: list[Scheduled], logits: torch.Tensor) -> None:
         seqs = [item.seq for item in items]
         rows = [SampleRow(s.params, s.generator, s.prompt_ids, s.output_ids, s.banned_ids()) for s in seqs]
+        constrained = [i for i, s in enumerate(seqs) if s.grammar is not None]
+        if constrained:  # only these rows pay: their bitmasks, and a copy of the logits to mask
+            logits = logits.clone()
+            self.grammars.mask_logits(logits, constrained, [seqs[i].grammar for i in constrained])
         sampled = sample(logits, rows)
         now = time.monotonic()
         for i, seq in enumerate(seqs):
@@ -259,6 +265,11 @@ class Engine:
         if seq.first_token_time is None:
             seq.first_token_time = now
         seq.last_token_time = now
+        if seq.grammar is not None and not seq.grammar.accept(token):
+            # cannot happen for a token the mask allowed; if it does, end the answer rather than go on unconstrained
+            logger.error("grammar rejected sampled token %d: %s", token, seq.grammar.error)
+            seq.finish_reason = "stop"
+            return
         if not p.ignore_eos and token in self.eos_ids:
             seq.finish_reason = "stop"
             return
@@ -267,6 +278,8 @@ class Engine:
             return
         seq.detok.add(token)
         if seq.detok.stopped_by is not None:
+            seq.finish_reason = "stop"
+        elif seq.grammar is not None and seq.grammar.done:  # the constrained answer is complete
             seq.finish_reason = "stop"
         elif len(seq.output_ids) >= p.max_tokens or len(seq.token_ids) >= self.max_model_len:
             seq.finish_reason = "length"

@@ -9,7 +9,7 @@ import logging
 from dataclasses import dataclass
 
 from server.engine import Engine
-from server.launcher import Workers, launch, resolve_model
+from server.launcher import launch, resolve_model
 from server.detokenize import IncrementalDetokenizer
 from server.sampling import SamplingParams
 from server.scheduler import Sequence

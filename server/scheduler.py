@@ -31,6 +31,7 @@ import torch
 
 from server.block_manager import BlockManager
 from server.detokenize import IncrementalDetokenizer
+from server.grammar import GrammarState
 from server.sampling import SamplingParams
 
 _ids = itertools.count()
@@ -58,6 +59,7 @@ class Sequence:
     num_preemptions: int = 0
     finish_reason: str | None = None
     generator: torch.Generator | None = None
+    grammar: "GrammarState | None" = None  # the output constraint's matcher (server/grammar.py), if any
     arrival: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
     last_token_time: float | None = None

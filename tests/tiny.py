@@ -25,7 +25,8 @@ TEXT = [
 SPECIALS = ["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
 
 
-def make_tokenizer(folder: Path, vocab_size: int = 384) -> None:
+def make_tokenizer(folder: Path, vocab_size: int = 384, texts: list[str] | None = None, eos: str = "</s>",
+                   template: str = CHAT_TEMPLATE) -> None:
     """A byte-level BPE tokenizer trained on a few lines, saved as tokenizer.json with a chat template."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
@@ -35,10 +36,10 @@ def make_tokenizer(folder: Path, vocab_size: int = 384) -> None:
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIALS,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train_from_iterator(TEXT * 4, trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
-                                   pad_token="</s>")
-    fast.chat_template = CHAT_TEMPLATE
+    tok.train_from_iterator((texts or TEXT) * 4, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token=eos,
+                                   pad_token=eos)
+    fast.chat_template = template
     fast.save_pretrained(str(folder))
 
 

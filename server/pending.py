@@ -1,0 +1,144 @@
+"""A request in flight: the server state it runs against, its engine sequences, and waiting for their output.
+
+Each HTTP request becomes one engine Sequence per (prompt, choice). The engine thread hands each step's new text to
+`PendingRequest.emit`, which moves it onto the request's asyncio queue; the route gathers it (`gather`) or streams it
+(`stream_events`), and a client that goes away has its sequences aborted, which frees their KV-cache blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+from fastapi import Request
+
+from server.detokenize import IncrementalDetokenizer
+from server.engine import Engine
+from server.grammar import GrammarState
+from server.metrics import Metrics
+from server.protocol import APIError
+from server.sampling import SamplingParams
+from server.scheduler import Sequence
+
+DISCONNECT_POLL_S = 0.5
+
+
+@dataclass
+class ServerState:
+    engine: Engine
+    tokenizer: object
+    model_name: str
+    vocab_size: int
+    api_key: str | None = None
+    max_queued_requests: int = 256
+    max_body_bytes: int = 4 * 1024 * 1024
+    tool_call_parser: str | None = None  # "hermes": tool_choice "auto" reads calls out of the model's text
+    metrics: Metrics = field(default_factory=Metrics)
+    draining: bool = False
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+
+class PendingRequest:
+    """One HTTP request's sequences and the queue their output arrives on."""
+
+    def __init__(self, state: ServerState, loop: asyncio.AbstractEventLoop):
+        self.state = state
+        self.loop = loop
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.seqs: list[Sequence] = []
+        self.index: dict[int, int] = {}  # seq_id -> choice index
+        self.emitted_tokens: dict[int, int] = {}
+        self.token_times: dict[int, float] = {}  # seq_id -> when its latest token came
+
+    def emit(self, seq: Sequence, text: str, finished: bool) -> None:  # engine thread
+        n = len(seq.output_ids)
+        t, prev = seq.last_token_time, self.token_times.get(seq.seq_id)
+        if t is not None and t != prev:
+            if prev is not None:
+                self.state.metrics.itl.observe(t - prev)  # every gap between two tokens of a sequence
+            self.token_times[seq.seq_id] = t
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, (seq, text, finished, n))
+
+    def add(self, prompt_ids: list[int], params: SamplingParams, choice: int,
+            grammar: GrammarState | None = None) -> None:
+        detok = IncrementalDetokenizer(self.state.tokenizer, prompt_ids, params.stop, params.skip_special_tokens)
+        seq = Sequence(prompt_ids, params, detok, emit=self.emit, grammar=grammar)
+        self.index[seq.seq_id] = choice
+        self.emitted_tokens[seq.seq_id] = 0
+        self.seqs.append(seq)
+
+    def submit(self) -> None:
+        for seq in self.seqs:
+            self.state.engine.add(seq)
+        self.state.metrics.prompt_tokens.inc(sum(len(s.prompt_ids) for s in self.seqs))
+
+    def abort(self) -> None:
+        for seq in self.seqs:
+            if not seq.finished:
+                self.state.engine.abort(seq)
+
+    def observe_finish(self, seq: Sequence) -> None:
+        m = self.state.metrics
+        m.finished.labels(seq.finish_reason).inc()
+        m.generation_tokens.inc(len(seq.output_ids))
+        if seq.first_token_time is not None:
+            m.ttft.observe(seq.first_token_time - seq.arrival)
+            m.e2e.observe(seq.last_token_time - seq.arrival)
+
+
+def admit(state: ServerState, req: PendingRequest) -> None:
+    """Queue the request's sequences, or answer 429 when the queue is full."""
+    if state.engine.num_waiting + len(req.seqs) > state.max_queued_requests:
+        raise APIError(429, f"the server is at capacity ({state.max_queued_requests} queued sequences); retry "
+                            "shortly", "rate_limit_error", code="queue_full", headers={"Retry-After": "1"})
+    req.submit()
+
+
+# ---- waiting for output ---------------------------------------------------------------------------------------
+async def next_event(req: PendingRequest, request: Request):
+    """The next engine event; aborts the request's sequences if the client has gone away meanwhile."""
+    while True:
+        try:
+            return await asyncio.wait_for(req.queue.get(), DISCONNECT_POLL_S)
+        except asyncio.TimeoutError:
+            if await request.is_disconnected():
+                req.abort()
+                raise asyncio.CancelledError("client disconnected")
+
+
+async def gather(req: PendingRequest, request: Request) -> list[Sequence]:
+    pending = len(req.seqs)
+    try:
+        while pending:
+            seq, _, finished, _ = await next_event(req, request)
+            if finished:
+                pending -= 1
+                req.observe_finish(seq)
+    except BaseException:
+        req.abort()
+        raise
+    if any(s.finish_reason == "error" for s in req.seqs):
+        raise APIError(503, f"the engine failed while serving this request: {req.state.engine.dead}",
+                       "service_unavailable", code="engine_failed")
+    return req.seqs
+
+
+async def stream_events(req: PendingRequest, request: Request):
+    """(seq, new text, finished, first token index, end token index) for every engine event, until all finish."""
+    pending = len(req.seqs)
+    try:
+        while pending:
+            seq, text, finished, n = await next_event(req, request)
+            a = req.emitted_tokens[seq.seq_id]
+            req.emitted_tokens[seq.seq_id] = n
+            if finished:
+                pending -= 1
+                req.observe_finish(seq)
+            yield seq, text, finished, a, n
+    finally:
+        req.abort()  # a no-op for finished sequences; frees the slots of a client that went away

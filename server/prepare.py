@@ -1,0 +1,155 @@
+"""Request preparation on rank 0: everything a request becomes before the engine sees it.
+
+Prompts are tokenized (or token ids checked against the vocabulary), conversations rendered through the model's chat
+template (with tools, when the request has them), lengths checked against the max model length, sampling parameters
+built, and the output constraint resolved: from response_format / guided_* / structured_outputs
+(server/structured.py) or from tool_choice (server/tool_parser.py), then compiled (server/grammar.py). Anything
+wrong is a 400 here, so a bad request never reaches the other ranks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from server.grammar import Constraint
+from server.pending import ServerState
+from server.protocol import APIError, ChatCompletionRequest, SamplingFields
+from server.sampling import SamplingParams
+from server.structured import constraint_from_request
+from server.tool_parser import check_tools, render_messages, template_supports_tools, tools_constraint
+
+
+def check_model(state: ServerState, name: str | None) -> None:
+    if name is not None and name != state.model_name:
+        raise APIError(404, f"The model `{name}` does not exist. This server serves `{state.model_name}`.",
+                       "not_found_error", param="model", code="model_not_found")
+
+
+def tokenize_prompts(state: ServerState, prompt) -> list[list[int]]:
+    if isinstance(prompt, str):
+        raw = [prompt]
+    elif all(isinstance(x, int) for x in prompt):
+        raw = [prompt]
+    else:
+        raw = list(prompt)
+    out = []
+    for p in raw:
+        if isinstance(p, str):
+            ids = state.tokenizer.encode(p)
+            if not ids:
+                raise APIError(400, "prompt encodes to zero tokens", param="prompt")
+        else:
+            bad = [t for t in p if not 0 <= t < state.vocab_size]
+            if bad:
+                raise APIError(400, f"token id {bad[0]} is outside the vocabulary [0, {state.vocab_size})",
+                               param="prompt")
+            ids = list(p)
+        out.append(ids)
+    return out
+
+
+def render_chat(state: ServerState, body: ChatCompletionRequest) -> list[int]:
+    in_template = template_supports_tools(state.tokenizer)
+    messages = render_messages(body.messages, in_template)
+    extra = {}
+    if body.tools and in_template and tool_choice(body) != "none":
+        extra["tools"] = [t.model_dump(exclude_none=True) for t in body.tools]
+    try:
+        ids = state.tokenizer.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt,
+                                                  tokenize=True, return_dict=False, **extra)
+    except Exception as e:  # noqa: BLE001 - a template that rejects the conversation (e.g. role order)
+        raise APIError(400, f"cannot render the chat template for these messages: {e}", param="messages") from None
+    ids = list(ids)
+    if not ids:
+        raise APIError(400, "the conversation renders to zero tokens", param="messages")
+    return ids
+
+
+def check_length(state: ServerState, ids: list[int], max_tokens: int) -> None:
+    """prompt + max_tokens must fit the max model length, which never exceeds what the whole KV cache holds (the
+    server refuses to start otherwise, or lowers a default length to the cache): a request that passes always fits."""
+    limit = state.max_model_len
+    why = f"this server's max model length is {limit}"
+    if state.engine.pool_tokens <= limit:
+        why += f" (its whole KV cache holds {state.engine.pool_tokens} tokens)"
+    if len(ids) >= limit:
+        raise APIError(400, f"the prompt has {len(ids)} tokens; {why}", param="prompt", code="context_length_exceeded")
+    if len(ids) + max_tokens > limit:
+        raise APIError(400, f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds {limit} tokens: {why}; "
+                            f"lower max_tokens to at most {limit - len(ids)}", param="max_tokens",
+                       code="context_length_exceeded")
+
+
+def sampling_params(body: SamplingFields, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=1.0 if body.temperature is None else body.temperature,
+        top_p=1.0 if body.top_p is None else body.top_p,
+        top_k=body.top_k or 0,
+        seed=body.seed,
+        stop=body.stop_list(),
+        stop_token_ids=list(body.stop_token_ids or []),
+        presence_penalty=body.presence_penalty,
+        frequency_penalty=body.frequency_penalty,
+        repetition_penalty=body.repetition_penalty,
+        logprobs=logprobs,
+        min_tokens=body.min_tokens,
+        ignore_eos=body.ignore_eos,
+        skip_special_tokens=body.skip_special_tokens,
+    )
+
+
+def with_seed(params: SamplingParams, choice: int) -> SamplingParams:
+    """Choice i of a seeded request uses seed + i, so n > 1 choices differ yet each is reproducible."""
+    if params.seed is None or choice == 0:
+        return params
+    return replace(params, seed=params.seed + choice)
+
+
+def decode_prompt(state: ServerState, ids: list[int]) -> str:
+    return state.tokenizer.decode(ids, skip_special_tokens=False)
+
+
+def tool_choice(body: ChatCompletionRequest):
+    """OpenAI's default: "auto" when the request has tools, "none" otherwise."""
+    if body.tool_choice is not None:
+        return body.tool_choice
+    return "auto" if body.tools else "none"
+
+
+def output_constraint(state: ServerState, body: SamplingFields) -> tuple[Constraint | None, bool]:
+    """The request's output constraint (or None), and whether tool calls are to be parsed out of the answer."""
+    constraint = constraint_from_request(body)
+    if not isinstance(body, ChatCompletionRequest):
+        return constraint, False
+    if body.functions is not None or body.function_call is not None:
+        raise APIError(400, "functions and function_call are deprecated and not supported; send tools and "
+                            "tool_choice", param="functions" if body.functions is not None else "function_call")
+    choice = tool_choice(body)
+    if not body.tools:
+        if choice not in ("none", "auto"):
+            raise APIError(400, "tool_choice names a function or requires a call, but the request has no tools",
+                           param="tool_choice")
+        return constraint, False
+    check_tools(body.tools)
+    if choice == "none":
+        return constraint, False
+    if constraint is not None:
+        raise APIError(400, f"{constraint.param} cannot be combined with tools when tool_choice is {choice!r}; "
+                            "send tool_choice \"none\" to constrain the message, or drop it", param=constraint.param)
+    if choice == "auto":
+        if not template_supports_tools(state.tokenizer):
+            raise APIError(400, "this model's chat template has no tool support, so the model cannot be told about "
+                                'the tools; send tool_choice "required" or a named function to force a call',
+                           param="tools")
+        if state.tool_call_parser is None:
+            raise APIError(400, 'tool_choice "auto" needs a server started with --tool-call-parser hermes; '
+                                'or send tool_choice "required" or a named function', param="tool_choice")
+        return None, True
+    name = None
+    if choice != "required":
+        name = choice.function.name
+        if name not in {t.function.name for t in body.tools}:
+            raise APIError(400, f"tool_choice names the function {name!r}, which is not among the request's tools",
+                           param="tool_choice")
+    return tools_constraint(body.tools, name, body.parallel_tool_calls), True

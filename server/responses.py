@@ -1,0 +1,204 @@
+"""OpenAI's response shapes: the bodies of gathered answers, the chunks of streamed ones, usage and logprobs.
+
+Streams are SSE (`data: {...}` then `data: [DONE]`). A chat answer whose tool calls are parsed (server/tool_parser.py)
+carries `message.tool_calls` and finish_reason "tool_calls"; streamed, each call arrives as a `delta.tool_calls`
+entry (id, type and name first, then the arguments), the way OpenAI sends them.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+
+from server.pending import PendingRequest, ServerState, stream_events
+from server.protocol import APIError, ChatCompletionRequest, CompletionRequest
+from server.scheduler import Sequence
+from server.tool_parser import ToolCallParser, parse_tool_calls
+
+
+def usage(prompts: list[list[int]], seqs: list[Sequence]) -> dict:
+    prompt_tokens = sum(len(p) for p in prompts)
+    completion = sum(len(s.output_ids) for s in seqs)
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion}
+
+
+def token_str(state: ServerState, t: int) -> str:
+    return state.tokenizer.decode([t])
+
+
+def top_dict(state: ServerState, alts: list[tuple[int, float]]) -> dict[str, float]:
+    """Alternatives as OpenAI's {token text: logprob}; ids that decode to the same text share a key, which keeps the
+    higher logprob (alts come best first)."""
+    out: dict[str, float] = {}
+    for t, lp in alts:
+        out.setdefault(token_str(state, t), lp)
+    return out
+
+
+def _offsets(tokens: list[str], start: int) -> list[int]:
+    offsets, pos = [], start
+    for t in tokens:
+        offsets.append(pos)
+        pos += len(t)
+    return offsets
+
+
+def completion_logprobs(state: ServerState, seq: Sequence, a: int, b: int, base: int = 0) -> dict:
+    """Legacy-completions logprobs of output tokens a..b; `base` is the length of the echoed prompt text."""
+    tokens = [token_str(state, t) for t in seq.output_ids[a:b]]
+    return {"tokens": tokens, "token_logprobs": seq.token_logprobs[a:b],
+            "top_logprobs": [top_dict(state, alts) for alts in seq.top_logprobs[a:b]],
+            "text_offset": _offsets(tokens, base + (len(seq.detok.text) if a else 0))}
+
+
+def prompt_logprobs(state: ServerState, seq: Sequence) -> dict:
+    """Logprobs of the prompt's tokens (echo): the first token has none, as in OpenAI's legacy API."""
+    tokens = [token_str(state, t) for t in seq.prompt_ids]
+    top = [top_dict(state, alts) for alts in seq.prompt_top_logprobs or []]
+    return {"tokens": tokens, "token_logprobs": [None] + (seq.prompt_logprobs or []),
+            "top_logprobs": [None] + top, "text_offset": _offsets(tokens, 0)}
+
+
+def join_logprobs(first: dict, second: dict) -> dict:
+    return {key: first[key] + second[key] for key in first}
+
+
+def chat_logprobs(state: ServerState, seq: Sequence, a: int, b: int) -> dict:
+    def entry(t: int, lp: float) -> dict:
+        s = token_str(state, t)
+        return {"token": s, "logprob": lp, "bytes": list(s.encode("utf-8"))}
+
+    content = []
+    for t, lp, alts in zip(seq.output_ids[a:b], seq.token_logprobs[a:b], seq.top_logprobs[a:b]):
+        content.append({**entry(t, lp), "top_logprobs": [entry(u, v) for u, v in alts]})
+    return {"content": content}
+
+
+def sse(gen: AsyncIterator[dict]) -> StreamingResponse:
+    async def body():
+        async for chunk in gen:
+            yield f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(body(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+def error_chunk(state: ServerState) -> dict:
+    return APIError(503, f"the engine failed while serving this request: {state.engine.dead}",
+                    "service_unavailable", code="engine_failed").body()
+
+
+async def stream_completion(req: PendingRequest, request: Request, body: CompletionRequest, rid: str, created: int,
+                            echo_text: list[str], prompts: list[list[int]]):
+    state = req.state
+
+    def chunk(i: int, text: str, finish: str | None, logprobs=None) -> dict:
+        return {"id": rid, "object": "text_completion", "created": created, "model": state.model_name,
+                "choices": [{"index": i, "text": text, "logprobs": logprobs, "finish_reason": finish}]}
+
+    echo_later = set()  # with logprobs, the echo chunk waits for the prompt's logprobs (after the prefill)
+    for i in range(len(req.seqs)):
+        if echo_text[i // body.n]:
+            if body.logprobs is None:
+                yield chunk(i, echo_text[i // body.n], None)
+            else:
+                echo_later.add(i)
+    async for seq, text, finished, a, b in stream_events(req, request):
+        if seq.finish_reason == "error":
+            yield error_chunk(state)
+            return
+        i = req.index[seq.seq_id]
+        if i in echo_later:
+            echo_later.discard(i)
+            yield chunk(i, echo_text[i // body.n], None, prompt_logprobs(state, seq))
+        if text or finished or (body.logprobs is not None and b > a):
+            lp = None
+            if body.logprobs is not None:
+                lp = completion_logprobs(state, seq, a, b, base=len(echo_text[i // body.n]))
+            yield chunk(i, text, seq.finish_reason if finished else None, lp)
+    if body.stream_options and body.stream_options.include_usage:
+        yield {"id": rid, "object": "text_completion", "created": created, "model": state.model_name,
+               "choices": [], "usage": usage(prompts, req.seqs)}
+
+
+def finish_reason(seq: Sequence, calls: list[dict]) -> str | None:
+    """OpenAI's "tool_calls" when an answer that ended by itself made calls."""
+    return "tool_calls" if calls and seq.finish_reason == "stop" else seq.finish_reason
+
+
+def completion_response(state: ServerState, req: PendingRequest, body: CompletionRequest, rid: str, created: int,
+                        echo_text: list[str], prompts: list[list[int]]) -> dict:
+    choices = []
+    for seq in sorted(req.seqs, key=lambda s: req.index[s.seq_id]):
+        i = req.index[seq.seq_id]
+        echo = echo_text[i // body.n]
+        lp = None
+        if body.logprobs is not None:
+            lp = completion_logprobs(state, seq, 0, len(seq.output_ids), base=len(echo))
+            if body.echo:
+                lp = join_logprobs(prompt_logprobs(state, seq), lp)
+        choices.append({"index": i, "text": echo + seq.detok.text, "logprobs": lp,
+                        "finish_reason": seq.finish_reason})
+    return {"id": rid, "object": "text_completion", "created": created, "model": state.model_name,
+            "choices": choices, "usage": usage(prompts, req.seqs)}
+
+
+def chat_response(state: ServerState, req: PendingRequest, body: ChatCompletionRequest, rid: str, created: int,
+                  prompt_ids: list[int], parse_tools: bool) -> dict:
+    choices = []
+    for seq in sorted(req.seqs, key=lambda s: req.index[s.seq_id]):
+        message: dict = {"role": "assistant", "content": seq.detok.text}
+        calls: list[dict] = []
+        if parse_tools:
+            message["content"], calls = parse_tool_calls(seq.detok.text)
+            if calls:
+                message["tool_calls"] = calls
+        choices.append({"index": req.index[seq.seq_id], "message": message,
+                        "logprobs": chat_logprobs(state, seq, 0, len(seq.output_ids)) if body.logprobs else None,
+                        "finish_reason": finish_reason(seq, calls)})
+    return {"id": rid, "object": "chat.completion", "created": created, "model": state.model_name,
+            "choices": choices, "usage": usage([prompt_ids], req.seqs)}
+
+
+async def stream_chat(req: PendingRequest, request: Request, body: ChatCompletionRequest, rid: str, created: int,
+                      prompt_ids: list[int], parse_tools: bool):
+    state = req.state
+
+    def chunk(i: int, delta: dict, finish: str | None, logprobs=None) -> dict:
+        return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": state.model_name,
+                "choices": [{"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]}
+
+    parsers = {seq.seq_id: ToolCallParser() for seq in req.seqs} if parse_tools else {}
+    for i in range(len(req.seqs)):
+        yield chunk(i, {"role": "assistant", "content": ""}, None)
+    async for seq, text, finished, a, b in stream_events(req, request):
+        if seq.finish_reason == "error":
+            yield error_chunk(state)
+            return
+        i = req.index[seq.seq_id]
+        lp = chat_logprobs(state, seq, a, b) if body.logprobs and b > a else None
+        parser = parsers.get(seq.seq_id)
+        if parser is None:
+            if text or finished or lp:
+                yield chunk(i, {"content": text} if text else {}, seq.finish_reason if finished else None, lp)
+            continue
+        content, calls = parser.feed(text)
+        if finished:
+            content += parser.finish()
+        if content or lp:
+            yield chunk(i, {"content": content} if content else {}, None, lp)
+        for call in calls:  # OpenAI's shape: id, type and name first, then the arguments
+            k = parser.calls.index(call)
+            fn = call["function"]
+            yield chunk(i, {"tool_calls": [{"index": k, "id": call["id"], "type": "function",
+                                            "function": {"name": fn["name"], "arguments": ""}}]}, None)
+            yield chunk(i, {"tool_calls": [{"index": k, "function": {"arguments": fn["arguments"]}}]}, None)
+        if finished:
+            yield chunk(i, {}, finish_reason(seq, parser.calls))
+    if body.stream_options and body.stream_options.include_usage:
+        yield {"id": rid, "object": "chat.completion.chunk", "created": created, "model": state.model_name,
+               "choices": [], "usage": usage([prompt_ids], req.seqs)}
