@@ -5,7 +5,8 @@ measures: building the tokenizer tables once, compiling the schema cold and agai
 of computing the allowed-token bitmask while walking a valid answer token by token, at batch 1 and 32 (32 matchers
 filling their rows of one bitmask each step), plus applying the bitmask to a [B, vocab] logits tensor.
 
-    python scripts/bench_grammar.py [--model PATH] [--rounds 3] [--out bench_grammar.json]
+    pip install xgrammar          # not a tpserve dependency (it pulls triton, ~1 GB): for this comparison only
+    python scripts/bench_grammar.py [--model PATH] [--rounds 3] [--out results/bench_grammar.json]
 
 Both engines must pass a correctness check first: the valid answer's tokens are all allowed and the matcher accepts
 at the end. Results print as a table and are saved as JSON.
@@ -14,6 +15,7 @@ at the end. Results print as a table and are saved as JSON.
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import os
 import platform
@@ -87,7 +89,7 @@ class XGrammar:
         self.info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
         self.compiler = xgr.GrammarCompiler(self.info, max_threads=1)
         self.setup_s = time.perf_counter() - t0
-        self.version = xgr.__version__ if hasattr(xgr, "__version__") else "?"
+        self.version = importlib.metadata.version("xgrammar")
 
     def compile(self, schema: str, cached: bool):
         if not cached:
@@ -125,9 +127,8 @@ class LLGuidance:
         self.llg = llguidance
         t0 = time.perf_counter()
         self.tok = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size)
-        self.executor = llguidance.LLExecutor()
         self.setup_s = time.perf_counter() - t0
-        self.version = llguidance.get_version() if hasattr(llguidance, "get_version") else "?"
+        self.version = importlib.metadata.version("llguidance")
 
     def compile(self, schema: str, cached: bool):
         # llguidance has no ahead-of-time compile: building the matcher (which validates the grammar) is the cost;
@@ -147,11 +148,10 @@ class LLGuidance:
         return self.llg.torch.allocate_token_bitmask(n, vocab)
 
     def fill(self, matchers, bitmask):
-        if len(matchers) == 1:
-            self.llg.torch.fill_next_token_bitmask(matchers[0], bitmask, 0)
-        else:
-            self.llg.torch.fill_next_token_bitmask_par(self.executor, [(m, i) for i, m in enumerate(matchers)],
-                                                       bitmask)
+        # one row after another, as tpserve does: llguidance's thread-pool executor (fill_next_token_bitmask_par)
+        # cost more than it saved on a 2-core host
+        for i, m in enumerate(matchers):
+            self.llg.torch.fill_next_token_bitmask(m, bitmask, i)
 
     def accept(self, matchers, token: int) -> bool:
         return all(m.consume_token(token) for m in matchers)
@@ -189,7 +189,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--out", default="bench_grammar.json")
+    ap.add_argument("--out", default="results/bench_grammar.json")
     args = ap.parse_args()
     torch.set_num_threads(1)
     from transformers import AutoConfig, AutoTokenizer

@@ -221,9 +221,9 @@ class Engine:
         seqs = [item.seq for item in items]
         rows = [SampleRow(s.params, s.generator, s.prompt_ids, s.output_ids, s.banned_ids()) for s in seqs]
         constrained = [i for i, s in enumerate(seqs) if s.grammar is not None]
-        if constrained:  # only these rows pay: their bitmasks, and a copy of the logits to mask
-            logits = logits.clone()
-            self.grammars.mask_logits(logits, constrained, [seqs[i].grammar for i in constrained])
+        if constrained:  # only these rows pay (the logits are this step's own: masked in place)
+            with torch.inference_mode():  # the runner made them under inference mode
+                self.grammars.mask_logits(logits, constrained, [seqs[i].grammar for i in constrained])
         sampled = sample(logits, rows)
         now = time.monotonic()
         for i, seq in enumerate(seqs):

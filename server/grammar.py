@@ -83,7 +83,7 @@ class Grammars:
         self._lock = threading.Lock()
         self._llg = None
         self._tokenizer = None
-        self._executor = None
+        self._bias: torch.Tensor | None = None  # the engine thread's buffer for the logit bias
         self.compiles = 0  # cold compiles, for tests and metrics
 
     # ---- compiling (worker thread) ---------------------------------------------------------------------------
@@ -96,7 +96,6 @@ class Grammars:
             self._llg = llguidance
             self._tokenizer = llguidance.hf.from_tokenizer(self.hf_tokenizer, n_vocab=self.vocab_size,
                                                            eos_token=self.eos_ids or None)
-            self._executor = llguidance.LLExecutor(num_threads=2)
 
     def _grammar_text(self, c: Constraint) -> str:
         llg = self._llg
@@ -159,27 +158,41 @@ class Grammars:
         return GrammarState(compiled.deep_copy())
 
     def compile_sync(self, c: Constraint) -> GrammarState:
-        """Compile in the caller's thread (the offline LLM path) and return a fresh state."""
-        return self.state(self._compile_and_cache(c))
+        """Compile in the caller's thread (the offline LLM path) and return a fresh state; a ValueError if the
+        constraint does not compile."""
+        try:
+            return self.state(self._compile_and_cache(c))
+        except APIError as e:
+            raise ValueError(e.message) from None
 
     # ---- the engine side (engine thread) -----------------------------------------------------------------------
     def mask_logits(self, logits: torch.Tensor, rows: list[int], states: list[GrammarState]) -> None:
-        """Add MASKED to every logit that rows[i]'s grammar forbids, in place (logits must not be shared)."""
+        """Add MASKED to every logit that rows[i]'s grammar forbids, in place.
+
+        The matchers fill one int32 bitmask row each (a few us per row; llguidance's thread-pool executor costs more
+        than it saves at these batch sizes on a 2-core host), numpy unpacks the bits, and the bias goes through a
+        buffer kept between steps: a fresh [rows, vocab] float tensor per step paid more in page faults than in
+        arithmetic (BENCHMARKS.md, "Structured outputs")."""
         words = (self.vocab_size + 31) // 32
         bitmask = torch.empty(len(rows), words, dtype=torch.int32)
-        if len(states) == 1:
-            states[0].matcher.unsafe_compute_mask_ptr(bitmask.data_ptr(), words * 4)
+        base, stride = bitmask.data_ptr(), words * 4
+        for i, st in enumerate(states):
+            st.matcher.unsafe_compute_mask_ptr(base + i * stride, stride)
+        vocab = min(logits.shape[-1], words * 32)
+        bits = torch.from_numpy(np.unpackbits(bitmask.numpy().view(np.uint8), axis=-1, count=vocab,
+                                              bitorder="little"))
+        if self._bias is None or self._bias.shape[0] < len(rows) or self._bias.shape[1] != vocab \
+                or self._bias.dtype != logits.dtype:
+            self._bias = torch.empty(max(len(rows), 8), vocab, dtype=logits.dtype)
+        bias = self._bias[: len(rows)]
+        bias.copy_(bits).sub_(1).mul_(-MASKED)  # 0 where allowed, MASKED elsewhere
+        if logits.shape[-1] > vocab:  # logits wider than the bitmask: the extra ids are never allowed
+            logits[rows, vocab:] = MASKED
+        if len(rows) == logits.shape[0]:
+            logits[:, :vocab].add_(bias)
         else:
-            self._executor.unsafe_compute_mask_ptr([(s.matcher, i) for i, s in enumerate(states)],
-                                                   bitmask.data_ptr(), words * 4, len(states))
-        vocab = logits.shape[-1]
-        bits = np.unpackbits(bitmask.numpy().view(np.uint8), axis=-1, count=min(vocab, words * 32),
-                             bitorder="little")
-        bias = torch.from_numpy(bits).to(logits.dtype).sub_(1).mul_(-MASKED)  # 0 where allowed, MASKED elsewhere
-        index = torch.tensor(rows, dtype=torch.int64)
-        if vocab > bias.shape[-1]:  # logits wider than the bitmask: the extra ids are never allowed
-            logits[index, bias.shape[-1]:] = MASKED
-        logits[index, : bias.shape[-1]] += bias
+            for i, r in enumerate(rows):
+                logits[r, :vocab].add_(bias[i])
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -30,6 +30,31 @@ class Completion:
     prompt_logprobs: list[float] | None = None  # of prompt tokens 1.. when params.prompt_logprobs is set
 
 
+def offline_constraint(json_schema, regex, choice, grammar):
+    """The Constraint for LLM.generate's keyword arguments (a ValueError names what is wrong)."""
+    from server.grammar import Constraint
+    from server.protocol import APIError
+    from server.structured import check_schema, json_constraint
+
+    given = [x is not None for x in (json_schema, regex, choice, grammar)]
+    if sum(given) > 1:
+        raise ValueError("give at most one of json_schema, regex, choice, grammar")
+    try:
+        if json_schema is not None:
+            return json_constraint(check_schema(json_schema, "json_schema"), "json_schema")
+    except APIError as e:
+        raise ValueError(e.message) from None
+    if regex is not None:
+        return Constraint("regex", regex, "", "regex")
+    if choice is not None:
+        import json
+
+        return Constraint("choice", json.dumps(list(choice)), "", "choice")
+    if grammar is not None:
+        return Constraint("grammar", grammar, "", "grammar")
+    return None
+
+
 class LLM:
     def __init__(self, model: str | None = None, tensor_parallel_size: int = 1, dtype: str = "auto",
                  max_num_seqs: int = 32, max_model_len: int | None = None, *, block_size: int = 16,
@@ -43,15 +68,21 @@ class LLM:
         self.engine = Engine(self.runner, self.tokenizer, max_num_batched_tokens, enable_prefix_caching,
                              max_prefill_tokens_while_decoding=max_prefill_tokens_while_decoding)
 
-    def generate(self, prompts: list[str | list[int]], params: SamplingParams | None = None) -> list[Completion]:
+    def generate(self, prompts: list[str | list[int]], params: SamplingParams | None = None, *,
+                 json_schema: dict | None = None, regex: str | None = None, choice: list[str] | None = None,
+                 grammar: str | None = None) -> list[Completion]:
+        """Complete every prompt; at most one of json_schema / regex / choice / grammar (Lark or GBNF) constrains
+        every answer, as the server's structured outputs do (docs/structured-outputs.md)."""
         params = params or SamplingParams()
+        constraint = offline_constraint(json_schema, regex, choice, grammar)
         seqs = []
         for prompt in prompts:
             ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
             if not ids or len(ids) >= self.engine.max_model_len:
                 raise ValueError(f"prompt of {len(ids)} tokens does not fit max_model_len {self.engine.max_model_len}")
             detok = IncrementalDetokenizer(self.tokenizer, ids, params.stop, params.skip_special_tokens)
-            seq = Sequence(ids, params, detok, emit=lambda *_: None)
+            state = self.engine.grammars.compile_sync(constraint) if constraint else None
+            seq = Sequence(ids, params, detok, emit=lambda *_: None, grammar=state)
             self.engine.add(seq)
             seqs.append(seq)
         self.engine.run_until_idle()
