@@ -22,7 +22,7 @@ from typing import Callable
 from loaders.checkpoint import Checkpoint
 from loaders.default_model import ensure_default_model
 from sharding.dist import Dist, init_dist
-from sharding.runner import EngineConfig, build_model, resolve_max_model_len, start_rank
+from sharding.runner import EngineConfig, build_model, leave_shutdown_to_rank0, resolve_max_model_len, start_rank
 
 logger = logging.getLogger(__name__)
 
@@ -150,6 +150,7 @@ def launch(cfg: EngineConfig, tp: int):
         if dist.world_size != tp:
             raise ValueError(f"--tensor-parallel-size {tp} does not match torchrun's world size {dist.world_size}")
         if not dist.is_first:
+            leave_shutdown_to_rank0()
             runner = start_rank(cfg, dist)
             runner.worker_loop()
             dist.shutdown()

@@ -284,6 +284,15 @@ def start_rank(cfg: EngineConfig, dist: Dist) -> ModelRunner:
     return runner
 
 
+def leave_shutdown_to_rank0() -> None:
+    """Ranks > 0 ignore SIGINT and SIGTERM. Ctrl-C in a terminal, `kill -- -PGID`, systemd's default
+    KillMode=control-group and torchrun all signal every process of the group at once; rank 0 then drains (requests in
+    flight finish) and tells the other ranks to stop, which they could not do if the signal had killed them first.
+    They still die with rank 0 (PR_SET_PDEATHSIG when tpserve spawned them; a dead peer fails their next wait)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
 def worker_main(argv: list[str] | None = None) -> int:
     """Entry of ranks > 0 (`python -m sharding.worker`)."""
     import sys
@@ -291,8 +300,7 @@ def worker_main(argv: list[str] | None = None) -> int:
     from sharding.dist import init_dist
 
     cfg = EngineConfig.from_argv(sys.argv[1:] if argv is None else argv)
-    # Ctrl-C in a terminal reaches every process of the group: rank 0 alone decides when the ranks stop
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    leave_shutdown_to_rank0()
     dist = init_dist()
     logging.basicConfig(level=logging.WARNING, format=f"[rank {dist.rank}] %(levelname)s %(message)s")
     try:

@@ -45,13 +45,14 @@ class Server:
 
 
 def start_server(model: str | None, tp: int = 1, *extra: str, log_dir: Path, ready_timeout: float = 240,
-                 env: dict | None = None) -> Server:
+                 env: dict | None = None, new_session: bool = False) -> Server:
     port = free_port()
     log = log_dir / f"server-{port}.log"
     cmd = [sys.executable, "-m", "server.cli", "serve", *([model] if model else []), "--host", "127.0.0.1",
            "--port", str(port), "-tp", str(tp), "--log-level", "warning", *extra]
     f = open(log, "w")
-    proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, env=dict(os.environ, **(env or {})))
+    proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, env=dict(os.environ, **(env or {})),
+                            start_new_session=new_session)  # a process group of its own, to signal as a whole
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + ready_timeout
     while time.monotonic() < deadline:
