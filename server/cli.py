@@ -109,13 +109,14 @@ def serve(args) -> int:
 
     from server.app import ServerState, build_app
     from server.engine import Engine, EngineThread
-    from server.launcher import kill_workers, launch
+    from server.launcher import kill_workers, launch, torchrun_worker_signals
     from server.tokenizer import load_tokenizer
 
     api_key = args.api_key or os.environ.get("TPSERVE_API_KEY") or None
     cfg = engine_config(args)
     if not args.grammar_compile_timeout > 0:
         raise SystemExit(f"tpserve: error: --grammar-compile-timeout must be above 0 (got {args.grammar_compile_timeout})")
+    torchrun_worker_signals()
     compute = EngineThread()  # every torch call of this process runs there: loading now, the engine loop later
     runner, dist, workers = compute.call(launch, cfg, args.tensor_parallel_size)
     tokenizer = load_tokenizer(cfg.model)

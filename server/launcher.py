@@ -142,6 +142,13 @@ def _fail_fast(msg: str) -> None:
     os._exit(1)
 
 
+def torchrun_worker_signals() -> None:
+    """Under torchrun, ranks > 0 leave shutdown to rank 0 (sharding/runner.py: leave_shutdown_to_rank0); call from
+    the main thread, before launch (signal handlers can be set there only)."""
+    if under_torchrun() and os.environ.get("RANK", "0") != "0":
+        leave_shutdown_to_rank0()
+
+
 def launch(cfg: EngineConfig, tp: int):
     """Start every rank. Returns (runner, dist, workers) on rank 0; on ranks > 0 under torchrun, runs the worker
     loop and exits the process when it ends."""
@@ -150,7 +157,6 @@ def launch(cfg: EngineConfig, tp: int):
         if dist.world_size != tp:
             raise ValueError(f"--tensor-parallel-size {tp} does not match torchrun's world size {dist.world_size}")
         if not dist.is_first:
-            leave_shutdown_to_rank0()
             runner = start_rank(cfg, dist)
             runner.worker_loop()
             dist.shutdown()

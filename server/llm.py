@@ -9,7 +9,7 @@ import logging
 from dataclasses import dataclass
 
 from server.engine import Engine
-from server.launcher import launch, resolve_model
+from server.launcher import launch, resolve_model, torchrun_worker_signals
 from server.detokenize import IncrementalDetokenizer
 from server.sampling import SamplingParams
 from server.scheduler import Sequence
@@ -63,6 +63,7 @@ class LLM:
                  enable_prefix_caching: bool = True, max_prefill_tokens_while_decoding: int | None = None):
         self.cfg = EngineConfig(resolve_model(model), dtype, max_num_seqs, max_model_len, block_size=block_size,
                                 kv_cache_memory=kv_cache_memory, gpu_memory_utilization=gpu_memory_utilization)
+        torchrun_worker_signals()
         self.runner, self.dist, self.workers = launch(self.cfg, tensor_parallel_size)
         self.tokenizer = load_tokenizer(self.cfg.model)
         self.engine = Engine(self.runner, self.tokenizer, max_num_batched_tokens, enable_prefix_caching,

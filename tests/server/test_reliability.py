@@ -216,7 +216,7 @@ def test_sigterm_drains_requests_in_flight_and_leaves_no_process(server_factory,
 def test_sigterm_to_the_whole_process_group_drains_too(server_factory, checkpoints):
     """systemd (KillMode=control-group), `kill -- -PGID` and torchrun signal every rank at once: the ranks > 0 leave
     the shutdown to rank 0, so a stream in flight still gets every token and the server exits 0."""
-    s = server_factory(checkpoints("llama"), 2, "--max-model-len", "512", "--shutdown-timeout", "60",
+    s = server_factory(checkpoints("llama"), 2, "--max-model-len", "256", "--shutdown-timeout", "60",
                        new_session=True)
     workers = children(s.proc.pid)
     assert workers
@@ -224,7 +224,7 @@ def test_sigterm_to_the_whole_process_group_drains_too(server_factory, checkpoin
     async def run():
         async with httpx.AsyncClient(base_url=s.url, timeout=120) as client:
             async with client.stream("POST", "/v1/completions", json={
-                    "prompt": "p", "max_tokens": 400, "ignore_eos": True, "stream": True,
+                    "prompt": "p", "max_tokens": 240, "ignore_eos": True, "stream": True,
                     "stream_options": {"include_usage": True}}) as r:
                 events = []
                 async for line in r.aiter_lines():
@@ -236,7 +236,7 @@ def test_sigterm_to_the_whole_process_group_drains_too(server_factory, checkpoin
 
     events = asyncio.run(run())
     assert events[-1] == "[DONE]" and not any('"error"' in e for e in events)
-    assert json.loads(events[-2])["usage"]["completion_tokens"] == 400
+    assert json.loads(events[-2])["usage"]["completion_tokens"] == 240
     assert s.proc.wait(timeout=60) == 0
     for pid in workers:
         assert not os.path.exists(f"/proc/{pid}") or "zombie" in open(f"/proc/{pid}/status").read().lower()
