@@ -61,3 +61,22 @@ def shard_heads(num_heads: int, num_kv_heads: int, tp_size: int, tp_rank: int) -
     kv_stop = (q_stop - 1) // group + 1
     kv_for_q = tuple(h // group - kv_start for h in range(q_start, q_stop))
     return HeadShard(q_start, q_stop, kv_start, kv_stop, kv_for_q)
+
+
+def stage_layers(num_layers: int, pp_size: int, pp_rank: int, partition: str | None = None) -> tuple[int, int]:
+    """[start, stop) of the decoder layers pipeline stage `pp_rank` holds: contiguous, as even as possible (the first
+    `num_layers % pp` stages get one more), or as `partition` says ("3,2": 3 layers on stage 0, 2 on stage 1; what
+    TPSERVE_PP_LAYER_PARTITION holds, like vLLM's VLLM_PP_LAYER_PARTITION)."""
+    if not 1 <= pp_size <= num_layers:
+        raise ValueError(f"pipeline parallel size {pp_size} must be between 1 and the number of layers ({num_layers})")
+    if not partition:
+        return split_evenly(num_layers, pp_size, pp_rank)
+    try:
+        sizes = [int(x) for x in partition.split(",")]
+    except ValueError:
+        raise ValueError(f"layer partition {partition!r} must be comma-separated layer counts, e.g. 3,2") from None
+    if len(sizes) != pp_size or any(n < 1 for n in sizes) or sum(sizes) != num_layers:
+        raise ValueError(f"layer partition {partition!r} must give {pp_size} stage(s) at least one layer each, "
+                         f"{num_layers} layers in all")
+    start = sum(sizes[:pp_rank])
+    return start, start + sizes[pp_rank]

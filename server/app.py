@@ -107,7 +107,7 @@ def build_app(state: ServerState) -> FastAPI:
         m.kv_usage.set(e.kv_usage())
         m.sync_counter(m.prefix_queries, "prefix_queries", e.blocks.prefix_query_tokens)
         m.sync_counter(m.prefix_hits, "prefix_hits", e.blocks.prefix_hit_tokens)
-        m.sync_counter(m.preemptions, "preemptions", e.scheduler.num_preemptions)
+        m.sync_counter(m.preemptions, "preemptions", e.num_preemptions)
         return Response(generate_latest(m.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")

@@ -22,7 +22,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", nargs="?", default=None,
                    help="a local Hugging Face checkpoint folder (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--model", dest="model_flag", default=None, help=argparse.SUPPRESS)
-    p.add_argument("-tp", "--tensor-parallel-size", type=int, default=1, help="number of ranks (default 1)")
+    p.add_argument("-tp", "--tensor-parallel-size", type=int, default=1,
+                   help="ranks each layer is split over (default 1)")
+    p.add_argument("-pp", "--pipeline-parallel-size", type=int, default=1,
+                   help="pipeline stages: contiguous groups of layers, each on its own tp ranks (default 1; "
+                        "TPSERVE_PP_LAYER_PARTITION=3,2 sets the layers per stage)")
+    p.add_argument("-dp", "--data-parallel-size", type=int, default=1,
+                   help="replicas of the tp x pp ranks behind the one server (default 1)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="weights and activations dtype (auto: the checkpoint's)")
     p.add_argument("--max-model-len", type=int, default=None,
@@ -75,6 +81,8 @@ def engine_config(args):
     from sharding.runner import EngineConfig
 
     positive("--tensor-parallel-size", args.tensor_parallel_size)
+    positive("--pipeline-parallel-size", args.pipeline_parallel_size)
+    positive("--data-parallel-size", args.data_parallel_size)
     positive("--max-num-seqs", args.max_num_seqs)
     positive("--max-model-len", args.max_model_len)
     positive("--max-num-batched-tokens", args.max_num_batched_tokens)
@@ -90,7 +98,8 @@ def engine_config(args):
     model = args.model or args.model_flag
     return EngineConfig(resolve_model(model), args.dtype, args.max_num_seqs, args.max_model_len,
                         block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
-                        gpu_memory_utilization=args.gpu_memory_utilization)
+                        gpu_memory_utilization=args.gpu_memory_utilization,
+                        pipeline_parallel_size=args.pipeline_parallel_size, data_parallel_size=args.data_parallel_size)
 
 
 def describe_cache(runner, engine) -> str:
@@ -179,13 +188,15 @@ def serve(args) -> int:
     server = DrainingServer(config)
     server_ref["server"] = server
     print(f"tpserve: {describe_cache(runner, engine)}", flush=True)
-    print(f"tpserve: serving {name} on http://{args.host}:{args.port} (tensor parallel size "
-          f"{args.tensor_parallel_size})", flush=True)
+    layout = (f"tensor parallel size {args.tensor_parallel_size}" + (
+        f", pipeline parallel size {args.pipeline_parallel_size}" if args.pipeline_parallel_size > 1 else "") + (
+        f", data parallel size {args.data_parallel_size}" if args.data_parallel_size > 1 else ""))
+    print(f"tpserve: serving {name} on http://{args.host}:{args.port} ({layout})", flush=True)
     try:
         server.run()
     finally:
         engine.stop()
-        if engine.dead is None and dist.world_size > 1:
+        if engine.dead is None and dist.global_world_size > 1:
             try:  # on the engine thread, which owns the collectives (free once the loop has stopped)
                 compute.submit(runner.stop_workers).result(timeout=10)
             except Exception:  # noqa: BLE001 - a rank already gone, or the loop never came back
@@ -209,7 +220,8 @@ def generate(args) -> int:
               block_size=cfg.block_size, kv_cache_memory=cfg.kv_cache_memory,
               gpu_memory_utilization=cfg.gpu_memory_utilization, max_num_batched_tokens=args.max_num_batched_tokens,
               enable_prefix_caching=args.enable_prefix_caching,
-              max_prefill_tokens_while_decoding=args.max_prefill_tokens_while_decoding)
+              max_prefill_tokens_while_decoding=args.max_prefill_tokens_while_decoding,
+              pipeline_parallel_size=cfg.pipeline_parallel_size, data_parallel_size=cfg.data_parallel_size)
     try:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
         if args.chat:

@@ -1,7 +1,15 @@
-"""Rank 0's engine: the scheduler, the model runner and the sampler, stepping in a thread of their own.
+"""Rank 0's engine: the schedulers, the model runner and the sampler, stepping in a thread of their own.
 
 Requests enter through `add()` from any thread; each step's new text reaches its sequence's `emit` callback from the
-engine thread. When idle the engine sends a heartbeat to the other ranks every second, so they can tell a quiet
+engine thread.
+
+Lanes. Every replica (--data-parallel-size) has one block pool and one lane per pipeline stage
+(--pipeline-parallel-size): a lane is a scheduler over its own sequences, with at most one step in flight. The
+engine launches a step on every idle lane (another replica's first, then its own replica's, whose first stage runs
+here), then completes the oldest step in flight: receives its logits, samples, and so on. With P stages, P steps of
+disjoint sequences are in the pipeline at once, so no stage idles (vLLM's "virtual engines"); with D replicas, D
+steps run at once. With neither, one lane: launch computes the logits and completion samples them at once. A new
+request goes to the lane with the least work (running + waiting). When idle the engine sends a heartbeat to the other ranks every second, so they can tell a quiet
 server from a dead one. If a step fails (a rank died, a collective timed out) the engine is dead: every sequence ends
 with finish_reason "error" and `on_fatal` is called.
 """
@@ -12,7 +20,9 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -20,8 +30,8 @@ import torch
 from server.block_manager import BlockManager
 from server.grammar import Grammars
 from server.sampling import SampleRow, sample
-from server.scheduler import Scheduled, Scheduler, Sequence
-from sharding.runner import ModelRunner
+from server.scheduler import Batch, Scheduled, Scheduler, Sequence
+from sharding.runner import Launched, ModelRunner
 from sharding.step import LOGITS_ALL, LOGITS_LAST, Step
 
 logger = logging.getLogger(__name__)
@@ -104,6 +114,30 @@ def attention_depth_tokens(config) -> int | None:
     return max(1, linears // (2 * heads * d))
 
 
+@dataclass(eq=False)
+class Lane:
+    """A scheduler of one replica with at most one step in flight."""
+
+    index: int
+    replica: int
+    scheduler: Scheduler
+    busy: bool = False
+
+    @property
+    def load(self) -> int:
+        return len(self.scheduler.running) + len(self.scheduler.waiting)
+
+
+@dataclass(slots=True)
+class InFlight:
+    lane: Lane
+    batch: Batch
+    table: list[tuple[int, int, int, int]]
+    launched: Launched
+    num_tokens: int
+    started: float
+
+
 class Engine:
     def __init__(self, runner: ModelRunner, tokenizer, max_num_batched_tokens: int | None = None,
                  enable_prefix_caching: bool = True, on_fatal: Callable[[str], None] | None = None,
@@ -111,10 +145,20 @@ class Engine:
         self.runner = runner
         self.tokenizer = tokenizer
         self.max_model_len = runner.max_model_len
-        self.blocks = BlockManager(runner.num_blocks, runner.block_size, enable_prefix_caching)
+        layout = runner.dist.layout
+        self.pools = [BlockManager(runner.num_blocks, runner.block_size, enable_prefix_caching)
+                      for _ in range(layout.dp)]
+        self.blocks = self.pools[0]
         step_tokens = max_num_batched_tokens or max(DEFAULT_MAX_NUM_BATCHED_TOKENS, runner.cfg.max_num_seqs)
-        self.scheduler = Scheduler(runner.cfg.max_num_seqs, step_tokens, self.blocks,
-                                   max_prefill_tokens_while_decoding, attention_depth_tokens(runner.config))
+        seqs = runner.cfg.max_num_seqs
+        self.lanes = [Lane(r * layout.pp + v, r, Scheduler(seqs, step_tokens, self.pools[r],
+                                                           max_prefill_tokens_while_decoding,
+                                                           attention_depth_tokens(runner.config), first_row=v * seqs))
+                      for r in range(layout.dp) for v in range(layout.pp)]
+        self.scheduler = self.lanes[0].scheduler  # the step budget and caps every lane shares (for the start line)
+        # launch order: other replicas first (a message each), replica 0's lanes last (its first stage runs here)
+        self._launch_order = sorted(self.lanes, key=lambda lane: (lane.replica == 0, lane.index))
+        self._inflight: deque[InFlight] = deque()
         self.eos_ids = eos_token_ids(runner.cfg.model, tokenizer)
         self.grammars = Grammars(tokenizer, runner.config.vocab_size, self.eos_ids)
         self.on_fatal = on_fatal
@@ -140,15 +184,27 @@ class Engine:
 
     @property
     def num_running(self) -> int:
-        return len(self.scheduler.running)
+        return sum(len(lane.scheduler.running) for lane in self.lanes)
 
     @property
     def num_waiting(self) -> int:
-        return len(self.scheduler.waiting) + self._inbox.qsize()
+        return sum(len(lane.scheduler.waiting) for lane in self.lanes) + self._inbox.qsize()
 
-    def kv_usage(self) -> float:
-        """Fraction of KV-cache blocks held by sequences (cached free blocks count as free)."""
-        return self.blocks.usage()
+    @property
+    def num_preemptions(self) -> int:
+        return sum(lane.scheduler.num_preemptions for lane in self.lanes)
+
+    def kv_usage(self, replica: int | None = None) -> float:
+        """Fraction of KV-cache blocks held by sequences (cached free blocks count as free): of one replica's
+        pool, or the mean over the replicas."""
+        if replica is not None:
+            return self.pools[replica].usage()
+        return sum(p.usage() for p in self.pools) / len(self.pools)
+
+    def replica_load(self, replica: int) -> tuple[int, int]:
+        """(running, waiting) of one replica."""
+        lanes = [lane for lane in self.lanes if lane.replica == replica]
+        return sum(len(x.scheduler.running) for x in lanes), sum(len(x.scheduler.waiting) for x in lanes)
 
     @property
     def pool_tokens(self) -> int:
@@ -165,24 +221,39 @@ class Engine:
                 if self.dead:
                     self._finish(seq, "error")
                 else:
-                    self.scheduler.add(seq)
+                    lane = min(self.lanes, key=lambda x: x.load)  # the least loaded lane (the first of equals)
+                    seq.lane = lane.index
+                    lane.scheduler.add(seq)
             elif not seq.finished:
                 self._finish(seq, "abort")
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         seq.finish_reason = reason
-        self.scheduler.free(seq)
+        self.lanes[seq.lane].scheduler.free(seq)
         try:
             seq.emit(seq, seq.detok.release(final=True) if reason not in ("abort", "error") else "", True)
         except Exception:  # noqa: BLE001 - a client's callback must not take the engine down
             logger.exception("emit failed")
 
     def step(self) -> bool:
-        """Run one step if there is work; False when there was none."""
+        """Launch a step on every idle lane that has work, then complete the oldest step in flight; False when
+        nothing was in flight."""
         self._drain_inbox()
-        batch = self.scheduler.schedule()
-        if not batch.items:
-            return False
+        self._step_started = time.monotonic()
+        try:
+            for lane in self._launch_order:
+                if not lane.busy:
+                    batch = lane.scheduler.schedule()
+                    if batch.items:
+                        self._launch(lane, batch)
+            if not self._inflight:
+                return False
+            self._complete(self._inflight.popleft())
+            return True
+        finally:
+            self._step_started = None
+
+    def _launch(self, lane: Lane, batch: Batch) -> None:
         t0 = time.perf_counter()
         ids, table = [], []
         for item in batch.items:
@@ -194,28 +265,34 @@ class Engine:
             table.append((seq.row, item.n, item.start, flags))
         updates = torch.tensor(batch.block_updates, dtype=torch.int64) if batch.block_updates else None
         step = Step(torch.tensor(ids, dtype=torch.int64), torch.tensor(table, dtype=torch.int64), updates)
-        self._step_started = time.monotonic()
-        logits = self.runner.run(step)
-        self._step_started = None
-        self.scheduler.finished_step(batch)
+        launched = self.runner.launch(step, lane.replica)
+        lane.busy = True
+        self._inflight.append(InFlight(lane, batch, table, launched, len(ids), t0))
+
+    def _complete(self, f: InFlight) -> None:
+        logits = self.runner.collect(f.launched)
+        f.lane.busy = False
+        f.lane.scheduler.finished_step(f.batch)
         sampling, rows, at = [], [], 0
-        for item, (_, n, start, flags) in zip(batch.items, table):
+        for item, (_, n, start, flags) in zip(f.batch.items, f.table):
+            live = not item.seq.finished  # not aborted while its step was in flight
             if flags & LOGITS_ALL:
-                self._record_prompt_logprobs(item.seq, logits[at : at + n], start)
+                if live:
+                    self._record_prompt_logprobs(item.seq, logits[at : at + n], start)
                 at += n
-                if flags & LOGITS_LAST:
+                if flags & LOGITS_LAST and live:
                     sampling.append(item)
                     rows.append(at - 1)
             elif flags & LOGITS_LAST:
-                sampling.append(item)
-                rows.append(at)
+                if live:
+                    sampling.append(item)
+                    rows.append(at)
                 at += 1
         if sampling:
             self._sample(sampling, logits if len(rows) == logits.shape[0] else logits[rows])
-        dt = time.perf_counter() - t0
+        dt = time.perf_counter() - f.started
         for listener in self.step_listeners:
-            listener(dt, len(ids))
-        return True
+            listener(dt, f.num_tokens)
 
     def _sample(self, items: list[Scheduled], logits: torch.Tensor) -> None:
         seqs = [item.seq for item in items]
@@ -232,7 +309,7 @@ class Engine:
                 seq.token_logprobs.append(sampled.logprobs[i])
                 seq.top_logprobs.append(sampled.top_logprobs[i] if sampled.top_logprobs else [])
             if seq.finished:
-                self.scheduler.free(seq)
+                self.lanes[seq.lane].scheduler.free(seq)
                 seq.emit(seq, seq.detok.release(final=True), True)
             else:
                 seq.emit(seq, seq.detok.release(), False)
@@ -346,8 +423,9 @@ class Engine:
                 return
             self.dead = reason
         logger.error("%s", reason)
-        for seq in list(self.scheduler.running) + list(self.scheduler.waiting):
-            self._finish(seq, "error")
+        for lane in self.lanes:
+            for seq in list(lane.scheduler.running) + list(lane.scheduler.waiting):
+                self._finish(seq, "error")
         self._drain_inbox()
         if self.on_fatal is not None:
             self.on_fatal(reason)

@@ -59,15 +59,22 @@ def resolve_model(model: str | None) -> str:
 
 def validate(cfg: EngineConfig, tp: int) -> None:
     """Everything that can be checked before any other rank exists: folder, files, architecture, names, shapes,
-    the TP degree. Raises ValueError with a message for the user."""
+    the TP degree, the pipeline split. Raises ValueError with a message for the user."""
     if tp < 1:
         raise ValueError("--tensor-parallel-size must be at least 1")
+    if cfg.pipeline_parallel_size < 1 or cfg.data_parallel_size < 1:
+        raise ValueError("--pipeline-parallel-size and --data-parallel-size must be at least 1")
+    import torch
+
+    from loaders.partition import stage_layers
+
+    partition = os.environ.get("TPSERVE_PP_LAYER_PARTITION") or None
     with Checkpoint(cfg.model) as ckpt:
         ckpt.resolve_dtype(cfg.dtype)
-        import torch
-
         model, config, _ = build_model(cfg, Dist(rank=0, world_size=tp, device=torch.device("meta")), ckpt)
         resolve_max_model_len(model, config, cfg.max_model_len)
+        for stage in range(cfg.pipeline_parallel_size):
+            stage_layers(config.num_hidden_layers, cfg.pipeline_parallel_size, stage, partition)
 
 
 @dataclass
@@ -125,11 +132,17 @@ def _die_with_parent() -> None:
         ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
+def world_size(cfg: EngineConfig, tp: int) -> int:
+    return tp * cfg.pipeline_parallel_size * cfg.data_parallel_size
+
+
 def spawn_workers(cfg: EngineConfig, tp: int) -> tuple[Workers, dict[str, str]]:
-    """Ranks 1..tp-1 as `python -m sharding.worker`; returns them and rank 0's rendezvous environment."""
-    rdzv = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(tp), LOCAL_WORLD_SIZE=str(tp))
+    """Ranks 1..world-1 as `python -m sharding.worker`; returns them and rank 0's rendezvous environment."""
+    world = world_size(cfg, tp)
+    rdzv = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(world),
+                LOCAL_WORLD_SIZE=str(world))
     workers = Workers()
-    for rank in range(1, tp):
+    for rank in range(1, world):
         workers.procs.append(subprocess.Popen(
             [sys.executable, "-m", "sharding.worker", *cfg.to_argv()],
             env=dict(os.environ, **rdzv, RANK=str(rank), LOCAL_RANK=str(rank)), preexec_fn=_die_with_parent))
@@ -153,21 +166,25 @@ def launch(cfg: EngineConfig, tp: int):
     """Start every rank. Returns (runner, dist, workers) on rank 0; on ranks > 0 under torchrun, runs the worker
     loop and exits the process when it ends."""
     if under_torchrun():
-        dist = init_dist()
-        if dist.world_size != tp:
-            raise ValueError(f"--tensor-parallel-size {tp} does not match torchrun's world size {dist.world_size}")
-        if not dist.is_first:
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        if world != world_size(cfg, tp):
+            raise ValueError(f"--tensor-parallel-size {tp} x --pipeline-parallel-size {cfg.pipeline_parallel_size} "
+                             f"x --data-parallel-size {cfg.data_parallel_size} does not match torchrun's world size "
+                             f"{world}")
+        dist = init_dist(cfg.layout(world))
+        if not dist.is_driver:
             runner = start_rank(cfg, dist)
             runner.worker_loop()
             dist.shutdown()
             sys.exit(0)
         return start_rank(cfg, dist), dist, Workers()
     validate(cfg, tp)
-    workers, rdzv = spawn_workers(cfg, tp) if tp > 1 else (Workers(), {})
+    world = world_size(cfg, tp)
+    workers, rdzv = spawn_workers(cfg, tp) if world > 1 else (Workers(), {})
     workers.on_death = _fail_fast
     workers.watch()
     with environment(rdzv):
-        dist = init_dist()
+        dist = init_dist(cfg.layout(world))
     try:
         runner = start_rank(cfg, dist)
     except BaseException:

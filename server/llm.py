@@ -60,9 +60,11 @@ class LLM:
                  max_num_seqs: int = 32, max_model_len: int | None = None, *, block_size: int = 16,
                  kv_cache_memory: int | None = None, gpu_memory_utilization: float = 0.9,
                  max_num_batched_tokens: int | None = None,
-                 enable_prefix_caching: bool = True, max_prefill_tokens_while_decoding: int | None = None):
+                 enable_prefix_caching: bool = True, max_prefill_tokens_while_decoding: int | None = None,
+                 pipeline_parallel_size: int = 1, data_parallel_size: int = 1):
         self.cfg = EngineConfig(resolve_model(model), dtype, max_num_seqs, max_model_len, block_size=block_size,
-                                kv_cache_memory=kv_cache_memory, gpu_memory_utilization=gpu_memory_utilization)
+                                kv_cache_memory=kv_cache_memory, gpu_memory_utilization=gpu_memory_utilization,
+                                pipeline_parallel_size=pipeline_parallel_size, data_parallel_size=data_parallel_size)
         torchrun_worker_signals()
         self.runner, self.dist, self.workers = launch(self.cfg, tensor_parallel_size)
         self.tokenizer = load_tokenizer(self.cfg.model)
@@ -98,7 +100,7 @@ class LLM:
         return self.generate([list(ids)], params)[0]
 
     def close(self) -> None:
-        if self.dist.world_size > 1:
+        if self.dist.global_world_size > 1:
             self.runner.stop_workers()
         self.workers.close()
         self.dist.shutdown()

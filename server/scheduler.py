@@ -60,6 +60,7 @@ class Sequence:
     finish_reason: str | None = None
     generator: torch.Generator | None = None
     grammar: "GrammarState | None" = None  # the output constraint's matcher (server/grammar.py), if any
+    lane: int = 0  # the engine lane (replica and in-flight slot) whose scheduler runs it
     arrival: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
     last_token_time: float | None = None
@@ -111,7 +112,8 @@ class Batch:
 
 class Scheduler:
     def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, blocks: BlockManager,
-                 max_prefill_tokens_while_decoding: int | None = None, attention_depth: int | None = None):
+                 max_prefill_tokens_while_decoding: int | None = None, attention_depth: int | None = None,
+                 first_row: int = 0):
         if max_num_batched_tokens < max_num_seqs:
             raise ValueError(f"--max-num-batched-tokens ({max_num_batched_tokens}) must be at least --max-num-seqs "
                              f"({max_num_seqs}): every running sequence decodes one token per step")
@@ -124,7 +126,7 @@ class Scheduler:
         self.blocks = blocks
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order: preemption takes from the end
-        self.free_rows = list(range(max_num_seqs))
+        self.free_rows = list(range(first_row, first_row + max_num_seqs))  # its rows of the block table
         self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
@@ -218,9 +220,12 @@ class Scheduler:
             seq.row = -1
 
     def finished_step(self, batch: Batch) -> None:
-        """After the step: the scheduled tokens are in the cache; their full blocks join the prefix cache."""
+        """After the step: the scheduled tokens are in the cache; their full blocks join the prefix cache (not for
+        a sequence aborted while its step was in flight: its blocks are gone)."""
         for item in batch.items:
             seq = item.seq
+            if seq.status != RUNNING:
+                continue
             seq.num_computed = item.start + item.n
             self.blocks.cache_blocks(seq, seq.token_ids, seq.num_computed)
 

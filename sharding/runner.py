@@ -24,7 +24,7 @@ from loaders.checkpoint import Checkpoint, CheckpointError
 from loaders.config import load_config
 from sharding import kernels
 from sharding.attention import AttentionMetadata, PagedKVCache, RotaryTable
-from sharding.dist import Dist
+from sharding.dist import Dist, Layout
 from sharding.models import model_class
 from sharding.step import CMD_NOOP, CMD_SHUTDOWN, CMD_STEP, HEADER, Step
 
@@ -45,6 +45,14 @@ class EngineConfig:
     block_size: int = 16  # tokens per KV-cache block
     kv_cache_memory: int | None = None  # bytes of KV cache per rank; None: see default_kv_budget
     gpu_memory_utilization: float = 0.9  # CUDA: fraction of the device's memory this process may use in all
+    pipeline_parallel_size: int = 1  # stages per replica
+    data_parallel_size: int = 1  # replicas (the TP degree is what is left of the world)
+
+    def layout(self, world_size: int) -> Layout:
+        pp, dp = self.pipeline_parallel_size, self.data_parallel_size
+        if world_size % (pp * dp):
+            raise ValueError(f"world size {world_size} is not a multiple of pipeline x data parallel size ({pp} x {dp})")
+        return Layout(world_size // (pp * dp), pp, dp)
 
     def to_argv(self) -> list[str]:
         argv = []
@@ -90,15 +98,17 @@ def default_kv_budget(cfg: EngineConfig, dist: Dist) -> int:
     return int(available_memory_bytes() * KV_CPU_MEMORY_SHARE / max(1, dist.local_world_size))
 
 
-def check_plan(model: torch.nn.Module, ckpt: Checkpoint) -> None:
-    """Every tensor the model needs is in the checkpoint with the right shape, and nothing is left over."""
+def check_plan(model: torch.nn.Module, ckpt: Checkpoint, whole: bool = True) -> None:
+    """Every tensor the model needs is in the checkpoint with the right shape, and (for a whole model: rank 0
+    checks the whole checkpoint before any stage loads its part) nothing is left over."""
     expected: dict[str, tuple[int, ...]] = {}
     for module in model.modules():
         if hasattr(module, "expected"):
             expected.update(module.expected())
     have = set(ckpt.tensors)
     missing = sorted(set(expected) - have)
-    unexpected = sorted(n for n in have - set(expected) - model.ignored_tensors() if not n.endswith(IGNORED_SUFFIXES))
+    unexpected = [] if not whole else sorted(
+        n for n in have - set(expected) - model.ignored_tensors() if not n.endswith(IGNORED_SUFFIXES))
     wrong = sorted(f"{n}: checkpoint {list(ckpt.tensors[n].shape)}, config implies {list(s)}"
                    for n, s in expected.items() if n in have and tuple(ckpt.tensors[n].shape) != tuple(s))
     problems = []
@@ -121,7 +131,7 @@ def build_model(cfg: EngineConfig, dist: Dist, ckpt: Checkpoint | None = None):
     cls = model_class(ckpt.architecture)
     dtype = ckpt.resolve_dtype(cfg.dtype)
     model = cls(config, dist, dtype, dist.device)
-    check_plan(model, ckpt)
+    check_plan(model, ckpt, whole=dist.pp_size == 1)
     return model, config, dtype
 
 
@@ -146,7 +156,7 @@ class ModelRunner:
         with Checkpoint(cfg.model) as ckpt:
             self.model, self.config, self.dtype = build_model(cfg, dist, ckpt)
             loaders = [m for m in self.model.modules() if hasattr(m, "expected")]
-            for m in tqdm(loaders, desc="loading weights", unit="tensor", disable=not dist.is_first or None,
+            for m in tqdm(loaders, desc="loading weights", unit="tensor", disable=not dist.is_driver or None,
                           leave=False):
                 m.load(ckpt)
             self.bytes_read = ckpt.bytes_read
@@ -200,33 +210,89 @@ class ModelRunner:
             attn.cache = PagedKVCache(num_blocks, self.block_size, attn.num_kv_heads, attn.head_dim, self.dtype,
                                       self.dist.device)
         self.num_blocks = num_blocks
-        self.block_table = torch.zeros(self.cfg.max_num_seqs, blocks_per_seq, dtype=torch.int64)
+        # a row per sequence of every batch that may be in flight at once (server/engine.py: one per stage)
+        rows = self.cfg.max_num_seqs * self.cfg.pipeline_parallel_size
+        self.block_table = torch.zeros(rows, blocks_per_seq, dtype=torch.int64)
 
     def kv_cache_bytes(self) -> int:
         return sum(a.cache.pool.nbytes for a in self.model.attention_layers)
 
     @torch.inference_mode()
-    def execute(self, step: Step) -> torch.Tensor | None:
-        """Run the forward of one step; rank 0 gets float32 logits [rows, vocab], the others None."""
+    def execute(self, step: Step, hidden: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Run this rank's part of one step: its stage's layers, from the step's token ids (first stage) or the
+        previous stage's hidden states. Returns the hidden states for the next stage, or on the last stage's TP
+        rank 0 the float32 logits [rows, vocab] (None on its other ranks)."""
         u = step.block_updates
         if u is not None:
             self.block_table[u[:, 0], u[:, 1]] = u[:, 2]
         meta = AttentionMetadata.build(step, self.block_table, self.block_size, self.rotary, self._sliding_window,
                                        self.dist.device)
-        return self.model(step.input_ids.to(self.dist.device), meta)
+        return self.model(step.input_ids.to(self.dist.device), meta,
+                          None if hidden is None else hidden.to(self.dist.device))
 
     # ---- rank 0 ------------------------------------------------------------------------------------------------
+    # Rank 0 drives every replica: replica 0's first stage runs here (its TP peers get the step by broadcast),
+    # another replica's first stage gets the step from here point to point. A step is launched, then collected:
+    # with pipeline stages or other replicas, its logits come back from the last stage later, and rank 0 meanwhile
+    # launches other steps (server/engine.py keeps up to pp steps per replica in flight).
+    def launch(self, step: Step, replica: int = 0) -> "Launched":
+        d = self.dist
+        sends = []
+        if replica == 0:
+            if d.world_size > 1:
+                rest = step.pack_into(self._message)
+                d.broadcast_control(self._message)  # a decode step: this one message
+                if rest is not None:
+                    d.broadcast_control(rest)
+            out = self.execute(step)
+            if d.last_stage:
+                return Launched(step, replica, out, sends)
+            sends = self._send_step(step, d.peer(pp_rank=1), out, isend=True)
+        else:
+            sends = self._send_step(step, d.layout.rank_of(replica, 0, 0), None, isend=True)
+        return Launched(step, replica, None, sends)
+
+    def collect(self, launched: "Launched") -> torch.Tensor:
+        """The launched step's logits (float32 [rows, vocab]): at once, or received from its last stage."""
+        logits = launched.logits
+        if logits is None:
+            rows = launched.step.num_logits()
+            logits = torch.empty(rows, self.vocab_size, dtype=torch.float32)
+            if rows:
+                self.dist.recv(logits, self.dist.layout.rank_of(launched.replica, self.dist.pp_size - 1, 0))
+        for work in launched.sends:
+            work.wait()
+        return logits
+
     def run(self, step: Step) -> torch.Tensor:
-        if self.dist.world_size > 1:
-            rest = step.pack_into(self._message)
-            self.dist.broadcast_control(self._message)  # a decode step: this one message
-            if rest is not None:
-                self.dist.broadcast_control(rest)
-        return self.execute(step)
+        return self.collect(self.launch(step))
+
+    def _send_step(self, step: Step, dst: int, hidden: torch.Tensor | None, isend: bool = False) -> list:
+        """The step's message (and payload) to another rank, then the hidden states if any."""
+        message = torch.empty_like(self._message)
+        rest = step.pack_into(message)
+        parts = [message] + ([rest] if rest is not None else []) + ([hidden.contiguous().cpu()] if hidden is not None
+                                                                     else [])
+        if isend:
+            return [(self.dist.isend(t, dst), t)[0] for t in parts]
+        for t in parts:
+            self.dist.send(t, dst)
+        return []
 
     def _command(self, cmd: int) -> None:
-        self._message[:HEADER] = torch.tensor([cmd, 0, 0, 0], dtype=torch.int64)
-        self.dist.broadcast_control(self._message)
+        """A command to every rank: by broadcast to replica 0's first stage, point to point to the other replicas'
+        first stages; every stage passes it on to the next."""
+        d = self._message
+        d[:HEADER] = torch.tensor([cmd, 0, 0, 0], dtype=torch.int64)
+        works = []
+        for replica in range(1, self.dist.layout.dp):
+            works.append(self.dist.isend(d.clone(), self.dist.layout.rank_of(replica, 0, 0)))
+        if self.dist.world_size > 1:
+            self.dist.broadcast_control(d)
+        if self.dist.pp_size > 1:
+            works.append(self.dist.isend(d.clone(), self.dist.peer(pp_rank=1)))
+        for w in works:
+            w.wait()
 
     def heartbeat(self) -> None:
         self._command(CMD_NOOP)
@@ -235,24 +301,71 @@ class ModelRunner:
         self._command(CMD_SHUTDOWN)
 
     # ---- ranks > 0 ---------------------------------------------------------------------------------------------
+    def _receive(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The next message (header + payload) and, on a later stage, the hidden states that come with it: from
+        the previous stage; on a first stage from rank 0 (a replica's TP rank 0) or by broadcast (other TP ranks)."""
+        d, message = self.dist, self._message
+        if not d.first_stage:
+            src = d.peer(pp_rank=d.pp_rank - 1)
+        elif d.is_first:
+            src = 0  # the TP rank 0 of another replica's first stage: rank 0 sends it the step
+        else:
+            src = None  # a first stage's other TP ranks: their rank 0 broadcasts
+        if src is None:
+            d.broadcast_control(message)
+        else:
+            d.recv(message, src)
+            if d.first_stage and d.world_size > 1:  # pass it on to this replica's TP group
+                d.broadcast_control(message)
+        header = message[:HEADER]
+        if int(header[0]) != CMD_STEP:
+            return message, None
+        size = Step.payload_size(header)
+        if HEADER + size <= message.numel():
+            payload = message[HEADER : HEADER + size]  # used before the next message overwrites it
+        else:
+            payload = torch.empty(size, dtype=torch.int64)
+            if src is None:
+                d.broadcast_control(payload)
+            else:
+                d.recv(payload, src)
+                if d.first_stage and d.world_size > 1:
+                    d.broadcast_control(payload)
+        hidden = None
+        if not d.first_stage:
+            hidden = torch.empty(int(header[1]), self.config.hidden_size, dtype=self.dtype)
+            d.recv(hidden, src)
+        return torch.cat([header, payload]), hidden
+
     def worker_loop(self) -> None:
-        message = self._message
+        d = self.dist
         while True:
-            self.dist.broadcast_control(message)
+            message, hidden = self._receive()
             header = message[:HEADER]
             cmd = int(header[0])
-            if cmd == CMD_SHUTDOWN:
-                return
-            if cmd == CMD_NOOP:
+            if cmd in (CMD_SHUTDOWN, CMD_NOOP):
+                if not d.last_stage:
+                    d.send(message[: self._message.numel()], d.peer(pp_rank=d.pp_rank + 1))
+                if cmd == CMD_SHUTDOWN:
+                    return
                 continue
             assert cmd == CMD_STEP, f"unknown command {cmd}"
-            size = Step.payload_size(header)
-            if HEADER + size <= message.numel():
-                payload = message[HEADER : HEADER + size]  # used before the next message overwrites it
-            else:
-                payload = torch.empty(size, dtype=torch.int64)
-                self.dist.broadcast_control(payload)
-            self.execute(Step.unpack(header, payload))
+            step = Step.unpack(header, message[HEADER:])
+            out = self.execute(step, hidden)
+            if not d.last_stage:
+                self._send_step(step, d.peer(pp_rank=d.pp_rank + 1), out)
+            elif d.is_first and out is not None and out.shape[0]:
+                d.send(out, 0)  # the logits, to rank 0, which samples
+
+
+@dataclass(slots=True)
+class Launched:
+    """A step on its way: its logits when they are already here, else where they will come from."""
+
+    step: Step
+    replica: int
+    logits: torch.Tensor | None
+    sends: list  # isend works to wait for before the buffers may go
 
 
 def _agree(dist: Dist, what: str, fn):
@@ -264,11 +377,11 @@ def _agree(dist: Dist, what: str, fn):
         result = fn()
     except Exception as e:  # noqa: BLE001 - reported below, after the others have heard of it
         error = e
-        logger.error("rank %d failed to %s: %s", dist.rank, what, e)
-    status = torch.zeros(dist.world_size, dtype=torch.int64)
-    status[dist.rank] = 1 if error is None else 0
+        logger.error("rank %d failed to %s: %s", dist.global_rank, what, e)
+    status = torch.zeros(dist.global_world_size, dtype=torch.int64)
+    status[dist.global_rank] = 1 if error is None else 0
     dist.all_reduce_control(status, op=torch.distributed.ReduceOp.SUM)
-    failed = [r for r in range(dist.world_size) if status[r] == 0]
+    failed = [r for r in range(dist.global_world_size) if status[r] == 0]
     if error is not None:
         raise error
     if failed:
@@ -301,8 +414,8 @@ def worker_main(argv: list[str] | None = None) -> int:
 
     cfg = EngineConfig.from_argv(sys.argv[1:] if argv is None else argv)
     leave_shutdown_to_rank0()
-    dist = init_dist()
-    logging.basicConfig(level=logging.WARNING, format=f"[rank {dist.rank}] %(levelname)s %(message)s")
+    dist = init_dist(cfg.layout(int(os.environ.get("WORLD_SIZE", "1"))))
+    logging.basicConfig(level=logging.WARNING, format=f"[rank {dist.global_rank}] %(levelname)s %(message)s")
     try:
         runner = start_rank(cfg, dist)
     except Exception:  # noqa: BLE001 - the message was logged; rank 0 reports the failure
@@ -311,7 +424,7 @@ def worker_main(argv: list[str] | None = None) -> int:
     try:
         runner.worker_loop()
     except Exception as e:  # noqa: BLE001 - rank 0 went away or a collective failed: leave, loudly
-        logger.error("rank %d stopping: %s", dist.rank, e)
+        logger.error("rank %d stopping: %s", dist.global_rank, e)
         os._exit(1)
     dist.shutdown()
     return 0

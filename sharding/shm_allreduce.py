@@ -98,7 +98,7 @@ class ShmAllReduce:
                     os.close(fd)
             except OSError as e:
                 name[0], error = "", f"rank 0 could not create {size} bytes in {SHM_DIR}: {e}"
-        dist.broadcast_object_list(name, src=0, group=group)
+        dist.broadcast_object_list(name, group=group, group_src=0)
         path = os.path.join(SHM_DIR, name[0])
         if name[0]:
             try:

@@ -44,6 +44,13 @@ class Step:
     def num_tokens(self) -> int:
         return self.input_ids.numel()
 
+    def num_logits(self) -> int:
+        """Rows of logits the step returns (sharding/attention.py: _logits_indices): every token of a LOGITS_ALL
+        sequence, one for a LOGITS_LAST one."""
+        n, flags = self.seq_table[:, 1], self.seq_table[:, 3]
+        rows = torch.where((flags & LOGITS_ALL) != 0, n, ((flags & LOGITS_LAST) != 0).long())
+        return int(rows.sum())
+
     def pack(self) -> tuple[torch.Tensor, torch.Tensor]:
         parts = [self.input_ids, self.seq_table.reshape(-1)]
         u = 0 if self.block_updates is None else self.block_updates.shape[0]

@@ -39,7 +39,8 @@ class GemmaForCausalLM(LlamaForCausalLM):
 
     def __init__(self, config, dist, dtype, device):
         super().__init__(config, dist, dtype, device)
-        self.norm = gemma_norm("model.norm.weight", config, dtype, device)
+        if self.last_stage:
+            self.norm = gemma_norm("model.norm.weight", config, dtype, device)
         self.embed_scale = config.hidden_size ** 0.5
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:

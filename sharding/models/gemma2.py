@@ -52,12 +52,14 @@ class Gemma2ForCausalLM(GemmaForCausalLM):
     def sliding_window(self) -> int | None:
         return None  # the runner's metadata is causal for every layer; the sliding layers narrow it (window_meta)
 
-    def forward(self, ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor | None:
+    def forward(self, ids: torch.Tensor, meta: AttentionMetadata, hidden: torch.Tensor | None = None):
         windows = {layer.self_attn.window for layer in self.layers} - {None}
         metas = {None: meta, **{w: window_meta(meta, w) for w in windows}}
-        h = self.embed(ids)
+        h = self.embed(ids) if self.first_stage else hidden
         for layer in self.layers:
             h = layer(h, metas[layer.self_attn.window])
+        if not self.last_stage:
+            return h
         logits = self.lm_head(self.norm(h[meta.logits_indices]))
         if logits is not None and self.final_softcap:
             logits = torch.tanh(logits / self.final_softcap) * self.final_softcap

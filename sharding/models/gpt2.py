@@ -105,13 +105,19 @@ class GPT2LMHeadModel(nn.Module):
         self.dist = dist
         hidden = config.hidden_size
         self.prefix = pre = tensor_prefix(config)
-        self.wte = VocabParallelEmbedding(f"{pre}wte.weight", config.vocab_size, hidden, dist, dtype, device)
-        self.wpe = PositionEmbedding(f"{pre}wpe.weight", (config.max_position_embeddings, hidden), dtype, device)
-        self.h = nn.ModuleList(GPT2Block(config, f"{pre}h.{i}", i, dist, dtype, device)
-                               for i in range(config.num_hidden_layers))
-        self.ln_f = LayerNorm(f"{pre}ln_f", hidden, config.layer_norm_epsilon, dtype, device)
-        tied = self.wte if getattr(config, "tie_word_embeddings", True) else None
-        self.lm_head = ParallelLMHead("lm_head", config.vocab_size, hidden, dist, dtype, device, tied)
+        self.first_stage, self.last_stage = dist.first_stage, dist.last_stage
+        self.tied = getattr(config, "tie_word_embeddings", True)
+        start, stop = dist.stage_layers(config.num_hidden_layers)
+        self.wte = self.wpe = self.ln_f = self.lm_head = None
+        if self.first_stage or (self.tied and self.last_stage):  # a tied head on a later stage needs wte's rows
+            self.wte = VocabParallelEmbedding(f"{pre}wte.weight", config.vocab_size, hidden, dist, dtype, device)
+        if self.first_stage:
+            self.wpe = PositionEmbedding(f"{pre}wpe.weight", (config.max_position_embeddings, hidden), dtype, device)
+        self.h = nn.ModuleList(GPT2Block(config, f"{pre}h.{i}", i, dist, dtype, device) for i in range(start, stop))
+        if self.last_stage:
+            self.ln_f = LayerNorm(f"{pre}ln_f", hidden, config.layer_norm_epsilon, dtype, device)
+            self.lm_head = ParallelLMHead("lm_head", config.vocab_size, hidden, dist, dtype, device,
+                                          self.wte if self.tied else None)
 
     @property
     def attention_layers(self) -> list[nn.Module]:
@@ -122,16 +128,18 @@ class GPT2LMHeadModel(nn.Module):
 
     def ignored_tensors(self) -> set[str]:
         """A tied head stored anyway, and the causal-mask buffers old GPT-2 checkpoints carry."""
-        ignored = {"lm_head.weight"} if self.lm_head.tied else set()
-        for i in range(len(self.h)):
+        ignored = {"lm_head.weight"} if self.tied else set()
+        for i in range(self.config.num_hidden_layers):
             ignored |= {f"{self.prefix}h.{i}.attn.bias", f"{self.prefix}h.{i}.attn.masked_bias"}
         return ignored
 
     def embed(self, ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         return self.wte(ids) + self.wpe(meta.positions)
 
-    def forward(self, ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor | None:
-        h = self.embed(ids, meta)
+    def forward(self, ids: torch.Tensor, meta: AttentionMetadata, hidden: torch.Tensor | None = None):
+        h = self.embed(ids, meta) if self.first_stage else hidden
         for block in self.h:
             h = block(h, meta)
+        if not self.last_stage:
+            return h
         return self.lm_head(self.ln_f(h[meta.logits_indices]))

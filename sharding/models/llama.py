@@ -117,7 +117,10 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """The whole model on one rank. `forward(step ids, metadata)` returns rank 0's last-token logits."""
+    """This rank's part of the model: its TP shard of its pipeline stage's layers (all of them without PP), plus the
+    embedding on the first stage and the final norm and LM head on the last. `forward` takes token ids (first stage)
+    or the previous stage's hidden states, and returns hidden states for the next stage, or the last stage's
+    logits (float32, full vocabulary, on the stage's TP rank 0; None on its other ranks)."""
 
     layer_cls = LlamaDecoderLayer
 
@@ -125,13 +128,21 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.dist = dist
-        self.embed_tokens = VocabParallelEmbedding("model.embed_tokens.weight", config.vocab_size, config.hidden_size,
-                                                   dist, dtype, device)
-        self.layers = nn.ModuleList(
-            self.layer_cls(config, f"model.layers.{i}", dist, dtype, device) for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm("model.norm.weight", config.hidden_size, config.rms_norm_eps, dtype, device)
-        tied = self.embed_tokens if getattr(config, "tie_word_embeddings", False) else None
-        self.lm_head = ParallelLMHead("lm_head", config.vocab_size, config.hidden_size, dist, dtype, device, tied)
+        self.first_stage, self.last_stage = dist.first_stage, dist.last_stage
+        tied_head = getattr(config, "tie_word_embeddings", False)
+        self.start_layer, self.stop_layer = dist.stage_layers(config.num_hidden_layers)
+        # a tied LM head on a later stage still needs the embedding's rows: that stage loads them too
+        self.embed_tokens = None
+        if self.first_stage or (tied_head and self.last_stage):
+            self.embed_tokens = VocabParallelEmbedding("model.embed_tokens.weight", config.vocab_size,
+                                                       config.hidden_size, dist, dtype, device)
+        self.layers = nn.ModuleList(self.layer_cls(config, f"model.layers.{i}", dist, dtype, device)
+                                    for i in range(self.start_layer, self.stop_layer))
+        self.norm = self.lm_head = None
+        if self.last_stage:
+            self.norm = RMSNorm("model.norm.weight", config.hidden_size, config.rms_norm_eps, dtype, device)
+            self.lm_head = ParallelLMHead("lm_head", config.vocab_size, config.hidden_size, dist, dtype, device,
+                                          self.embed_tokens if tied_head else None)
 
     # what the engine needs to know to build the cache and the metadata
     @property
@@ -143,14 +154,16 @@ class LlamaForCausalLM(nn.Module):
 
     def ignored_tensors(self) -> set[str]:
         """Checkpoint tensors that are fine to skip (a tied head stored anyway)."""
-        return {"lm_head.weight"} if self.lm_head.tied else set()
+        return {"lm_head.weight"} if getattr(self.config, "tie_word_embeddings", False) else set()
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(ids)
 
-    def forward(self, ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor | None:
-        h = self.embed(ids)
+    def forward(self, ids: torch.Tensor, meta: AttentionMetadata, hidden: torch.Tensor | None = None):
+        h = self.embed(ids) if self.first_stage else hidden
         for layer in self.layers:
             h = layer(h, meta)
+        if not self.last_stage:
+            return h
         h = self.norm(h[meta.logits_indices])
         return self.lm_head(h)

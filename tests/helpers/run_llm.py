@@ -46,7 +46,7 @@ def main() -> None:
                         "checkpoint_bytes": Checkpoint(llm.cfg.model).total_bytes,
                         "repeats": [[o.token_ids for o in r] for r in rounds[1:]],
                         "prefix_hit_tokens": llm.engine.blocks.prefix_hit_tokens,
-                        "preemptions": llm.engine.scheduler.num_preemptions})
+                        "preemptions": llm.engine.num_preemptions})
         llm.close()
     with open(spec["out"], "w") as f:
         json.dump(results, f)
