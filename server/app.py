@@ -105,8 +105,13 @@ def build_app(state: ServerState) -> FastAPI:
         m.running.set(e.num_running)
         m.waiting.set(e.num_waiting)
         m.kv_usage.set(e.kv_usage())
-        m.sync_counter(m.prefix_queries, "prefix_queries", e.blocks.prefix_query_tokens)
-        m.sync_counter(m.prefix_hits, "prefix_hits", e.blocks.prefix_hit_tokens)
+        for replica in range(len(e.pools)):
+            running, waiting = e.replica_load(replica)
+            m.replica_running.labels(str(replica)).set(running)
+            m.replica_waiting.labels(str(replica)).set(waiting)
+            m.replica_kv_usage.labels(str(replica)).set(e.kv_usage(replica))
+        m.sync_counter(m.prefix_queries, "prefix_queries", sum(p.prefix_query_tokens for p in e.pools))
+        m.sync_counter(m.prefix_hits, "prefix_hits", sum(p.prefix_hit_tokens for p in e.pools))
         m.sync_counter(m.preemptions, "preemptions", e.num_preemptions)
         return Response(generate_latest(m.registry), media_type=CONTENT_TYPE_LATEST)
 

@@ -16,6 +16,13 @@ class Metrics:
         self.kv_usage = Gauge("tpserve_kv_cache_usage_ratio",
                               "Fraction of KV-cache blocks held by sequences (cached free blocks count as free)",
                               registry=r)
+        # the same per data-parallel replica (--data-parallel-size): how the server balances its replicas
+        self.replica_running = Gauge("tpserve_replica_requests_running", "Sequences running, per replica",
+                                     ["replica"], registry=r)
+        self.replica_waiting = Gauge("tpserve_replica_requests_waiting", "Sequences waiting, per replica",
+                                     ["replica"], registry=r)
+        self.replica_kv_usage = Gauge("tpserve_replica_kv_cache_usage_ratio", "KV-cache block usage, per replica",
+                                      ["replica"], registry=r)
         self.prefix_queries = Counter("tpserve_prefix_cache_queries",
                                       "Prompt tokens looked up in the prefix cache (at admission)", registry=r)
         self.prefix_hits = Counter("tpserve_prefix_cache_hits",

@@ -1,5 +1,7 @@
-"""Two torchrun "nodes" on 127.0.0.1, one rank each: TP=2 across them equals transformers' greedy output."""
+"""Two torchrun "nodes" on 127.0.0.1, one rank each: TP=2 across them, or a pipeline stage on each, equals
+transformers' greedy output."""
 
+import json
 import os
 import signal
 import subprocess
@@ -23,18 +25,67 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_nodes(folders, http, tmp_path):
+def start_nodes(folders, http, tmp_path, layout=("--tensor-parallel-size", "2")):
     master = free_port()
     env = dict(os.environ, TPSERVE_THREADS="1")
     nodes = []
     for node, folder in enumerate(folders):
         cmd = [str(BIN / "torchrun"), "--nnodes", "2", "--node-rank", str(node), "--nproc-per-node", "1",
                "--master-addr", "127.0.0.1", "--master-port", str(master), "--no-python",
-               str(BIN / "tpserve"), "serve", str(folder), "--tensor-parallel-size", "2", "--host", "127.0.0.1",
+               str(BIN / "tpserve"), "serve", str(folder), *layout, "--host", "127.0.0.1",
                "--port", str(http), "--max-model-len", "128", "--log-level", "warning"]
         log = open(tmp_path / f"node{node}.log", "w")
         nodes.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env))
     return nodes
+
+
+def wait_ready(url, nodes, tmp_path):
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        assert all(p.poll() is None for p in nodes), (tmp_path / "node0.log").read_text()[-3000:]
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            time.sleep(0.5)
+    raise AssertionError("not ready: " + (tmp_path / "node0.log").read_text()[-3000:])
+
+
+def test_a_pipeline_stage_per_node_and_sigterm_to_every_rank(checkpoints, tmp_path):
+    """PP=2 across two torchrun nodes equals transformers. Then every rank gets SIGTERM at once (what torchrun
+    forwards when it is stopped): a stream in flight still completes, and both nodes exit 0."""
+    folder = checkpoints("llama")
+    http = free_port()
+    nodes = start_nodes([folder, folder], http, tmp_path, ("--pipeline-parallel-size", "2"))
+    try:
+        url = f"http://127.0.0.1:{http}"
+        wait_ready(url, nodes, tmp_path)
+        tok = AutoTokenizer.from_pretrained(str(folder))
+        ids = tok.encode("The capital of France is")
+        expected, _ = hf_greedy(folder, ids, 16)
+        r = httpx.post(url + "/v1/completions", json={"prompt": ids, "max_tokens": 16, "temperature": 0,
+                                                      "ignore_eos": True, "logprobs": 0}, timeout=120).json()
+        assert r["choices"][0]["logprobs"]["tokens"] == [tok.decode([t]) for t in expected]
+        ranks = [int(subprocess.run(["pgrep", "-P", str(n.pid)], capture_output=True, text=True).stdout.split()[0])
+                 for n in nodes]
+        events = []
+        with httpx.stream("POST", url + "/v1/completions", json={
+                "prompt": "x", "max_tokens": 100, "ignore_eos": True, "stream": True,
+                "stream_options": {"include_usage": True}}, timeout=120) as resp:
+            for line in resp.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line[6:])
+                    if len(events) == 10:
+                        for pid in ranks:
+                            os.kill(pid, signal.SIGTERM)
+        assert events[-1] == "[DONE]" and not any('"error"' in e for e in events)
+        assert json.loads(events[-2])["usage"]["completion_tokens"] == 100
+        assert nodes[0].wait(timeout=60) == 0
+        assert nodes[1].wait(timeout=60) == 0
+    finally:
+        for p in nodes:
+            if p.poll() is None:
+                p.kill()
 
 
 def test_two_torchrun_nodes_serve_tp2(checkpoints, tmp_path):

@@ -1,0 +1,97 @@
+"""Pipeline and data parallel servers: real ranks, a tiny model; replicas behind one HTTP server, a dead middle
+stage, and a SIGTERM to the whole process group."""
+
+import asyncio
+import json
+import os
+import signal
+import time
+
+import httpx
+
+from test_reliability import children
+
+
+def rank_of(pid: int) -> int:
+    env = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+    return int(next(e for e in env if e.startswith(b"RANK=")).split(b"=", 1)[1])
+
+
+def test_two_replicas_serve_and_balance(server_factory, checkpoints):
+    s = server_factory(checkpoints("llama"), 1, "-dp", "2", "--max-model-len", "256", "--max-num-seqs", "8")
+    body = {"model": s.model_name, "max_tokens": 40, "temperature": 0, "ignore_eos": True}
+    prompts = [f"request {i} says" for i in range(8)]
+
+    async def run():
+        async with httpx.AsyncClient(base_url=s.url, timeout=120) as client:
+            alone = [(await client.post("/v1/completions", json={**body, "prompt": p})).json() for p in prompts[:2]]
+            tasks = [asyncio.create_task(client.post("/v1/completions", json={**body, "prompt": p}))
+                     for p in prompts]
+            peak = [0, 0]
+            while not all(t.done() for t in tasks):  # both replicas hold sequences at once
+                text = (await client.get("/metrics")).text
+                for line in text.splitlines():
+                    if line.startswith("tpserve_replica_requests_running{"):
+                        replica = int(line.split('replica="')[1].split('"')[0])
+                        peak[replica] = max(peak[replica], float(line.rsplit(" ", 1)[1]))
+                await asyncio.sleep(0.05)
+            return alone, [(await t).json() for t in tasks], peak
+
+    alone, together, peak = asyncio.run(run())
+    assert [a["choices"][0]["text"] for a in alone] == [t["choices"][0]["text"] for t in together[:2]]
+    assert all(t["usage"]["completion_tokens"] == 40 for t in together)
+    assert peak[0] >= 1 and peak[1] >= 1, peak
+    assert httpx.get(s.url + "/health").status_code == 200
+
+
+def test_sigkill_of_a_middle_stage_fails_fast(server_factory, checkpoints):
+    s = server_factory(checkpoints("llama"), 1, "-pp", "3", "--max-model-len", "256")
+    workers = children(s.proc.pid)
+    middle = [p for p in workers if rank_of(p) == 1]
+    assert len(workers) == 2 and len(middle) == 1
+    events, t_kill = [], None
+    with httpx.Client(base_url=s.url, timeout=60) as client:
+        with client.stream("POST", "/v1/completions", json={"prompt": "x", "max_tokens": 200, "stream": True,
+                                                            "ignore_eos": True}) as r:
+            try:
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        events.append(line)
+                    if len(events) == 3 and t_kill is None:
+                        os.kill(middle[0], signal.SIGKILL)
+                        t_kill = time.monotonic()
+            except httpx.HTTPError:
+                events.append("connection closed")
+        assert client.get("/health").status_code == 503 or s.proc.poll() is not None
+    assert time.monotonic() - t_kill < 15
+    assert any("engine_failed" in e for e in events) or events[-1] == "connection closed", events[-3:]
+    assert s.proc.wait(timeout=30) != 0
+    assert time.monotonic() - t_kill < 30
+    for pid in workers:
+        assert not os.path.exists(f"/proc/{pid}") or "zombie" in open(f"/proc/{pid}/status").read().lower()
+
+
+def test_group_sigterm_drains_a_pipeline(server_factory, checkpoints):
+    s = server_factory(checkpoints("llama"), 1, "-pp", "2", "--max-model-len", "256", "--shutdown-timeout", "60",
+                       new_session=True)
+    workers = children(s.proc.pid)
+
+    async def run():
+        async with httpx.AsyncClient(base_url=s.url, timeout=120) as client:
+            async with client.stream("POST", "/v1/completions", json={
+                    "prompt": "p", "max_tokens": 240, "ignore_eos": True, "stream": True,
+                    "stream_options": {"include_usage": True}}) as r:
+                events = []
+                async for line in r.aiter_lines():
+                    if line.startswith("data: "):
+                        events.append(line[6:])
+                        if len(events) == 20:
+                            os.killpg(s.proc.pid, signal.SIGTERM)
+                return events
+
+    events = asyncio.run(run())
+    assert events[-1] == "[DONE]" and not any('"error"' in e for e in events)
+    assert json.loads(events[-2])["usage"]["completion_tokens"] == 240
+    assert s.proc.wait(timeout=60) == 0
+    for pid in workers:
+        assert not os.path.exists(f"/proc/{pid}") or "zombie" in open(f"/proc/{pid}/status").read().lower()
