@@ -29,6 +29,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "TPSERVE_PP_LAYER_PARTITION=3,2 sets the layers per stage)")
     p.add_argument("-dp", "--data-parallel-size", type=int, default=1,
                    help="replicas of the tp x pp ranks behind the one server (default 1)")
+    p.add_argument("--sequence-parallel", action="store_true",
+                   help="prefill steps split the tokens over the tp ranks between layers (Megatron sequence "
+                        "parallelism): norms and residuals on a rank's tokens only; decode steps are unchanged")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="weights and activations dtype (auto: the checkpoint's)")
     p.add_argument("--max-model-len", type=int, default=None,
@@ -99,7 +102,8 @@ def engine_config(args):
     return EngineConfig(resolve_model(model), args.dtype, args.max_num_seqs, args.max_model_len,
                         block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
                         gpu_memory_utilization=args.gpu_memory_utilization,
-                        pipeline_parallel_size=args.pipeline_parallel_size, data_parallel_size=args.data_parallel_size)
+                        pipeline_parallel_size=args.pipeline_parallel_size, data_parallel_size=args.data_parallel_size,
+                        sequence_parallel=args.sequence_parallel)
 
 
 def describe_cache(runner, engine) -> str:
@@ -221,7 +225,8 @@ def generate(args) -> int:
               gpu_memory_utilization=cfg.gpu_memory_utilization, max_num_batched_tokens=args.max_num_batched_tokens,
               enable_prefix_caching=args.enable_prefix_caching,
               max_prefill_tokens_while_decoding=args.max_prefill_tokens_while_decoding,
-              pipeline_parallel_size=cfg.pipeline_parallel_size, data_parallel_size=cfg.data_parallel_size)
+              pipeline_parallel_size=cfg.pipeline_parallel_size, data_parallel_size=cfg.data_parallel_size,
+              sequence_parallel=cfg.sequence_parallel)
     try:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
         if args.chat:

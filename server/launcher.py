@@ -75,6 +75,11 @@ def validate(cfg: EngineConfig, tp: int) -> None:
         resolve_max_model_len(model, config, cfg.max_model_len)
         for stage in range(cfg.pipeline_parallel_size):
             stage_layers(config.num_hidden_layers, cfg.pipeline_parallel_size, stage, partition)
+        if cfg.sequence_parallel:
+            if not getattr(model, "supports_sequence_parallel", False):
+                raise ValueError(f"--sequence-parallel is not supported for {ckpt.architecture} yet")
+            if cfg.pipeline_parallel_size > 1:
+                raise ValueError("--sequence-parallel with --pipeline-parallel-size above 1 is not supported yet")
 
 
 @dataclass

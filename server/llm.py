@@ -61,10 +61,11 @@ class LLM:
                  kv_cache_memory: int | None = None, gpu_memory_utilization: float = 0.9,
                  max_num_batched_tokens: int | None = None,
                  enable_prefix_caching: bool = True, max_prefill_tokens_while_decoding: int | None = None,
-                 pipeline_parallel_size: int = 1, data_parallel_size: int = 1):
+                 pipeline_parallel_size: int = 1, data_parallel_size: int = 1, sequence_parallel: bool = False):
         self.cfg = EngineConfig(resolve_model(model), dtype, max_num_seqs, max_model_len, block_size=block_size,
                                 kv_cache_memory=kv_cache_memory, gpu_memory_utilization=gpu_memory_utilization,
-                                pipeline_parallel_size=pipeline_parallel_size, data_parallel_size=data_parallel_size)
+                                pipeline_parallel_size=pipeline_parallel_size, data_parallel_size=data_parallel_size,
+                                sequence_parallel=sequence_parallel)
         torchrun_worker_signals()
         self.runner, self.dist, self.workers = launch(self.cfg, tensor_parallel_size)
         self.tokenizer = load_tokenizer(self.cfg.model)

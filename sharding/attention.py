@@ -96,6 +96,7 @@ class AttentionMetadata:
     logits_indices: torch.Tensor  # [R] tokens whose logits are computed (see sharding/step.py: flags)
     all_decode: bool = False  # every token is a decode token, in sequence order (decode_tokens == arange(N))
     window: int | None = None  # the sliding window the masks apply
+    seq_parallel: bool = False  # this step runs sequence parallel: between layers a rank holds its tokens only
     write_rows: dict = field(default_factory=dict)  # per cache geometry: flat row of each (token, K/V head)
 
     @staticmethod

@@ -142,6 +142,28 @@ class Dist:
         dist.all_reduce(t, group=self.device_group)
         return t
 
+    # ---- sequence parallelism: the token axis split over the TP group ------------------------------------------
+    def token_split(self, n: int) -> tuple[int, int]:
+        """[start, stop) of the n tokens of a step this TP rank holds between layers (uneven splits allowed)."""
+        from loaders.partition import split_evenly
+
+        return split_evenly(n, self.world_size, self.rank)
+
+    def reduce_scatter_tokens(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum `t` [n, ...] over the TP group and keep this rank's rows. Done as the all-reduce followed by a
+        copy of the rank's rows, so the values are bitwise those of the all-reduce without sequence parallelism
+        (the same sums in the same order); the full sum lives only until the copy."""
+        a, b = self.token_split(t.shape[0])
+        return self.all_reduce(t)[a:b].clone()
+
+    def all_gather_tokens(self, t: torch.Tensor, n: int) -> torch.Tensor:
+        """Every rank's rows of an [n, ...] tensor, in rank order, on every rank: each rank contributes its rows and
+        zeros elsewhere, and the all-reduce adds exact zeros."""
+        a, b = self.token_split(n)
+        out = t.new_zeros((n, *t.shape[1:]))
+        out[a:b] = t
+        return self.all_reduce(out)
+
     def gather_last_dim(self, t: torch.Tensor, sizes: list[int]) -> torch.Tensor | None:
         """Concatenate every rank's `t` along the last dim on rank 0 (rank i contributes sizes[i] columns)."""
         if self.world_size == 1:

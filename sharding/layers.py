@@ -143,8 +143,10 @@ class RowParallelLinear(_Linear):
         if self.bias is not None:
             self.bias.data.copy_(ckpt.read(p.name + ".bias"))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.dist.all_reduce(self.matmul(x))
+    def forward(self, x: torch.Tensor, scatter: bool = False) -> torch.Tensor:
+        """scatter: sequence parallelism; the sum is reduce-scattered over the tokens (this rank's rows only)."""
+        partial = self.matmul(x)
+        y = self.dist.reduce_scatter_tokens(partial) if scatter else self.dist.all_reduce(partial)
         return y + self.bias if self.bias is not None else y
 
 
@@ -165,13 +167,13 @@ class VocabParallelEmbedding(nn.Module):
     def load(self, ckpt: Checkpoint) -> None:
         self.weight.data.copy_(ckpt.read(self.name, 0, [(self.start, self.stop)]))
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, ids: torch.Tensor, scatter: bool = False) -> torch.Tensor:
         if self.dist.world_size == 1:
             return F.embedding(ids, self.weight)
         inside = (ids >= self.start) & (ids < self.stop)
         local = torch.where(inside, ids - self.start, torch.zeros_like(ids))
         out = F.embedding(local, self.weight) * inside.unsqueeze(-1).to(self.weight.dtype)
-        return self.dist.all_reduce(out)
+        return self.dist.reduce_scatter_tokens(out) if scatter else self.dist.all_reduce(out)
 
 
 class ParallelLMHead(_Linear):

@@ -47,6 +47,7 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9  # CUDA: fraction of the device's memory this process may use in all
     pipeline_parallel_size: int = 1  # stages per replica
     data_parallel_size: int = 1  # replicas (the TP degree is what is left of the world)
+    sequence_parallel: bool = False  # prefill steps split the token axis between layers (Megatron SP)
 
     def layout(self, world_size: int) -> Layout:
         pp, dp = self.pipeline_parallel_size, self.data_parallel_size
@@ -68,7 +69,7 @@ class EngineConfig:
 
         ap = argparse.ArgumentParser(prog="tpserve-worker")
         for f in fields(cls):
-            kind = {"int": int, "float": float}.get(str(f.type).split(" ")[0], str)
+            kind = {"int": int, "float": float, "bool": lambda v: v == "True"}.get(str(f.type).split(" ")[0], str)
             ap.add_argument("--" + f.name.replace("_", "-"), dest=f.name, type=kind, required=f.name == "model")
         return cls(**{k: v for k, v in vars(ap.parse_args(argv)).items() if v is not None})
 
@@ -175,6 +176,7 @@ class ModelRunner:
         self.block_size = cfg.block_size
         self.num_blocks = 0
         self.block_table = torch.zeros(0, 0, dtype=torch.int64)
+        self.seq_parallel_steps = 0
 
     def bytes_per_block(self) -> int:
         """KV-cache bytes of one block on this rank, over every layer."""
@@ -227,6 +229,9 @@ class ModelRunner:
             self.block_table[u[:, 0], u[:, 1]] = u[:, 2]
         meta = AttentionMetadata.build(step, self.block_table, self.block_size, self.rotary, self._sliding_window,
                                        self.dist.device)
+        # sequence parallelism pays off where activations are large: prefill steps (decode steps stay plain TP)
+        meta.seq_parallel = self.cfg.sequence_parallel and self.dist.world_size > 1 and not meta.all_decode
+        self.seq_parallel_steps += meta.seq_parallel
         return self.model(step.input_ids.to(self.dist.device), meta,
                           None if hidden is None else hidden.to(self.dist.device))
 

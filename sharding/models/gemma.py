@@ -43,6 +43,6 @@ class GemmaForCausalLM(LlamaForCausalLM):
             self.norm = gemma_norm("model.norm.weight", config, dtype, device)
         self.embed_scale = config.hidden_size ** 0.5
 
-    def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        h = self.embed_tokens(ids)
+    def embed(self, ids: torch.Tensor, scatter: bool = False) -> torch.Tensor:
+        h = self.embed_tokens(ids, scatter=scatter)
         return h * torch.tensor(self.embed_scale, dtype=h.dtype)

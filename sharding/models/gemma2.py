@@ -42,6 +42,7 @@ class Gemma2DecoderLayer(GemmaDecoderLayer):
 
 class Gemma2ForCausalLM(GemmaForCausalLM):
     layer_cls = Gemma2DecoderLayer
+    supports_sequence_parallel = False  # its four norms per layer are not split (yet)
 
     def __init__(self, config, dist, dtype, device):
         if getattr(config, "use_bidirectional_attention", False):

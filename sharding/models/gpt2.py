@@ -97,6 +97,7 @@ class GPT2Block(nn.Module):
 
 class GPT2LMHeadModel(nn.Module):
     uses_rotary = False
+    supports_sequence_parallel = False
 
     def __init__(self, config, dist: Dist, dtype: torch.dtype, device: torch.device):
         super().__init__()

@@ -72,7 +72,8 @@ class LlamaAttention(nn.Module):
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         else:
             q, k = apply_rotary(q, meta.cos, meta.sin), apply_rotary(k, meta.cos, meta.sin)
-        return self.o_proj(attend(q, k, v, self.cache, meta, self.groups, self.scale, softcap=self.softcap))
+        out = attend(q, k, v, self.cache, meta, self.groups, self.scale, softcap=self.softcap)
+        return self.o_proj(out, scatter=meta.seq_parallel)
 
 
 class LlamaMLP(nn.Module):
@@ -93,9 +94,9 @@ class LlamaMLP(nn.Module):
     def act(self, gate: torch.Tensor) -> torch.Tensor:
         return F.silu(gate)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, scatter: bool = False) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split([self.local_inter, self.local_inter], dim=-1)
-        return self.down_proj(self.act(gate).mul_(up))
+        return self.down_proj(self.act(gate).mul_(up), scatter=scatter)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -110,8 +111,15 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(f"{prefix}.post_attention_layernorm.weight", config.hidden_size, eps,
                                                 dtype, device)
         self.mlp = self.mlp_cls(config, f"{prefix}.mlp", dist, dtype, device)
+        self.dist = dist
 
     def forward(self, h: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        if meta.seq_parallel:
+            # Megatron sequence parallelism: h holds this rank's tokens only; the norms and residual adds run on
+            # them, an all-gather feeds each column-parallel block, a reduce-scatter ends each row-parallel one
+            n = meta.positions.numel()
+            h = h + self.self_attn(self.dist.all_gather_tokens(self.input_layernorm(h), n), meta)
+            return h + self.mlp(self.dist.all_gather_tokens(self.post_attention_layernorm(h), n), scatter=True)
         h = h + self.self_attn(self.input_layernorm(h), meta)
         return h + self.mlp(self.post_attention_layernorm(h))
 
@@ -156,14 +164,18 @@ class LlamaForCausalLM(nn.Module):
         """Checkpoint tensors that are fine to skip (a tied head stored anyway)."""
         return {"lm_head.weight"} if getattr(self.config, "tie_word_embeddings", False) else set()
 
-    def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.embed_tokens(ids)
+    supports_sequence_parallel = True
+
+    def embed(self, ids: torch.Tensor, scatter: bool = False) -> torch.Tensor:
+        return self.embed_tokens(ids, scatter=scatter)
 
     def forward(self, ids: torch.Tensor, meta: AttentionMetadata, hidden: torch.Tensor | None = None):
-        h = self.embed(ids) if self.first_stage else hidden
+        h = self.embed(ids, scatter=meta.seq_parallel) if self.first_stage else hidden
         for layer in self.layers:
             h = layer(h, meta)
         if not self.last_stage:
             return h
+        if meta.seq_parallel:
+            h = self.dist.all_gather_tokens(h, meta.positions.numel())
         h = self.norm(h[meta.logits_indices])
         return self.lm_head(h)

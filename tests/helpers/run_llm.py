@@ -43,7 +43,7 @@ def main() -> None:
         alone = [llm.generate([p], params)[0].token_ids for p in prompts] if job.get("alone") else []
         results.append({"outputs": [{"token_ids": o.token_ids, "text": o.text, "top_logprobs": o.top_logprobs,
                                      "prompt_logprobs": o.prompt_logprobs} for o in outs], "trace": trace,
-                        "hidden_peak_bytes": getattr(llm.runner, "peak_hidden_bytes", None),
+                        "seq_parallel_steps": llm.runner.seq_parallel_steps,
                         "bytes_read": llm.runner.bytes_read,
                         "checkpoint_bytes": Checkpoint(llm.cfg.model).total_bytes,
                         "repeats": [[o.token_ids for o in r] for r in rounds[1:]], "alone": alone,

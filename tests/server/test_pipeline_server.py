@@ -8,8 +8,15 @@ import signal
 import time
 
 import httpx
+import pytest
 
 from test_reliability import children
+from tiny import make_checkpoint
+
+
+@pytest.fixture(scope="module")
+def five_layers(tmp_path_factory):
+    return make_checkpoint(tmp_path_factory.mktemp("five"), "llama", num_hidden_layers=5)
 
 
 def rank_of(pid: int) -> int:
@@ -44,8 +51,8 @@ def test_two_replicas_serve_and_balance(server_factory, checkpoints):
     assert httpx.get(s.url + "/health").status_code == 200
 
 
-def test_sigkill_of_a_middle_stage_fails_fast(server_factory, checkpoints):
-    s = server_factory(checkpoints("llama"), 1, "-pp", "3", "--max-model-len", "256")
+def test_sigkill_of_a_middle_stage_fails_fast(server_factory, five_layers):
+    s = server_factory(five_layers, 1, "-pp", "3", "--max-model-len", "256")
     workers = children(s.proc.pid)
     middle = [p for p in workers if rank_of(p) == 1]
     assert len(workers) == 2 and len(middle) == 1

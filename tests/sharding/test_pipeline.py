@@ -61,3 +61,17 @@ def test_batched_equals_alone_with_steps_in_flight(five_layers):
     (result,) = run_llm(1, [job], timeout=300)
     assert "error" not in result, result
     assert [o["token_ids"] for o in result["outputs"]] == result["alone"]
+
+
+@pytest.mark.parametrize("tp", [2, 3])
+def test_sequence_parallel_equals_transformers(five_layers, tp):
+    """Prefill steps of 11 and 7 tokens (TP divides neither) run sequence parallel; decode steps stay plain TP."""
+    folder, _ = five_layers
+    prompts = [list(range(30, 41)), list(range(50, 57))]
+    expected = [hf_greedy(folder, p, MAX_TOKENS) for p in prompts]
+    jobs = [{"model": str(folder), "prompts": [p], "max_tokens": MAX_TOKENS, "logprobs": 5,
+             "llm": {"sequence_parallel": True}} for p in prompts]
+    results = run_llm(tp, jobs, timeout=300)
+    for result, exp in zip(results, expected):
+        check(result, [exp])
+        assert result["seq_parallel_steps"] == 1  # the prefill; the 31 decode steps are plain TP
