@@ -86,7 +86,8 @@ def main(argv: list[str] | None = None) -> int:
     for cfg in configs:
         for conc, _ in levels:
             tok_s = statistics.median(s["output_tok_s"] for s in runs[cfg][conc])
-            itl = statistics.median(s["itl_ms"]["p50"] for s in runs[cfg][conc] if s["itl_ms"])
+            itls = [s["itl_ms"]["p50"] for s in runs[cfg][conc] if s["itl_ms"] and s["itl_ms"].get("p50") is not None]
+            itl = statistics.median(itls) if itls else None  # a tokenizer whose tokens are empty text: no ITL
             summary.setdefault(cfg, {})[conc] = {"output_tok_s": tok_s, "itl_p50_ms": itl}
     base = configs[0]
     for cfg in configs:

@@ -235,13 +235,13 @@ class Engine:
         except Exception:  # noqa: BLE001 - a client's callback must not take the engine down
             logger.exception("emit failed")
 
-    def step(self) -> bool:
-        """Launch a step on every idle lane that has work, then complete the oldest step in flight; False when
-        nothing was in flight."""
+    def step(self, launch: bool = True) -> bool:
+        """Launch a step on every idle lane that has work (unless `launch` is False: stopping), then complete the
+        oldest step in flight; False when nothing was in flight."""
         self._drain_inbox()
         self._step_started = time.monotonic()
         try:
-            for lane in self._launch_order:
+            for lane in self._launch_order if launch else ():
                 if not lane.busy:
                     batch = lane.scheduler.schedule()
                     if batch.items:
@@ -384,10 +384,12 @@ class Engine:
                            "slower (see EngineThread)")
         last = time.monotonic()
         try:
-            while not self._stop.is_set():
-                if self.step():
+            while not self._stop.is_set() or self._inflight:  # steps in flight are completed before leaving
+                if self.step(launch=not self._stop.is_set()):
                     last = time.monotonic()
                     continue
+                if self._stop.is_set():
+                    break
                 self._wake.wait(timeout=HEARTBEAT_S)
                 self._wake.clear()
                 if not self._inbox.empty() or self._stop.is_set():

@@ -190,7 +190,8 @@ class ModelRunner:
         blocks_per_seq = -(-self.max_model_len // self.block_size)
         budget = self.cfg.kv_cache_memory
         if budget is None:  # a share of the machine, but no more than a full batch of full-length sequences can use
-            budget = min(default_kv_budget(self.cfg, self.dist), self.cfg.max_num_seqs * blocks_per_seq * per_block)
+            seqs = self.cfg.max_num_seqs * self.cfg.pipeline_parallel_size  # every lane's batch (server/engine.py)
+            budget = min(default_kv_budget(self.cfg, self.dist), seqs * blocks_per_seq * per_block)
         count = torch.tensor([budget // per_block], dtype=torch.int64)
         self.dist.all_reduce_control(count, op=torch.distributed.ReduceOp.MIN)
         num_blocks = int(count[0])
