@@ -266,7 +266,7 @@ class ModelRunner:
             logits = torch.empty(rows, self.vocab_size, dtype=torch.float32)
             if rows:
                 self.dist.recv(logits, self.dist.layout.rank_of(launched.replica, self.dist.pp_size - 1, 0))
-        for work in launched.sends:
+        for work, _ in launched.sends:
             work.wait()
         return logits
 
@@ -279,8 +279,8 @@ class ModelRunner:
         rest = step.pack_into(message)
         parts = [message] + ([rest] if rest is not None else []) + ([hidden.contiguous().cpu()] if hidden is not None
                                                                      else [])
-        if isend:
-            return [(self.dist.isend(t, dst), t)[0] for t in parts]
+        if isend:  # (work, tensor): the tensor stays referenced until the send is waited for
+            return [(self.dist.isend(t, dst), t) for t in parts]
         for t in parts:
             self.dist.send(t, dst)
         return []
@@ -292,12 +292,14 @@ class ModelRunner:
         d[:HEADER] = torch.tensor([cmd, 0, 0, 0], dtype=torch.int64)
         works = []
         for replica in range(1, self.dist.layout.dp):
-            works.append(self.dist.isend(d.clone(), self.dist.layout.rank_of(replica, 0, 0)))
+            t = d.clone()
+            works.append((self.dist.isend(t, self.dist.layout.rank_of(replica, 0, 0)), t))
         if self.dist.world_size > 1:
             self.dist.broadcast_control(d)
         if self.dist.pp_size > 1:
-            works.append(self.dist.isend(d.clone(), self.dist.peer(pp_rank=1)))
-        for w in works:
+            t = d.clone()
+            works.append((self.dist.isend(t, self.dist.peer(pp_rank=1)), t))
+        for w, _ in works:
             w.wait()
 
     def heartbeat(self) -> None:

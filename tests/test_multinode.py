@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 from transformers import AutoTokenizer
 
 from tiny import hf_greedy
@@ -123,10 +124,13 @@ def test_two_torchrun_nodes_serve_tp2(checkpoints, tmp_path):
                 p.kill()
 
 
-def test_a_rank_that_fails_at_start_stops_every_node_and_is_named(checkpoints, tmp_path):
-    """Node 1 lacks the checkpoint (a typical multi-node mistake): rank 1 fails while loading, the status exchange
-    tells rank 0, and both nodes stop non-zero with messages naming the rank and the cause."""
-    nodes = start_nodes([checkpoints("llama"), tmp_path / "not-on-this-node"], free_port(), tmp_path)
+@pytest.mark.parametrize("layout", [("--tensor-parallel-size", "2"), ("--pipeline-parallel-size", "2")],
+                         ids=["tp2", "pp2"])
+def test_a_rank_that_fails_at_start_stops_every_node_and_is_named(checkpoints, tmp_path, layout):
+    """Node 1 lacks the checkpoint (a typical multi-node mistake): rank 1 (a TP peer, or the second pipeline stage)
+    fails while loading, the status exchange tells rank 0, and both nodes stop non-zero with messages naming the rank
+    and the cause."""
+    nodes = start_nodes([checkpoints("llama"), tmp_path / "not-on-this-node"], free_port(), tmp_path, layout)
     try:
         codes = [p.wait(timeout=120) for p in nodes]
     finally:
