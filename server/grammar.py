@@ -134,6 +134,8 @@ class Grammars:
                 return hit
         loop = asyncio.get_running_loop()
         future = loop.run_in_executor(self._pool, self._compile_and_cache, c)
+        # a compile that outlives its request may still fail: its error is read here, not logged as unretrieved
+        future.add_done_callback(lambda f: f.cancelled() or f.exception())
         try:
             return await asyncio.wait_for(asyncio.shield(future), self.compile_timeout)
         except asyncio.TimeoutError:

@@ -363,7 +363,7 @@ class ModelRunner:
             if not d.last_stage:
                 self._send_step(step, d.peer(pp_rank=d.pp_rank + 1), out)
             elif d.is_first and out is not None and out.shape[0]:
-                d.send(out, 0)  # the logits, to rank 0, which samples
+                d.send(out.cpu(), 0)  # the logits, to rank 0, which samples (gloo: from host memory)
 
 
 @dataclass(slots=True)

@@ -2,7 +2,7 @@ import json
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from loaders.checkpoint import Checkpoint, CheckpointError
 
