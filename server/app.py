@@ -21,8 +21,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from server.grammar import Grammars
 from server.pending import PendingRequest, ServerState, admit, gather
-from server.prepare import (check_length, check_model, decode_prompt, output_constraint, render_chat, sampling_params,
-                            tokenize_prompts, with_seed)
+from server.prepare import (check_length, check_model, decode_prompt, logit_bias, output_constraint, render_chat,
+                            sampling_params, tokenize_prompts, with_seed)
 from server.protocol import APIError, ChatCompletionRequest, CompletionRequest
 from server.responses import chat_response, completion_response, sse, stream_chat, stream_completion
 
@@ -133,7 +133,7 @@ def build_app(state: ServerState) -> FastAPI:
             raise APIError(400, "suffix (text insertion) is not supported by this server", param="suffix")
         prompts = tokenize_prompts(state, body.prompt)
         max_tokens = body.max_tokens if body.max_tokens is not None else 16
-        params = sampling_params(body, max_tokens, body.logprobs)
+        params = sampling_params(body, max_tokens, body.logprobs, logit_bias(state, body))
         if body.echo and body.logprobs is not None:  # the prompt's tokens get logprobs too, as OpenAI's legacy API
             params.prompt_logprobs = body.logprobs
         for ids in prompts:
@@ -162,7 +162,7 @@ def build_app(state: ServerState) -> FastAPI:
         top = body.top_logprobs if body.logprobs else None
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError(400, "top_logprobs requires logprobs=true", param="top_logprobs")
-        params = sampling_params(body, max_tokens, (top or 0) if body.logprobs else None)
+        params = sampling_params(body, max_tokens, (top or 0) if body.logprobs else None, logit_bias(state, body))
         check_length(state, ids, max_tokens)
         compiled = await state.engine.grammars.compile(constraint) if constraint else None
         req = PendingRequest(state, asyncio.get_running_loop())

@@ -80,7 +80,17 @@ def check_length(state: ServerState, ids: list[int], max_tokens: int) -> None:
                        code="context_length_exceeded")
 
 
-def sampling_params(body: SamplingFields, max_tokens: int, logprobs: int | None) -> SamplingParams:
+def logit_bias(state: ServerState, body: SamplingFields) -> dict[int, float]:
+    bias = {int(k): float(v) for k, v in (body.logit_bias or {}).items()}
+    bad = [t for t in bias if t >= state.vocab_size]
+    if bad:
+        raise APIError(400, f"logit_bias: token id {bad[0]} is outside the vocabulary [0, {state.vocab_size})",
+                       param="logit_bias")
+    return bias
+
+
+def sampling_params(body: SamplingFields, max_tokens: int, logprobs: int | None,
+                    bias: dict[int, float] | None = None) -> SamplingParams:
     return SamplingParams(
         max_tokens=max_tokens,
         temperature=1.0 if body.temperature is None else body.temperature,
@@ -96,6 +106,7 @@ def sampling_params(body: SamplingFields, max_tokens: int, logprobs: int | None)
         min_tokens=body.min_tokens,
         ignore_eos=body.ignore_eos,
         skip_special_tokens=body.skip_special_tokens,
+        logit_bias=bias or {},
     )
 
 

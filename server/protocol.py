@@ -14,6 +14,7 @@ MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
 MAX_STOP_LEN = 256
 MAX_PROMPTS = 64
+MAX_LOGIT_BIAS = 1024
 
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
 
@@ -95,6 +96,7 @@ class SamplingFields(BaseModel):
     stream_options: StreamOptions | None = None
     user: str | None = None
     # structured outputs: OpenAI's response_format, and vLLM's fields for the same job (server/structured.py)
+    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None
     response_format: ResponseFormat | None = None
     guided_json: dict[str, Any] | str | None = None
     guided_regex: str | None = None
@@ -114,6 +116,18 @@ class SamplingFields(BaseModel):
             raise ValueError(f"a stop string may be at most {MAX_STOP_LEN} characters long")
         if any(s == "" for s in stops):
             raise ValueError("stop strings must not be empty")
+        return v
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _check_logit_bias(cls, v):
+        if v is None:
+            return v
+        if len(v) > MAX_LOGIT_BIAS:
+            raise ValueError(f"at most {MAX_LOGIT_BIAS} logit_bias entries are allowed")
+        for key in v:
+            if not key.isdigit():
+                raise ValueError(f"logit_bias keys are token ids (strings of digits), not {key!r}")
         return v
 
     def stop_list(self) -> list[str]:

@@ -29,6 +29,7 @@ class SamplingParams:
     min_tokens: int = 0
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    logit_bias: dict[int, float] = field(default_factory=dict)  # OpenAI's: added to those tokens' logits
 
     @property
     def greedy(self) -> bool:
@@ -79,13 +80,17 @@ def apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> None:
 def sample(logits: torch.Tensor, rows: list[SampleRow]) -> Sampled:
     """logits: float32 [B, vocab] on rank 0. Returns one token per row."""
     if all(r.params.greedy and r.params.logprobs is None and not r.params.has_penalties and not r.banned_ids
-           for r in rows):
+           and not r.params.logit_bias for r in rows):
         return Sampled(logits.argmax(dim=-1).tolist(), None, None)  # the common batch: one argmax, no per-row work
     want_logprobs = [r.params.logprobs for r in rows]
     raw_logprobs = torch.log_softmax(logits, dim=-1) if any(n is not None for n in want_logprobs) else None
-    if any(r.params.has_penalties for r in rows) or any(r.banned_ids for r in rows):
+    if any(r.params.has_penalties or r.params.logit_bias or r.banned_ids for r in rows):
         logits = logits.clone()
         apply_penalties(logits, rows)
+        for i, r in enumerate(rows):
+            if r.params.logit_bias:  # after the penalties, before bans, temperature and top-k/p (as OpenAI)
+                ids = torch.tensor(list(r.params.logit_bias), dtype=torch.int64)
+                logits[i, ids] += torch.tensor(list(r.params.logit_bias.values()), dtype=logits.dtype)
         for i, r in enumerate(rows):
             if r.banned_ids:
                 logits[i, r.banned_ids] = float("-inf")

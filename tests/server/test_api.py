@@ -211,3 +211,14 @@ def test_echo_logprobs_score_the_prompt_like_transformers(srv, client):
     assert first.text == srv.tok.decode(ids)
     assert first.logprobs.token_logprobs[1:] == pytest.approx(lp.token_logprobs[1:n], abs=1e-6)
     assert "".join(c.choices[0].text for c in chunks if c.choices) == r.choices[0].text
+
+
+def test_logit_bias_is_applied_and_checked(client, srv):
+    r = complete(client, srv, prompt="hello", max_tokens=6, logprobs=0,
+                 extra_body={"logit_bias": {"42": 100}, "ignore_eos": True})
+    assert r.choices[0].logprobs.tokens == [r.choices[0].logprobs.tokens[0]] * 6
+    free = complete(client, srv, prompt="hello", max_tokens=6, extra_body={"ignore_eos": True})
+    assert free.choices[0].text != r.choices[0].text
+    for bias, words in (({"x": 1}, "token ids"), ({"99999999": 1}, "outside the vocabulary"), ({"1": 101}, "100")):
+        resp = httpx.post(srv.v1 + "/completions", json={"prompt": "hi", "max_tokens": 2, "logit_bias": bias})
+        assert resp.status_code == 400 and words in resp.json()["error"]["message"], resp.text

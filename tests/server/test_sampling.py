@@ -52,3 +52,13 @@ def test_degenerate_parameters_never_break_sampling():
     assert sample(logits, [tiny_temp]).token_ids == [2]
     all_banned = SampleRow(SamplingParams(temperature=1.0), torch.Generator().manual_seed(0), [], [], [0, 1, 2])
     assert sample(logits, [all_banned]).token_ids[0] in (0, 1, 2)
+
+
+def test_logit_bias_moves_the_choice_of_its_row_only():
+    logits = torch.tensor([[0.0, 5.0, 1.0], [0.0, 5.0, 1.0]])
+    rows = [SampleRow(SamplingParams(temperature=0, logit_bias={2: 10.0}), None, [], [], []),
+            SampleRow(SamplingParams(temperature=0), None, [], [], [])]
+    assert sample(logits, rows).token_ids == [2, 1]
+    rows = [SampleRow(SamplingParams(temperature=0.7, seed=1, logit_bias={1: -100.0, 2: -100.0}),
+                      torch.Generator().manual_seed(1), [], [], [])]
+    assert sample(logits[:1], rows).token_ids == [0]  # the only token left with any mass
