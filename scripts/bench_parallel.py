@@ -46,17 +46,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=2)
     args = ap.parse_args(argv)
-    if args.model:
-        model = args.model
-    elif args.size:
-        from bench_tp import make_model
+    from bench_tp import bench_model
 
-        model = str(make_model(args.size, Path(os.environ.get("TPSERVE_HOME", Path.home() / ".cache" / "tpserve"))
-                               / f"bench-llama-{args.size}"))
-    else:
-        from loaders.default_model import ensure_default_model
-
-        model = str(ensure_default_model())
+    model = bench_model(args.size, args.model)
     name = args.size or os.path.basename(model.rstrip("/"))
     vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
     levels = [tuple(int(x) for x in lv.split(":")) for lv in args.levels.split(",")]

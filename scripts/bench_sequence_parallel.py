@@ -69,17 +69,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=2, help="long prefills per process")
     ap.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    if args.model:
-        model = args.model
-    elif args.size:
-        from bench_tp import make_model
+    from bench_tp import bench_model
 
-        model = str(make_model(args.size, Path(os.environ.get("TPSERVE_HOME", Path.home() / ".cache" / "tpserve"))
-                               / f"bench-llama-{args.size}"))
-    else:
-        from loaders.default_model import ensure_default_model
-
-        model = str(ensure_default_model())
+    model = bench_model(args.size, args.model)
     if args.child:
         child(model, args.child[0] == "sp", args.tokens, args.repeats, args.child[2])
         return 0

@@ -46,6 +46,18 @@ def load_avg() -> str:
     return " ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
+def bench_model(size: str | None, model: str | None) -> str:
+    """A checkpoint folder (`model`), the random model of `size` made once under $TPSERVE_HOME, or the default model."""
+    if model:
+        return model
+    if size:
+        home = Path(os.environ.get("TPSERVE_HOME", Path.home() / ".cache" / "tpserve"))
+        return str(make_model(size, home / f"bench-llama-{size}"))
+    from loaders.default_model import ensure_default_model
+
+    return str(ensure_default_model())
+
+
 def make_model(size: str, folder: Path) -> Path:
     if (folder / "config.json").exists():
         return folder

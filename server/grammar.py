@@ -84,7 +84,6 @@ class Grammars:
         self._llg = None
         self._tokenizer = None
         self._bias: torch.Tensor | None = None  # the engine thread's buffer for the logit bias
-        self.compiles = 0  # cold compiles, for tests and metrics
 
     # ---- compiling (worker thread) ---------------------------------------------------------------------------
     def _setup(self) -> None:
@@ -149,7 +148,6 @@ class Grammars:
             return hit
         matcher = self._compile(c)
         with self._lock:
-            self.compiles += 1
             self._cache[c.key] = matcher
             while len(self._cache) > CACHE_ENTRIES:
                 self._cache.popitem(last=False)

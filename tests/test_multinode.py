@@ -52,6 +52,16 @@ def wait_ready(url, nodes, tmp_path):
     raise AssertionError("not ready: " + (tmp_path / "node0.log").read_text()[-3000:])
 
 
+def check_answer(url, folder):
+    """A greedy completion through the nodes equals transformers' greedy output."""
+    tok = AutoTokenizer.from_pretrained(str(folder))
+    ids = tok.encode("The capital of France is")
+    expected, _ = hf_greedy(folder, ids, 16)
+    r = httpx.post(url + "/v1/completions", json={"prompt": ids, "max_tokens": 16, "temperature": 0,
+                                                  "ignore_eos": True, "logprobs": 0}, timeout=120).json()
+    assert r["choices"][0]["logprobs"]["tokens"] == [tok.decode([t]) for t in expected]
+
+
 def test_a_pipeline_stage_per_node_and_sigterm_to_every_rank(checkpoints, tmp_path):
     """PP=2 across two torchrun nodes equals transformers. Then every rank gets SIGTERM at once (what torchrun
     forwards when it is stopped): a stream in flight still completes, and both nodes exit 0."""
@@ -61,12 +71,7 @@ def test_a_pipeline_stage_per_node_and_sigterm_to_every_rank(checkpoints, tmp_pa
     try:
         url = f"http://127.0.0.1:{http}"
         wait_ready(url, nodes, tmp_path)
-        tok = AutoTokenizer.from_pretrained(str(folder))
-        ids = tok.encode("The capital of France is")
-        expected, _ = hf_greedy(folder, ids, 16)
-        r = httpx.post(url + "/v1/completions", json={"prompt": ids, "max_tokens": 16, "temperature": 0,
-                                                      "ignore_eos": True, "logprobs": 0}, timeout=120).json()
-        assert r["choices"][0]["logprobs"]["tokens"] == [tok.decode([t]) for t in expected]
+        check_answer(url, folder)
         ranks = [int(subprocess.run(["pgrep", "-P", str(n.pid)], capture_output=True, text=True).stdout.split()[0])
                  for n in nodes]
         events = []
@@ -95,22 +100,8 @@ def test_two_torchrun_nodes_serve_tp2(checkpoints, tmp_path):
     nodes = start_nodes([folder, folder], http, tmp_path)
     try:
         url = f"http://127.0.0.1:{http}"
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline:
-            assert all(p.poll() is None for p in nodes), (tmp_path / "node0.log").read_text()[-3000:]
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.5)
-        else:
-            raise AssertionError("not ready: " + (tmp_path / "node0.log").read_text()[-3000:])
-        tok = AutoTokenizer.from_pretrained(str(folder))
-        ids = tok.encode("The capital of France is")
-        expected, _ = hf_greedy(folder, ids, 16)
-        r = httpx.post(url + "/v1/completions", json={"prompt": ids, "max_tokens": 16, "temperature": 0,
-                                                      "ignore_eos": True, "logprobs": 0}, timeout=120).json()
-        assert r["choices"][0]["logprobs"]["tokens"] == [tok.decode([t]) for t in expected]
+        wait_ready(url, nodes, tmp_path)
+        check_answer(url, folder)
         # SIGTERM to rank 0 itself (torchrun's own agent exits non-zero on a signal by design): it drains and
         # stops; the node without rank 0 exits when rank 0 does, and both torchruns report success
         rank0 = subprocess.run(["pgrep", "-P", str(nodes[0].pid)], capture_output=True, text=True).stdout.split()

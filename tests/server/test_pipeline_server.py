@@ -2,7 +2,6 @@
 stage, and a SIGTERM to the whole process group."""
 
 import asyncio
-import json
 import os
 import signal
 import time
@@ -10,7 +9,7 @@ import time
 import httpx
 import pytest
 
-from test_reliability import children
+from test_reliability import children, drains_under_group_sigterm
 from tiny import make_checkpoint
 
 
@@ -81,24 +80,4 @@ def test_sigkill_of_a_middle_stage_fails_fast(server_factory, five_layers):
 def test_group_sigterm_drains_a_pipeline(server_factory, checkpoints):
     s = server_factory(checkpoints("llama"), 1, "-pp", "2", "--max-model-len", "256", "--shutdown-timeout", "60",
                        new_session=True)
-    workers = children(s.proc.pid)
-
-    async def run():
-        async with httpx.AsyncClient(base_url=s.url, timeout=120) as client:
-            async with client.stream("POST", "/v1/completions", json={
-                    "prompt": "p", "max_tokens": 240, "ignore_eos": True, "stream": True,
-                    "stream_options": {"include_usage": True}}) as r:
-                events = []
-                async for line in r.aiter_lines():
-                    if line.startswith("data: "):
-                        events.append(line[6:])
-                        if len(events) == 20:
-                            os.killpg(s.proc.pid, signal.SIGTERM)
-                return events
-
-    events = asyncio.run(run())
-    assert events[-1] == "[DONE]" and not any('"error"' in e for e in events)
-    assert json.loads(events[-2])["usage"]["completion_tokens"] == 240
-    assert s.proc.wait(timeout=60) == 0
-    for pid in workers:
-        assert not os.path.exists(f"/proc/{pid}") or "zombie" in open(f"/proc/{pid}/status").read().lower()
+    drains_under_group_sigterm(s)

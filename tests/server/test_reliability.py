@@ -218,6 +218,12 @@ def test_sigterm_to_the_whole_process_group_drains_too(server_factory, checkpoin
     the shutdown to rank 0, so a stream in flight still gets every token and the server exits 0."""
     s = server_factory(checkpoints("llama"), 2, "--max-model-len", "256", "--shutdown-timeout", "60",
                        new_session=True)
+    drains_under_group_sigterm(s)
+
+
+def drains_under_group_sigterm(s) -> None:
+    """SIGTERM to the server's whole process group 20 chunks into a 240-token stream: the stream completes, the
+    server exits 0 and leaves no rank behind."""
     workers = children(s.proc.pid)
     assert workers
 
