@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     from sharding import kernels
 
     torch.set_num_threads(args.threads)
-    kernel = kernels.build_paged_kernel()
+    kernel = kernels.paged_decode_attention() if kernels.build_kernels() else None
     kv, g, d, scale = 3, 3, 64, 0.125
     rows = []
     print(f"CPU: {cpu_name()}, {args.threads} threads, load {os.getloadavg()[0]:.2f}; kernel "

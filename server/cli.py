@@ -34,6 +34,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "parallelism): norms and residuals on a rank's tokens only; decode steps are unchanged")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="weights and activations dtype (auto: the checkpoint's)")
+    p.add_argument("--quantization", "-q", default=None, choices=["int8", "int4"],
+                   help="weight-only quantization of the linears and the LM head, done by each rank on its own shard "
+                        "at load: int8 per output channel, int4 per group of inputs (default: none)")
+    p.add_argument("--quantization-group-size", type=int, default=32, choices=[32, 128],
+                   help="int4: inputs per scale (default 32, as llama.cpp's Q4_0; 32 for layers whose input size is "
+                        "not a multiple of 128)")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="longest prompt + completion in tokens (default: min(model maximum, 2048))")
     p.add_argument("--max-num-seqs", type=int, default=32,
@@ -103,7 +109,8 @@ def engine_config(args):
                         block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
                         gpu_memory_utilization=args.gpu_memory_utilization,
                         pipeline_parallel_size=args.pipeline_parallel_size, data_parallel_size=args.data_parallel_size,
-                        sequence_parallel=args.sequence_parallel)
+                        sequence_parallel=args.sequence_parallel, quantization=args.quantization,
+                        quantization_group_size=args.quantization_group_size)
 
 
 def describe_cache(runner, engine) -> str:
@@ -226,7 +233,8 @@ def generate(args) -> int:
               enable_prefix_caching=args.enable_prefix_caching,
               max_prefill_tokens_while_decoding=args.max_prefill_tokens_while_decoding,
               pipeline_parallel_size=cfg.pipeline_parallel_size, data_parallel_size=cfg.data_parallel_size,
-              sequence_parallel=cfg.sequence_parallel)
+              sequence_parallel=cfg.sequence_parallel, quantization=cfg.quantization,
+              quantization_group_size=cfg.quantization_group_size)
     try:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
         if args.chat:

@@ -67,6 +67,9 @@ def validate(cfg: EngineConfig, tp: int) -> None:
     import torch
 
     from loaders.partition import stage_layers
+    from sharding import quant
+
+    quant.check(cfg.quantization, cfg.quantization_group_size)
 
     partition = os.environ.get("TPSERVE_PP_LAYER_PARTITION") or None
     with Checkpoint(cfg.model) as ckpt:

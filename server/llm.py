@@ -28,6 +28,7 @@ class Completion:
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
     prompt_logprobs: list[float] | None = None  # of prompt tokens 1.. when params.prompt_logprobs is set
+    prompt_top_logprobs: list[list[tuple[int, float]]] | None = None  # the top params.prompt_logprobs at each
 
 
 def offline_constraint(json_schema, regex, choice, grammar):
@@ -61,11 +62,13 @@ class LLM:
                  kv_cache_memory: int | None = None, gpu_memory_utilization: float = 0.9,
                  max_num_batched_tokens: int | None = None,
                  enable_prefix_caching: bool = True, max_prefill_tokens_while_decoding: int | None = None,
-                 pipeline_parallel_size: int = 1, data_parallel_size: int = 1, sequence_parallel: bool = False):
+                 pipeline_parallel_size: int = 1, data_parallel_size: int = 1, sequence_parallel: bool = False,
+                 quantization: str | None = None, quantization_group_size: int = 32):
         self.cfg = EngineConfig(resolve_model(model), dtype, max_num_seqs, max_model_len, block_size=block_size,
                                 kv_cache_memory=kv_cache_memory, gpu_memory_utilization=gpu_memory_utilization,
                                 pipeline_parallel_size=pipeline_parallel_size, data_parallel_size=data_parallel_size,
-                                sequence_parallel=sequence_parallel)
+                                sequence_parallel=sequence_parallel, quantization=quantization,
+                                quantization_group_size=quantization_group_size)
         torchrun_worker_signals()
         self.runner, self.dist, self.workers = launch(self.cfg, tensor_parallel_size)
         self.tokenizer = load_tokenizer(self.cfg.model)
@@ -93,7 +96,8 @@ class LLM:
         return [Completion(s.prompt_ids, s.output_ids, s.detok.text, s.finish_reason,
                            s.token_logprobs if params.logprobs is not None else None,
                            s.top_logprobs if params.logprobs is not None else None,
-                           s.prompt_logprobs if params.prompt_logprobs is not None else None) for s in seqs]
+                           s.prompt_logprobs if params.prompt_logprobs is not None else None,
+                           s.prompt_top_logprobs if params.prompt_logprobs is not None else None) for s in seqs]
 
     def chat(self, messages: list[dict], params: SamplingParams | None = None) -> Completion:
         ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,

@@ -35,64 +35,83 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
-# ---- paged decode attention (sharding/csrc/paged_attention.cpp) ----------------------------------------------------
-# Decode attention that reads K/V through the block table in place. The pure-torch path gathers the decode batch's
-# blocks into a contiguous copy first (one more write and read of every cached key and value per layer); see
-# scripts/bench_paged_attention.py. Compiled once per machine and torch version into $TPSERVE_HOME/kernels (needs a
-# C++ compiler and ninja; `make install` builds it); without them, or with TPSERVE_PAGED_KERNEL=0, the torch path runs.
+# ---- compiled CPU kernels (sharding/csrc/) --------------------------------------------------------------------------
+# paged_attention.cpp: decode attention that reads K/V through the block table in place. The pure-torch path gathers
+# the decode batch's blocks into a contiguous copy first (one more write and read of every cached key and value per
+# layer); see scripts/bench_paged_attention.py.
+# quant_linear.cpp: weight-only int8/int4 linears (sharding/quant.py).
+# Compiled together once per machine and torch version into $TPSERVE_HOME/kernels (needs a C++ compiler and ninja;
+# `make install` builds it). Without them the torch paths run; TPSERVE_PAGED_KERNEL=0 / TPSERVE_QUANT_KERNEL=0 turn
+# one kernel off.
 
-_PAGED: dict[str, object] = {}
+SOURCES = ("paged_attention.cpp", "quant_linear.cpp")
+_BUILT: dict[str, bool] = {}
+
+
+def _sources() -> list[str]:
+    return [os.path.join(os.path.dirname(__file__), "csrc", name) for name in SOURCES]
 
 
 def _kernel_dir() -> str:
     import hashlib
     import platform
 
-    src = os.path.join(os.path.dirname(__file__), "csrc", "paged_attention.cpp")
     flags = ""
     try:
         with open("/proc/cpuinfo") as f:  # -march=native: a build is only valid on the CPU it was made for
             flags = next((line for line in f if line.startswith("flags")), "")
     except OSError:
         pass
-    with open(src, "rb") as f:
-        key = hashlib.sha256(f.read() + flags.encode() + torch.__version__.encode() + platform.machine().encode())
+    key = hashlib.sha256(flags.encode() + torch.__version__.encode() + platform.machine().encode() + b"-fopenmp")
+    for src in _sources():
+        with open(src, "rb") as f:
+            key.update(f.read())
     home = os.environ.get("TPSERVE_HOME") or os.path.join(os.path.expanduser("~"), ".cache", "tpserve")
-    return os.path.join(home, "kernels", "paged_attention-" + key.hexdigest()[:16])
+    return os.path.join(home, "kernels", "tpserve_kernels-" + key.hexdigest()[:16])
 
 
-def build_paged_kernel(verbose: bool = False):
-    """Compile (or load the cached build of) the paged decode kernel; returns the op, or None if it cannot be built.
-    Every rank may call it at once: torch's build lock lets one compile while the others wait for it."""
-    if "op" in _PAGED:
-        return _PAGED["op"]
-    op = None
-    if os.environ.get("TPSERVE_PAGED_KERNEL", "1") != "0":
-        try:
-            from torch.utils.cpp_extension import load
+def build_kernels(verbose: bool = False) -> bool:
+    """Compile (or load the cached build of) the CPU kernels; False if they cannot be built. Every rank may call it at
+    once: torch's build lock lets one compile while the others wait for it."""
+    if "ok" in _BUILT:
+        return _BUILT["ok"]
+    ok = False
+    try:
+        from torch.utils.cpp_extension import load
 
-            build = _kernel_dir()
-            os.makedirs(build, exist_ok=True)
-            load(name="tpserve_paged_attention", sources=[os.path.join(os.path.dirname(__file__), "csrc",
-                                                                        "paged_attention.cpp")],
-                 extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp-simd"], build_directory=build,
-                 is_python_module=False, verbose=verbose)
-            op = torch.ops.tpserve.paged_decode_attention
-        except Exception as e:  # noqa: BLE001 - no compiler, no ninja, a failed build: the torch path serves
-            import logging
+        build = _kernel_dir()
+        os.makedirs(build, exist_ok=True)
+        load(name="tpserve_kernels", sources=_sources(),
+             # -fopenmp: at::parallel_for is OpenMP in torch's CPU builds; without it the loop runs on one thread
+             # (the libgomp it links is the one torch has loaded already)
+             extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"], extra_ldflags=["-fopenmp"],
+             build_directory=build,
+             is_python_module=False, verbose=verbose)
+        ok = hasattr(torch.ops.tpserve, "paged_decode_attention")
+    except Exception as e:  # noqa: BLE001 - no compiler, no ninja, a failed build: the torch paths serve
+        import logging
 
-            logging.getLogger(__name__).warning("paged decode kernel unavailable (%s); decode attention gathers "
-                                                "blocks in torch instead", str(e).splitlines()[0][:200])
-    _PAGED["op"] = op
-    return op
+        logging.getLogger(__name__).warning("CPU kernels unavailable (%s); decode attention and quantized linears "
+                                            "run in torch instead", str(e).splitlines()[0][:200])
+    _BUILT["ok"] = ok
+    return ok
 
 
 def paged_decode_attention():
-    """The compiled op if it was built (`build_paged_kernel`, called at start), else None."""
-    return _PAGED.get("op")
+    """The compiled op if it was built (`build_kernels`, called at start) and not turned off, else None."""
+    if not _BUILT.get("ok") or os.environ.get("TPSERVE_PAGED_KERNEL", "1") == "0":
+        return None
+    return torch.ops.tpserve.paged_decode_attention
 
 
-if __name__ == "__main__":  # `python -m sharding.kernels`: build the kernel now (make install does)
+def quant_linear_ops():
+    """(int8_linear, int4_linear) if built and not turned off, else None."""
+    if not _BUILT.get("ok") or os.environ.get("TPSERVE_QUANT_KERNEL", "1") == "0":
+        return None
+    return torch.ops.tpserve.int8_linear.default, torch.ops.tpserve.int4_linear.default
+
+
+if __name__ == "__main__":  # `python -m sharding.kernels`: build the kernels now (make install does)
     import sys
 
-    sys.exit(0 if build_paged_kernel(verbose=True) is not None else 1)
+    sys.exit(0 if build_kernels(verbose=True) else 1)

@@ -17,6 +17,7 @@ from torch import nn
 
 from loaders.checkpoint import Checkpoint
 from loaders.partition import split_evenly
+from sharding import quant
 from sharding.dist import Dist
 from sharding.kernels import can_pack, pack, packed_linear
 
@@ -42,6 +43,12 @@ class _Linear(nn.Module):
     weights are loaded) a oneDNN-packed copy that replaces it on CPU (sharding/kernels.py)."""
 
     packed: torch.Tensor | None = None
+    qweight: quant.QuantizedWeight | None = None  # --quantization: replaces the weight (sharding/quant.py)
+
+    def quantize(self, mode: str, group: int) -> None:
+        if self.qweight is None and self.weight is not None and quant.supported(mode, self.weight.shape[1], group):
+            self.qweight = quant.quantize(self.weight, mode, group)
+            self.weight = None  # a tied embedding keeps its own reference
 
     def prepack(self) -> None:
         if self.packed is None and self.weight is not None and can_pack(self.weight):
@@ -52,6 +59,8 @@ class _Linear(nn.Module):
             self.weight = None  # the packed copy is the weight now (a tied embedding keeps its own reference)
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if self.qweight is not None:
+            return quant.linear(x, self.qweight, bias)
         if self.packed is not None:
             m = x.shape[0]
             rows = bucket_rows(m)

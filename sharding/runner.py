@@ -25,6 +25,7 @@ from loaders.config import load_config
 from sharding import kernels
 from sharding.attention import AttentionMetadata, PagedKVCache, RotaryTable
 from sharding.dist import Dist, Layout
+from sharding.layers import ParallelLMHead
 from sharding.models import model_class
 from sharding.step import CMD_NOOP, CMD_SHUTDOWN, CMD_STEP, HEADER, Step
 
@@ -48,6 +49,8 @@ class EngineConfig:
     pipeline_parallel_size: int = 1  # stages per replica
     data_parallel_size: int = 1  # replicas (the TP degree is what is left of the world)
     sequence_parallel: bool = False  # prefill steps split the token axis between layers (Megatron SP)
+    quantization: str | None = None  # weight-only int8 / int4 linears (sharding/quant.py)
+    quantization_group_size: int = 32  # int4: inputs per scale
 
     def layout(self, world_size: int) -> Layout:
         pp, dp = self.pipeline_parallel_size, self.data_parallel_size
@@ -154,14 +157,19 @@ class ModelRunner:
         self.cfg = cfg
         self.dist = dist
         t0 = time.perf_counter()
+        if dist.device.type == "cpu":
+            kernels.build_kernels()  # paged decode attention, quantized linears (sharding/kernels.py)
+        quantize = self._quantizer()
         with Checkpoint(cfg.model) as ckpt:
             self.model, self.config, self.dtype = build_model(cfg, dist, ckpt)
             loaders = [m for m in self.model.modules() if hasattr(m, "expected")]
             for m in tqdm(loaders, desc="loading weights", unit="tensor", disable=not dist.is_driver or None,
                           leave=False):
                 m.load(ckpt)
+                quantize(m, loaded=False)  # right after its read: one layer at a time in the checkpoint's precision
             self.bytes_read = ckpt.bytes_read
         for m in self.model.modules():
+            quantize(m)  # what the loop could not do yet (an LM head tied to an embedding loaded after it)
             if hasattr(m, "prepack"):
                 m.prepack()  # CPU: linears through oneDNN with packed weights (sharding/kernels.py)
         self.model.eval()
@@ -177,6 +185,24 @@ class ModelRunner:
         self.num_blocks = 0
         self.block_table = torch.zeros(0, 0, dtype=torch.int64)
         self.seq_parallel_steps = 0
+
+    def _quantizer(self):
+        """A function quantizing one module's weight in place under --quantization, else doing nothing. The LM head gets
+        int8 under both modes (llama.cpp's Q4_0 files keep theirs at 6 bits too: at 4 bits it costs SmolLM2 most of
+        int4's perplexity; BENCHMARKS.md), or stays unquantized with TPSERVE_QUANTIZE_LM_HEAD=0. Embeddings stay."""
+        mode, group = self.cfg.quantization, self.cfg.quantization_group_size
+        head_mode = {"0": None, "same": mode}.get(os.environ.get("TPSERVE_QUANTIZE_LM_HEAD", "1"), "int8")
+
+        def apply(m, loaded: bool = True) -> None:
+            """loaded=False while the loop still reads: a tied LM head waits, its embedding may come later."""
+            if not mode or not hasattr(m, "quantize"):
+                return
+            if isinstance(m, ParallelLMHead):
+                if head_mode and (loaded or not m.tied):
+                    m.quantize(head_mode, group)
+            else:
+                m.quantize(mode, group)
+        return apply
 
     def bytes_per_block(self) -> int:
         """KV-cache bytes of one block on this rank, over every layer."""
@@ -207,8 +233,6 @@ class ModelRunner:
                 f"{self.block_size} tokens ({per_block / 2**20:.3f} MiB each), fewer than the {blocks_per_seq} one "
                 f"sequence of --max-model-len {self.max_model_len} needs: raise --kv-cache-memory to at least "
                 f"{blocks_per_seq * per_block / 2**20:.1f} MiB or lower --max-model-len")
-        if self.dist.device.type == "cpu":
-            kernels.build_paged_kernel()  # decode attention straight from the blocks (sharding/kernels.py)
         for attn in self.model.attention_layers:
             attn.cache = PagedKVCache(num_blocks, self.block_size, attn.num_kv_heads, attn.head_dim, self.dtype,
                                       self.dist.device)

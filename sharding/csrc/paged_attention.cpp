@@ -8,7 +8,7 @@
 //   window                          keys within the last `window` positions only (0: all)
 //   out    [B, H, G, D]             float32
 //
-// Built at first use by sharding/kernels.py (torch.utils.cpp_extension); a pure-torch path stands in without it.
+// Built at start by sharding/kernels.py (torch.utils.cpp_extension, with quant_linear.cpp); a pure-torch path stands in without it.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -106,7 +106,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& pool, c
 
 }  // namespace
 
-TORCH_LIBRARY(tpserve, m) {
+TORCH_LIBRARY_FRAGMENT(tpserve, m) {
   m.def("paged_decode_attention(Tensor q, Tensor pool, Tensor table, Tensor lens, float scale, int window) -> Tensor");
 }
 

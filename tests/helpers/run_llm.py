@@ -42,7 +42,8 @@ def main() -> None:
         outs = rounds[0]
         alone = [llm.generate([p], params)[0].token_ids for p in prompts] if job.get("alone") else []
         results.append({"outputs": [{"token_ids": o.token_ids, "text": o.text, "top_logprobs": o.top_logprobs,
-                                     "prompt_logprobs": o.prompt_logprobs} for o in outs], "trace": trace,
+                                     "prompt_logprobs": o.prompt_logprobs, "prompt_top": o.prompt_top_logprobs}
+                                    for o in outs], "trace": trace,
                         "seq_parallel_steps": llm.runner.seq_parallel_steps,
                         "bytes_read": llm.runner.bytes_read,
                         "checkpoint_bytes": Checkpoint(llm.cfg.model).total_bytes,

@@ -31,9 +31,10 @@ def decode_path(request, monkeypatch):
     from sharding import kernels
 
     if request.param == "kernel":
-        assert kernels.build_paged_kernel() is not None, "the paged decode kernel did not build"
+        assert kernels.build_kernels(), "the CPU kernels did not build"
+        monkeypatch.delenv("TPSERVE_PAGED_KERNEL", raising=False)
     else:
-        monkeypatch.setitem(kernels._PAGED, "op", None)
+        monkeypatch.setenv("TPSERVE_PAGED_KERNEL", "0")
     return request.param
 
 

@@ -1,0 +1,194 @@
+"""Batch-1 CPU decode at each precision: tpserve (offline LLM, TP=1) against llama.cpp's own `llama-bench`.
+
+    scripts/build_llama_cpp.sh                      # once: llama-bench, llama-quantize (no binary downloads here)
+    python scripts/bench_quant.py --rounds 3        # decode, interleaved rounds, JSON to results/quant.json
+    python scripts/bench_quant.py --linears         # the GEMVs alone: SmolLM2's linear shapes at M=1
+
+Pairs: tpserve float32 / bfloat16 / int8 / int4 (group 32) against llama.cpp F32 / F16 / Q8_0 / Q4_0, all made from the
+same float32 weights (llama.cpp's with its own llama-quantize). tpserve generates 128 greedy tokens after a 22-token
+chat prompt (EOS ignored); decode ms/token = (wall - time to first token) / 127. llama.cpp is measured by its own
+benchmark, `llama-bench -p 0 -n 128 -d 22` (128 tokens after a 22-token context, no sampling), in a fresh process
+per round. Same threads for both (default: all cores). Every round runs every pair once, so a slow spell of a shared
+host hits all alike; medians over rounds are reported, and each ratio is taken within one round.
+
+--linears times each weight-only kernel against the packed oneDNN float32 linear tpserve uses unquantized, at one
+activation row, and prints the weight bytes streamed per second.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from bench_baseline import PROMPT, f32_gguf, load_avg  # noqa: E402
+from bench_prefill import cpu_name  # noqa: E402
+from bench_quant_accuracy import llama_bin  # noqa: E402
+
+PAIRS = [("float32", None, "F32"), ("bfloat16", None, "F16"), ("float32", "int8", "Q8_0"), ("float32", "int4", "Q4_0")]
+MAX_TOKENS = 128
+
+
+def precision(dtype: str, q: str | None) -> str:
+    return q or dtype
+
+
+class Tpserve:
+    def __init__(self, model: str, dtype: str, quantization: str | None):
+        from server.llm import LLM
+        from server.sampling import SamplingParams
+
+        self.llm = LLM(model, dtype=dtype, quantization=quantization, max_num_seqs=1, kv_cache_memory=256 << 20)
+        self.ids = self.llm.tokenizer.encode(PROMPT)
+        self.params = SamplingParams
+        self.generate(4)  # warm-up
+
+    def generate(self, n: int):
+        return self.llm.generate([self.ids], self.params(max_tokens=n, temperature=0, ignore_eos=True))
+
+    def measure(self) -> float:
+        """Decode ms per token."""
+        t0 = time.perf_counter()
+        self.generate(1)
+        ttft = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        self.generate(MAX_TOKENS)
+        return (time.perf_counter() - t0 - ttft) / (MAX_TOKENS - 1) * 1e3
+
+    def close(self) -> None:
+        self.llm.close()
+
+
+def llama_gguf(f32: Path, kind: str, threads: int) -> Path:
+    if kind == "F32":
+        return f32
+    out = f32.with_name(f32.name.replace("F32", kind))
+    if not out.exists():
+        subprocess.run([str(llama_bin("llama-quantize")), str(f32), str(out), kind, str(threads)], check=True,
+                       capture_output=True)
+    return out
+
+
+def llama_bench(gguf: Path, threads: int) -> float:
+    """Decode ms per token from llama-bench."""
+    out = subprocess.run([str(llama_bin("llama-bench")), "-m", str(gguf), "-p", "0", "-n", str(MAX_TOKENS), "-d", "22",
+                          "-t", str(threads), "-r", "1", "-o", "json"], capture_output=True, text=True, check=True)
+    (row,) = json.loads(out.stdout)
+    return 1e3 / row["avg_ts"]
+
+
+def bench_linears(threads: int, iters: int) -> list[dict]:
+    import torch
+
+    from sharding import kernels, quant
+
+    torch.set_num_threads(threads)
+    assert kernels.build_kernels(), "the CPU kernels did not build"
+    shapes = {"qkv": (576 + 2 * 192, 576), "o": (576, 576), "gate_up": (2 * 1536, 576), "down": (576, 1536),
+              "lm_head": (49152, 576)}
+    rows = []
+    print(f"{'linear':<8} {'N x K':>12} | {'fp32 oneDNN':>18} | {'int8':>18} | {'int4':>18}")
+    for name, (n, k) in shapes.items():
+        torch.manual_seed(0)
+        w = torch.randn(n, k) * 0.02
+        x = torch.randn(1, k)
+        packed = kernels.pack(w)
+        runs = {"fp32": (lambda: kernels.packed_linear(x, packed, None), n * k * 4)}
+        for mode in ("int8", "int4"):
+            qw = quant.quantize(w, mode, 32)
+            runs[mode] = ((lambda qw=qw: quant.linear(x, qw)), qw.nbytes())
+        res = {}
+        for _ in range(3):  # interleaved
+            for key, (fn, nbytes) in runs.items():
+                for _ in range(5):
+                    fn()
+                t0 = time.perf_counter()
+                for _ in range(iters):
+                    fn()
+                us = (time.perf_counter() - t0) / iters * 1e6
+                res[key] = min(res.get(key, float("inf")), us)
+        row = dict(linear=name, n=n, k=k, **{f"{key}_us": res[key] for key in runs},
+                   **{f"{key}_gb_s": runs[key][1] / res[key] / 1e3 for key in runs})
+        rows.append(row)
+        print(f"{name:<8} {n:>6} x {k:<5} | " + " | ".join(f"{res[key]:8.1f} us {row[key + '_gb_s']:5.1f} GB/s"
+                                                         for key in runs))
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", help="checkpoint folder (default: tpserve's default SmolLM2-135M-Instruct)")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
+    ap.add_argument("--only", action="append", choices=["float32", "bfloat16", "int8", "int4"],
+                    help="tpserve precisions to run (default: all)")
+    ap.add_argument("--linears", action="store_true", help="time the GEMVs alone instead")
+    ap.add_argument("--iters", type=int, default=200)
+    ap.add_argument("--gguf", default="results/SmolLM2-135M-Instruct-F32.gguf")
+    ap.add_argument("--output", default=None)
+    args = ap.parse_args(argv)
+    print(f"CPU: {cpu_name()}, {args.threads} threads, load {load_avg()}", flush=True)
+    if args.linears:
+        rows = bench_linears(args.threads, args.iters)
+        out = Path(args.output or "results/quant_linears.json")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(dict(cpu=cpu_name(), threads=args.threads, rows=rows), indent=2))
+        print(f"saved {out}")
+        return 0
+    os.environ["TPSERVE_THREADS"] = str(args.threads)
+    from loaders.default_model import ensure_default_model
+
+    model = args.model or str(ensure_default_model())
+    f32 = f32_gguf(Path(args.gguf))
+    pairs = [p for p in PAIRS if not args.only or precision(p[0], p[1]) in args.only]
+    have_llama = llama_bin("llama-bench").exists()
+    if not have_llama:
+        print("llama.cpp skipped: run scripts/build_llama_cpp.sh first", flush=True)
+    engines = {precision(d, q): Tpserve(model, d, q) for d, q, _ in pairs}
+    ggufs = {kind: llama_gguf(f32, kind, args.threads) for _, _, kind in pairs} if have_llama else {}
+    rows = []
+    for r in range(args.rounds):
+        for dtype, q, kind in pairs:
+            name = precision(dtype, q)
+            row = dict(round=r, precision=name, tpserve_ms=engines[name].measure(), load=load_avg())
+            if have_llama:
+                row.update(llama=kind, llama_ms=llama_bench(ggufs[kind], args.threads))
+                row["ratio"] = row["llama_ms"] / row["tpserve_ms"]  # > 1: tpserve is faster
+            rows.append(row)
+            print(f"[round {r}] {name:<8} tpserve {row['tpserve_ms']:6.2f} ms/token"
+                  + (f" | llama.cpp {kind:<5} {row['llama_ms']:6.2f} ms/token | tpserve speed / llama.cpp "
+                     f"{row['ratio']:.2f}x" if have_llama else "") + f"  (load {row['load']})", flush=True)
+    for e in engines.values():
+        e.close()
+    print("\nmedians (ms/token; speed ratio > 1: tpserve faster):")
+    summary = []
+    for dtype, q, kind in pairs:
+        name = precision(dtype, q)
+        mine = [r for r in rows if r["precision"] == name]
+        s = dict(precision=name, tpserve_ms=statistics.median(r["tpserve_ms"] for r in mine))
+        if have_llama:
+            s.update(llama=kind, llama_ms=statistics.median(r["llama_ms"] for r in mine),
+                     ratio=statistics.median(r["ratio"] for r in mine), ratios=[r["ratio"] for r in mine])
+        summary.append(s)
+        print(f"  {name:<8} tpserve {s['tpserve_ms']:6.2f} ({1e3 / s['tpserve_ms']:5.1f} tok/s)"
+              + (f" | llama.cpp {kind:<5} {s['llama_ms']:6.2f} ({1e3 / s['llama_ms']:5.1f} tok/s) | "
+                 f"{s['ratio']:.2f}x" if have_llama else ""))
+    out = Path(args.output or "results/quant.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(dict(cpu=cpu_name(), threads=args.threads, prompt=PROMPT, max_tokens=MAX_TOKENS,
+                                   rows=rows, summary=summary), indent=2))
+    print(f"saved {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
