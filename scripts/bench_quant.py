@@ -11,8 +11,10 @@ benchmark, `llama-bench -p 0 -n 128 -d 22` (128 tokens after a 22-token context,
 per round. Same threads for both (default: all cores). Every round runs every pair once, so a slow spell of a shared
 host hits all alike; medians over rounds are reported, and each ratio is taken within one round.
 
---linears times each weight-only kernel against the packed oneDNN float32 linear tpserve uses unquantized, at one
-activation row, and prints the weight bytes streamed per second.
+--linears times each weight-only kernel against the packed oneDNN float32 linear tpserve uses unquantized (and int8
+dequantized to float32 for F.linear, the path without the kernel), at --rows activation rows (default 1), and prints
+the weight bytes streamed per second. The weights of one linear fit this host's caches: these are kernel speeds, not
+memory bandwidth; the decode benchmark above is the one that streams a whole model per token.
 """
 
 from __future__ import annotations
@@ -86,8 +88,9 @@ def llama_bench(gguf: Path, threads: int) -> float:
     return 1e3 / row["avg_ts"]
 
 
-def bench_linears(threads: int, iters: int) -> list[dict]:
+def bench_linears(threads: int, iters: int, row_counts: list[int]) -> list[dict]:
     import torch
+    import torch.nn.functional as F
 
     from sharding import kernels, quant
 
@@ -96,31 +99,35 @@ def bench_linears(threads: int, iters: int) -> list[dict]:
     shapes = {"qkv": (576 + 2 * 192, 576), "o": (576, 576), "gate_up": (2 * 1536, 576), "down": (576, 1536),
               "lm_head": (49152, 576)}
     rows = []
-    print(f"{'linear':<8} {'N x K':>12} | {'fp32 oneDNN':>18} | {'int8':>18} | {'int4':>18}")
-    for name, (n, k) in shapes.items():
+    print(f"{'linear':<8} {'M':>3} {'N x K':>12} | {'fp32 oneDNN':>18} | {'int8':>18} | {'int4':>18} | "
+          f"{'int8 dequant+F.linear':>21}")
+    for (name, (n, k)), m in ((s, m) for s in shapes.items() for m in row_counts):
         torch.manual_seed(0)
         w = torch.randn(n, k) * 0.02
-        x = torch.randn(1, k)
+        x = torch.randn(m, k)
         packed = kernels.pack(w)
         runs = {"fp32": (lambda: kernels.packed_linear(x, packed, None), n * k * 4)}
         for mode in ("int8", "int4"):
             qw = quant.quantize(w, mode, 32)
             runs[mode] = ((lambda qw=qw: quant.linear(x, qw)), qw.nbytes())
+        q8 = quant.quantize(w, "int8", 32)
+        runs["int8_dequant"] = ((lambda: F.linear(x, quant.dequantize(q8))), q8.nbytes())
         res = {}
         for _ in range(3):  # interleaved
             for key, (fn, nbytes) in runs.items():
                 for _ in range(5):
                     fn()
                 t0 = time.perf_counter()
-                for _ in range(iters):
+                n_iter = max(3, iters // m)
+                for _ in range(n_iter):
                     fn()
-                us = (time.perf_counter() - t0) / iters * 1e6
+                us = (time.perf_counter() - t0) / n_iter * 1e6
                 res[key] = min(res.get(key, float("inf")), us)
-        row = dict(linear=name, n=n, k=k, **{f"{key}_us": res[key] for key in runs},
+        row = dict(linear=name, rows=m, n=n, k=k, **{f"{key}_us": res[key] for key in runs},
                    **{f"{key}_gb_s": runs[key][1] / res[key] / 1e3 for key in runs})
         rows.append(row)
-        print(f"{name:<8} {n:>6} x {k:<5} | " + " | ".join(f"{res[key]:8.1f} us {row[key + '_gb_s']:5.1f} GB/s"
-                                                         for key in runs))
+        print(f"{name:<8} {m:>3} {n:>6} x {k:<5} | "
+              + " | ".join(f"{res[key]:8.1f} us {row[key + '_gb_s']:5.1f} GB/s" for key in runs), flush=True)
     return rows
 
 
@@ -133,12 +140,13 @@ def main(argv: list[str] | None = None) -> int:
                     help="tpserve precisions to run (default: all)")
     ap.add_argument("--linears", action="store_true", help="time the GEMVs alone instead")
     ap.add_argument("--iters", type=int, default=200)
+    ap.add_argument("--rows", default="1", help="--linears: activation row counts, e.g. 1,8,32,512")
     ap.add_argument("--gguf", default="results/SmolLM2-135M-Instruct-F32.gguf")
     ap.add_argument("--output", default=None)
     args = ap.parse_args(argv)
     print(f"CPU: {cpu_name()}, {args.threads} threads, load {load_avg()}", flush=True)
     if args.linears:
-        rows = bench_linears(args.threads, args.iters)
+        rows = bench_linears(args.threads, args.iters, [int(r) for r in args.rows.split(",")])
         out = Path(args.output or "results/quant_linears.json")
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(dict(cpu=cpu_name(), threads=args.threads, rows=rows), indent=2))

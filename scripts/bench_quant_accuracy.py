@@ -12,8 +12,7 @@ tokens of context). For each precision:
 - top-1 agreement: the share of scored positions where the quantized model's most likely next token is float32's
   (llama-perplexity --kl-divergence calls it "Same top p").
 
-tpserve's windows go through the decode kernel, as generated tokens do, not the prefill path (which dequantizes
-the weights for F.linear). TPSERVE_QUANT_ACTIVATIONS=1 measures the kernel's opt-in int8 activations.
+TPSERVE_QUANT_ACTIVATIONS=1 measures the kernel's opt-in int8 activations.
 
 The float32 weights are tpserve's default checkpoint; llama.cpp gets the F32 GGUF holding the same values
 (scripts/bench_baseline.f32_gguf), quantized with its own `llama-quantize` (the function llama-cpp-python's
@@ -53,9 +52,6 @@ def tpserve_scores(model: str, quantization: str | None, group: int, threads: in
     from server.sampling import SamplingParams
 
     os.environ["TPSERVE_THREADS"] = str(threads)
-    import sharding.quant
-
-    sharding.quant.KERNEL_MAX_ROWS = 1 << 30  # every scored token through the decode kernel, as generated tokens go
     llm = LLM(model, quantization=quantization, quantization_group_size=group, max_num_seqs=4)
     try:
         ids = llm.tokenizer.encode(TEXT.read_text())

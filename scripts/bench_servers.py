@@ -1,19 +1,24 @@
-"""tpserve against llama.cpp's own OpenAI-compatible server, both driven by scripts/loadtest.py, interleaved.
+"""tpserve against llama.cpp's own servers, all driven by scripts/loadtest.py, interleaved.
 
-    python scripts/bench_servers.py                          # levels 1:4,8:16; 3 rounds
+    scripts/build_llama_cpp.sh                               # once: llama-server (no binary downloads here)
+    python scripts/bench_servers.py                          # levels 1:4,8:16,32:32; 2 rounds; float32
+    python scripts/bench_servers.py --precision int8         # tpserve --quantization int8 against Q8_0
     python scripts/bench_servers.py --levels 1:6 --rounds 5
 
-Both servers run at once on this machine, idle between runs: tpserve (TP=1, the default SmolLM2 checkpoint) and
-llama-cpp-python's `llama_cpp.server` on an F32 GGUF holding the same weights (written by bench_baseline.f32_gguf),
-with as many threads as tpserve. Each round runs every level against each server in turn, so a drift of the host's
-memory bandwidth hits both alike. Prompts, lengths, client and machine are identical; llama.cpp's server has no
-`ignore_eos`, so its end-of-text tokens are banned through `logit_bias` to hold the output length. llama.cpp's
-server runs one request at a time (no batching; `--interrupt_requests False`, or a new request would cut the running
-one short), so at 8 concurrent requests it queues them.
+The servers run at once on this machine, idle between runs, with the same threads:
+- tpserve: TP=1, the default SmolLM2 checkpoint (--dtype bfloat16 / --quantization int8|int4 for the other
+  precisions).
+- llama-server: llama.cpp's C++ server, as its users run it: `--parallel N` slots (N = the highest concurrency, or
+  --llama-parallel) with continuous batching, on a GGUF holding the same weights (the F32 one from
+  bench_baseline.f32_gguf, or its F16 / Q8_0 / Q4_0 made by llama-quantize).
+- llama-cpp-python's `llama_cpp.server`, when it is installed in the venv (a second row, not a dependency:
+  `pip install llama-cpp-python==0.3.36 diskcache jinja2 sse-starlette starlette-context pydantic-settings`). It runs
+  one request at a time (`--interrupt_requests False`, or a new request cuts the running one short).
 
-Needs the benchmark extras in the venv (not dependencies of tpserve):
-`.venv/bin/pip install llama-cpp-python==0.3.36 diskcache jinja2 sse-starlette starlette-context pydantic-settings`.
-Writes results/servers.json (every run and the medians) and prints the ratios.
+Each round runs every level against each server in turn (the order alternates), so a drift of the host's memory
+bandwidth hits all alike. Prompts, lengths, client and machine are identical; llama.cpp's servers have no
+`ignore_eos` in the OpenAI API, so their end-of-text tokens are banned through `logit_bias` to hold the output
+length (the mean output tokens are printed to check). Writes results/servers[_PRECISION].json and prints the ratios.
 """
 
 from __future__ import annotations
@@ -68,34 +73,40 @@ def run_level(name: str, port: int, conc: int, num: int, args, tokenizer: str, e
     return row
 
 
+PRECISIONS = {"float32": ([], "F32"), "bfloat16": (["--dtype", "bfloat16"], "F16"),
+              "int8": (["--quantization", "int8"], "Q8_0"), "int4": (["--quantization", "int4"], "Q4_0")}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--levels", default="1:4,8:16", help="CONCURRENCY:NUM_REQUESTS,...")
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--levels", default="1:4,8:16,32:32", help="CONCURRENCY:NUM_REQUESTS,...")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--precision", default="float32", choices=list(PRECISIONS))
     ap.add_argument("--input-len", type=int, default=22)
     ap.add_argument("--output-len", type=int, default=128)
-    ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)), help="both servers' threads")
+    ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)), help="every server's threads")
+    ap.add_argument("--llama-parallel", type=int, default=None, help="llama-server slots (default: highest level)")
     ap.add_argument("--gguf", default="results/SmolLM2-135M-Instruct-F32.gguf")
     ap.add_argument("--outdir", default="results/serving")
-    ap.add_argument("--output", default="results/servers.json")
+    ap.add_argument("--output", default=None)
     args = ap.parse_args(argv)
     import importlib.util
 
-    missing = [m for m in ("llama_cpp", "sse_starlette", "starlette_context", "pydantic_settings")
-               if importlib.util.find_spec(m) is None]
-    if missing:
-        print(f"bench_servers needs llama.cpp's server in this venv (missing: {', '.join(missing)}): pip install "
-              "llama-cpp-python==0.3.36 diskcache jinja2 sse-starlette starlette-context pydantic-settings",
-              file=sys.stderr)
-        return 2
     from bench_baseline import f32_gguf
+    from bench_quant import llama_gguf
+    from bench_quant_accuracy import llama_bin
 
     from loaders.default_model import ensure_default_model
 
+    if not llama_bin("llama-server").exists():
+        print("bench_servers needs llama-server: run scripts/build_llama_cpp.sh first", file=sys.stderr)
+        return 2
     model = str(ensure_default_model())
-    gguf = f32_gguf(Path(args.gguf))
+    tp_args, kind = PRECISIONS[args.precision]
+    gguf = llama_gguf(f32_gguf(Path(args.gguf)), kind, args.threads)
     Path(args.outdir).mkdir(parents=True, exist_ok=True)
     levels = [tuple(int(x) for x in level.split(":")) for level in args.levels.split(",")]
+    slots = args.llama_parallel or max(c for c, _ in levels)
     # SmolLM2's end-of-text tokens (<|endoftext|>, <|im_end|>): banned on llama.cpp, which has no ignore_eos
     from transformers import AutoTokenizer
 
@@ -103,26 +114,41 @@ def main(argv: list[str] | None = None) -> int:
     eos_ids = sorted({i for i in (tok.eos_token_id, tok.convert_tokens_to_ids("<|endoftext|>")) if i is not None})
     no_eos = {"logit_bias": {str(i): -100 for i in eos_ids}}
 
-    tp_port, ll_port = free_port(), free_port()
+    ports = {}
     env = dict(os.environ, TPSERVE_THREADS=str(args.threads))
-    procs = {
-        "tpserve": subprocess.Popen([sys.executable, "-m", "server.cli", "serve", model, "--host", "127.0.0.1",
-                                     "--port", str(tp_port), "--log-level", "warning"], cwd=ROOT, env=env),
-        "llama.cpp": subprocess.Popen([sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--n_threads",
-                                       str(args.threads), "--n_threads_batch", str(args.threads), "--n_ctx", "2048",
-                                       "--interrupt_requests", "False",  # else a new request cuts the running one
-                                       "--host", "127.0.0.1", "--port", str(ll_port)], cwd=ROOT,
-                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL),
-    }
-    servers = [("tpserve", tp_port, None), ("llama.cpp", ll_port, no_eos)]
+    procs, servers = {}, []
+    quiet = dict(stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    ports["tpserve"] = free_port()
+    procs["tpserve"] = subprocess.Popen([sys.executable, "-m", "server.cli", "serve", model, *tp_args, "--host",
+                                         "127.0.0.1", "--port", str(ports["tpserve"]), "--log-level", "warning"],
+                                        cwd=ROOT, env=env)
+    servers.append(("tpserve", "/health", None))
+    name = f"llama-server -np {slots}"
+    ports[name] = free_port()
+    per_slot = args.input_len + args.output_len + 64
+    procs[name] = subprocess.Popen([str(llama_bin("llama-server")), "-m", str(gguf), "-t", str(args.threads), "-tb",
+                                    str(args.threads), "-np", str(slots), "-cb", "-c", str(slots * per_slot),
+                                    "--host", "127.0.0.1", "--port", str(ports[name])], cwd=ROOT, **quiet)
+    servers.append((name, "/health", no_eos))
+    if all(importlib.util.find_spec(m) for m in ("llama_cpp", "sse_starlette", "starlette_context",
+                                                 "pydantic_settings")):
+        name = "llama-cpp-python"
+        ports[name] = free_port()
+        procs[name] = subprocess.Popen([sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--n_threads",
+                                        str(args.threads), "--n_threads_batch", str(args.threads), "--n_ctx", "2048",
+                                        "--interrupt_requests", "False", "--host", "127.0.0.1", "--port",
+                                        str(ports[name])], cwd=ROOT, **quiet)
+        servers.append((name, "/v1/models", no_eos))
+    else:
+        print("llama-cpp-python's server not installed: its row is skipped", flush=True)
     rows = []
     try:
-        wait_ready(f"http://127.0.0.1:{tp_port}/health", procs["tpserve"])
-        wait_ready(f"http://127.0.0.1:{ll_port}/v1/models", procs["llama.cpp"])
+        for name, health, _ in servers:
+            wait_ready(f"http://127.0.0.1:{ports[name]}{health}", procs[name])
         for r in range(args.rounds):
             for conc, num in levels:
-                for name, port, extra in (servers if r % 2 == 0 else servers[::-1]):
-                    rows.append(run_level(name, port, conc, num, args, model, extra, r))
+                for name, _, extra in (servers if r % 2 == 0 else servers[::-1]):
+                    rows.append(run_level(name, ports[name], conc, num, args, model, extra, r))
     finally:
         for p in procs.values():
             p.terminate()
@@ -132,23 +158,31 @@ def main(argv: list[str] | None = None) -> int:
             except subprocess.TimeoutExpired:
                 p.kill()
     summary = []
-    print("\nmedians over rounds:")
+    print(f"\nmedians over rounds ({args.precision}; llama.cpp on {kind}):")
     for conc, _ in levels:
         med = {}
         for name, _, _ in servers:
             runs = [x for x in rows if x["server"] == name and x["concurrency"] == conc]
             med[name] = {k: statistics.median(x[k] for x in runs)
                          for k in ("output_tok_s", "ttft_p50_ms", "itl_p50_ms", "mean_output_tokens")}
-            summary.append(dict(server=name, concurrency=conc, rounds=len(runs), **med[name]))
+            ratios = {}
+            if name != "tpserve":  # per round: tpserve / this server
+                ratios = {"tpserve_ratio": statistics.median(
+                    t["output_tok_s"] / x["output_tok_s"] for t, x in
+                    zip(sorted((y for y in rows if y["server"] == "tpserve" and y["concurrency"] == conc),
+                               key=lambda y: y["round"]), sorted(runs, key=lambda y: y["round"])))}
+            summary.append(dict(server=name, concurrency=conc, rounds=len(runs), **med[name], **ratios))
             m = med[name]
-            print(f"  {name:9s} c={conc:>2}: {m['output_tok_s']:6.1f} tok/s, TTFT p50 {m['ttft_p50_ms']:4.0f} ms, "
-                  f"ITL p50 {m['itl_p50_ms']:5.1f} ms")
-        ratio = med["tpserve"]["output_tok_s"] / med["llama.cpp"]["output_tok_s"]
-        print(f"  c={conc}: tpserve / llama.cpp server = {ratio:.2f}x")
-    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.output).write_text(json.dumps(dict(threads=args.threads, input_len=args.input_len,
-                                                 output_len=args.output_len, runs=rows, summary=summary), indent=1))
-    print(f"wrote {args.output}")
+            print(f"  {name:22s} c={conc:>2}: {m['output_tok_s']:6.1f} tok/s, TTFT p50 {m['ttft_p50_ms']:5.0f} ms, "
+                  f"ITL p50 {m['itl_p50_ms']:5.1f} ms, {m['mean_output_tokens']:.0f} tokens/request"
+                  + (f"  | tpserve / this = {ratios['tpserve_ratio']:.2f}x" if ratios else ""))
+    out = Path(args.output or ("results/servers.json" if args.precision == "float32"
+                               else f"results/servers_{args.precision}.json"))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(dict(precision=args.precision, gguf=kind, threads=args.threads, llama_slots=slots,
+                                   input_len=args.input_len, output_len=args.output_len, runs=rows,
+                                   summary=summary), indent=1))
+    print(f"wrote {out}")
     return 0
 
 

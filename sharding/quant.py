@@ -11,12 +11,12 @@ in float32.
   as q + 8 in a nibble, two per byte. Within each run of 32 inputs, byte j holds input j (low nibble) and input
   j + 16 (high nibble), the layout the kernel unpacks with one AND and one shift.
 
-Kernels: on CPU, sharding/csrc/quant_linear.cpp (`torch.ops.tpserve.int8_linear/int4_linear`) for decode-sized
-batches: it streams the quantized bytes once and converts them to float32 in registers (or, opted in, multiplies
-them with int8 activations: see quantize_activations). Prefill-sized batches (and any device
-without the kernel, CUDA included) dequantize the weight to float32 in chunks of output rows and multiply with
-`F.linear`, which is compute-bound anyway at that size. Both paths compute the same products up to float32 summation
-order.
+Kernels: on CPU, sharding/csrc/quant_linear.cpp (`torch.ops.tpserve.int8_linear/int4_linear`) for every step: it
+streams the quantized bytes once and converts them to float32 in registers, 4 weight rows x 6 activation rows at a
+time (or, opted in, multiplies them with int8 activations: see quantize_activations). It beat dequantizing to float32
+for `F.linear` at every batch size measured (1 to 512 rows; scripts/bench_quant.py --linears). Without the kernel (no
+compiler, another device: CUDA included) the weight is dequantized in chunks of output rows for `F.linear`: correct,
+not fast. All paths compute the same products up to float32 summation order.
 """
 
 from __future__ import annotations
@@ -31,9 +31,6 @@ from sharding import kernels
 
 MODES = ("int8", "int4")
 INT4_GROUP_SIZES = (32, 128)
-# Above this many rows, dequantize + F.linear (float32 activations) wins. TPSERVE_QUANT_KERNEL_MAX_ROWS raises it so
-# that a scored prompt goes through the decode kernel (scripts/bench_quant_accuracy.py, tests/sharding/test_quant.py).
-KERNEL_MAX_ROWS = int(os.environ.get("TPSERVE_QUANT_KERNEL_MAX_ROWS", "16"))
 DEQUANT_CHUNK = 1024  # output rows dequantized at a time on the fallback path (bounded transient memory)
 
 
@@ -128,13 +125,13 @@ def bind(qw: QuantizedWeight) -> QuantizedWeight:
 
 def linear(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., in] @ dequant(W)^T (+ bias), in x's dtype."""
-    if qw.kernel is not None and x.dim() == 2 and x.shape[0] <= KERNEL_MAX_ROWS and x.dtype == torch.float32:
-        op, args = qw.kernel  # the decode fast path
+    if qw.kernel is not None and x.dim() == 2 and x.dtype == torch.float32:
+        op, args = qw.kernel  # the fast path: every step of a float32 model
         y = op(x, *args)
         return y + bias if bias is not None else y
     shape, dtype = x.shape, x.dtype
     x2 = x.reshape(-1, shape[-1]).float()
-    if qw.kernel is not None and x2.shape[0] <= KERNEL_MAX_ROWS:
+    if qw.kernel is not None:
         op, args = qw.kernel
         y = op(x2, *args)
     elif qw.out_features <= DEQUANT_CHUNK:
