@@ -2,6 +2,7 @@
 
     scripts/build_llama_cpp.sh                      # once: llama-bench, llama-quantize (no binary downloads here)
     python scripts/bench_quant.py --rounds 3        # decode, interleaved rounds, JSON to results/quant.json
+    python scripts/bench_quant.py --rounds 3 --served   # and `tpserve serve` streaming the same completion
     python scripts/bench_quant.py --linears         # the GEMVs alone: SmolLM2's linear shapes at M=1
 
 Pairs: tpserve float32 / bfloat16 / int8 / int4 (group 32) against llama.cpp F32 / F16 / Q8_0 / Q4_0, all made from the
@@ -36,12 +37,56 @@ from bench_baseline import PROMPT, f32_gguf, load_avg  # noqa: E402
 from bench_prefill import cpu_name  # noqa: E402
 from bench_quant_accuracy import llama_bin  # noqa: E402
 
+# (tpserve dtype, tpserve quantization, llama.cpp GGUF type)
 PAIRS = [("float32", None, "F32"), ("bfloat16", None, "F16"), ("float32", "int8", "Q8_0"), ("float32", "int4", "Q4_0")]
 MAX_TOKENS = 128
 
 
 def precision(dtype: str, q: str | None) -> str:
     return q or dtype
+
+
+class Served:
+    """`tpserve serve` at the same precision: one streamed completion at a time (the same prompt, 128 tokens, EOS
+    ignored); decode ms/token = (last token's arrival - first token's) / 127, as a streaming client sees it."""
+
+    def __init__(self, model: str, dtype: str, quantization: str | None, threads: int):
+        import subprocess
+
+        from bench_serving import free_port
+        from bench_servers import wait_ready
+
+        self.port = free_port()
+        cmd = [sys.executable, "-m", "server.cli", "serve", model, "--dtype", dtype, "--max-num-seqs", "1",
+               "--kv-cache-memory", "256MiB", "--host", "127.0.0.1", "--port", str(self.port), "--log-level",
+               "warning"] + (["--quantization", quantization] if quantization else [])
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=dict(os.environ, TPSERVE_THREADS=str(threads)))
+        try:
+            wait_ready(f"http://127.0.0.1:{self.port}/health", self.proc)
+            self.model = Path(model).name  # the served model's name
+            self.measure()  # warm-up
+        except BaseException:
+            self.close()
+            raise
+
+    def measure(self) -> float:
+        import httpx
+
+        body = dict(model=self.model, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True, stream=True)
+        times = []
+        with httpx.stream("POST", f"http://127.0.0.1:{self.port}/v1/completions", json=body, timeout=120) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {") and json.loads(line[6:])["choices"][0].get("text"):
+                    times.append(time.perf_counter())
+                elif line.startswith("{"):  # an error body
+                    raise RuntimeError(line)
+        if len(times) < MAX_TOKENS // 2:
+            raise RuntimeError(f"the server streamed {len(times)} tokens")
+        return (times[-1] - times[0]) / (len(times) - 1) * 1e3
+
+    def close(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(60)
 
 
 class Tpserve:
@@ -139,6 +184,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", action="append", choices=["float32", "bfloat16", "int8", "int4"],
                     help="tpserve precisions to run (default: all)")
     ap.add_argument("--linears", action="store_true", help="time the GEMVs alone instead")
+    ap.add_argument("--served", action="store_true",
+                    help="also measure `tpserve serve` at each precision (a streamed completion, same prompt)")
     ap.add_argument("--iters", type=int, default=200)
     ap.add_argument("--rows", default="1", help="--linears: activation row counts, e.g. 1,8,32,512")
     ap.add_argument("--gguf", default="results/SmolLM2-135M-Instruct-F32.gguf")
@@ -162,20 +209,25 @@ def main(argv: list[str] | None = None) -> int:
     if not have_llama:
         print("llama.cpp skipped: run scripts/build_llama_cpp.sh first", flush=True)
     engines = {precision(d, q): Tpserve(model, d, q) for d, q, _ in pairs}
+    served = {precision(d, q): Served(model, d, q, args.threads) for d, q, _ in pairs} if args.served else {}
     ggufs = {kind: llama_gguf(f32, kind, args.threads) for _, _, kind in pairs} if have_llama else {}
     rows = []
     for r in range(args.rounds):
         for dtype, q, kind in pairs:
             name = precision(dtype, q)
             row = dict(round=r, precision=name, tpserve_ms=engines[name].measure(), load=load_avg())
+            if served:
+                row["served_ms"] = served[name].measure()
+                row["served_overhead"] = row["served_ms"] / row["tpserve_ms"] - 1
             if have_llama:
                 row.update(llama=kind, llama_ms=llama_bench(ggufs[kind], args.threads))
                 row["ratio"] = row["llama_ms"] / row["tpserve_ms"]  # > 1: tpserve is faster
             rows.append(row)
             print(f"[round {r}] {name:<8} tpserve {row['tpserve_ms']:6.2f} ms/token"
+                  + (f" (served {row['served_ms']:6.2f}, {row['served_overhead'] * 100:+.1f} %)" if served else "")
                   + (f" | llama.cpp {kind:<5} {row['llama_ms']:6.2f} ms/token | tpserve speed / llama.cpp "
                      f"{row['ratio']:.2f}x" if have_llama else "") + f"  (load {row['load']})", flush=True)
-    for e in engines.values():
+    for e in [*engines.values(), *served.values()]:
         e.close()
     print("\nmedians (ms/token; speed ratio > 1: tpserve faster):")
     summary = []
@@ -183,11 +235,15 @@ def main(argv: list[str] | None = None) -> int:
         name = precision(dtype, q)
         mine = [r for r in rows if r["precision"] == name]
         s = dict(precision=name, tpserve_ms=statistics.median(r["tpserve_ms"] for r in mine))
+        if served:
+            s.update(served_ms=statistics.median(r["served_ms"] for r in mine),
+                     served_overhead=statistics.median(r["served_overhead"] for r in mine))
         if have_llama:
             s.update(llama=kind, llama_ms=statistics.median(r["llama_ms"] for r in mine),
                      ratio=statistics.median(r["ratio"] for r in mine), ratios=[r["ratio"] for r in mine])
         summary.append(s)
         print(f"  {name:<8} tpserve {s['tpserve_ms']:6.2f} ({1e3 / s['tpserve_ms']:5.1f} tok/s)"
+              + (f" served {s['served_ms']:6.2f} ({s['served_overhead'] * 100:+.1f} %)" if served else "")
               + (f" | llama.cpp {kind:<5} {s['llama_ms']:6.2f} ({1e3 / s['llama_ms']:5.1f} tok/s) | "
                  f"{s['ratio']:.2f}x" if have_llama else ""))
     out = Path(args.output or "results/quant.json")

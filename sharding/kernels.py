@@ -40,11 +40,12 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
 # the decode batch's blocks into a contiguous copy first (one more write and read of every cached key and value per
 # layer); see scripts/bench_paged_attention.py.
 # quant_linear.cpp: weight-only int8/int4 linears (sharding/quant.py).
+# rms_norm.cpp: float32 RMSNorm in one dispatch (sharding/layers.py RMSNorm).
 # Compiled together once per machine and torch version into $TPSERVE_HOME/kernels (needs a C++ compiler and ninja;
 # `make install` builds it). Without them the torch paths run; TPSERVE_PAGED_KERNEL=0 / TPSERVE_QUANT_KERNEL=0 turn
 # one kernel off.
 
-SOURCES = ("paged_attention.cpp", "quant_linear.cpp")
+SOURCES = ("paged_attention.cpp", "quant_linear.cpp", "rms_norm.cpp")
 _BUILT: dict[str, bool] = {}
 
 
@@ -102,6 +103,13 @@ def paged_decode_attention():
     if not _BUILT.get("ok") or os.environ.get("TPSERVE_PAGED_KERNEL", "1") == "0":
         return None
     return torch.ops.tpserve.paged_decode_attention
+
+
+def rms_norm_op():
+    """The one-pass float32 RMSNorm if built (TPSERVE_NORM_KERNEL=0 turns it off), else None."""
+    if not _BUILT.get("ok") or os.environ.get("TPSERVE_NORM_KERNEL", "1") == "0":
+        return None
+    return torch.ops.tpserve.rms_norm.default
 
 
 def quant_linear_ops():

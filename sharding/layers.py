@@ -17,7 +17,7 @@ from torch import nn
 
 from loaders.checkpoint import Checkpoint
 from loaders.partition import split_evenly
-from sharding import quant
+from sharding import kernels, quant
 from sharding.dist import Dist
 from sharding.kernels import can_pack, pack, packed_linear
 
@@ -243,11 +243,18 @@ class RMSNorm(Replicated):
         super().__init__(name, (dim,), dtype, device)
         self.eps = eps
         self.offset = offset
+        self._op: object = False  # the compiled one-pass kernel, looked up at the first call (built at start)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         if dtype == torch.float32 and not self.offset:
-            # one fused kernel; bit-identical to the float32 formula below (checked in tests/sharding/test_perf_paths)
+            if self._op is False:
+                self._op = kernels.rms_norm_op() if x.device.type == "cpu" else None
+            if self._op is not None:  # one dispatch instead of ~6 (sharding/csrc/rms_norm.cpp)
+                if x.dim() == 2:
+                    return self._op(x, self.weight, self.eps)
+                return self._op(x.reshape(-1, x.shape[-1]), self.weight, self.eps).reshape(x.shape)
+            # bit-identical to the float32 formula below (checked in tests/sharding/test_perf_paths)
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)

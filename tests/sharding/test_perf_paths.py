@@ -1,5 +1,6 @@
 """The fast paths of the decode step compute exactly what the plain formulas compute."""
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -7,13 +8,26 @@ from sharding.attention import GroupedHeads, _prefill_attention
 from sharding.layers import RMSNorm
 
 
-def test_rmsnorm_fused_path_is_bit_identical():
-    norm = RMSNorm("w", 576, 1e-5, torch.float32, torch.device("cpu"))
-    norm.weight.data.normal_()
-    for rows in (1, 7, 32):
-        x = torch.randn(rows, 576)
+@pytest.mark.parametrize("kernel", [True, False])
+def test_rmsnorm_fast_paths_equal_the_formula(kernel, monkeypatch):
+    """The compiled one-pass kernel (another summation order: within float32 rounding) and, without it, torch's
+    F.rms_norm (bit-identical); 2-D rows, the parallel row split of a prefill, and Qwen3's per-head [N, H, D]."""
+    from sharding import kernels
+
+    monkeypatch.setenv("TPSERVE_NORM_KERNEL", "1" if kernel else "0")
+    if kernel:
+        assert kernels.build_kernels(), "the CPU kernels did not build"
+    for shape in ((1, 576), (7, 576), (32, 576), (300, 576), (5, 3, 64)):
+        norm = RMSNorm("w", shape[-1], 1e-5, torch.float32, torch.device("cpu"))
+        norm.weight.data.normal_()
+        x = torch.randn(*shape)
         ref = norm.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.eps))
-        assert torch.equal(norm(x), ref)
+        got = norm(x)
+        assert (norm._op is not None) == (kernel and kernels.rms_norm_op() is not None)
+        if norm._op is not None:
+            torch.testing.assert_close(got, ref, rtol=2e-6, atol=1e-6)
+        else:
+            assert torch.equal(got, ref)
 
 
 def test_grouped_decode_equals_expanded_kv():
