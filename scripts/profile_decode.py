@@ -1,0 +1,113 @@
+"""Where a batch-1 decode step's time goes: the offline LLM, TP=1, one precision per run.
+
+    python scripts/profile_decode.py                       # float32, default model
+    python scripts/profile_decode.py --quantization int8 --rows 20
+
+Three measurements of 64 greedy tokens after a short chat prompt, in this order:
+1. plain: ms per token, nothing attached;
+2. split: the same with timers around the model's forward and around every linear's matmul, so
+   step - forward = engine work (scheduling, sampling, detokenizing) and forward - linears = everything else in the
+   model (norms, rotary, attention, residuals, Python);
+3. torch.profiler: self CPU time per op, per token (the profiler adds its own overhead to every op; read the ranking,
+   not the absolute numbers).
+Writes results/profile_decode_<precision>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from bench_prefill import cpu_name  # noqa: E402
+
+TOKENS = 64
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", help="checkpoint folder (default: the default model)")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--quantization", choices=["int8", "int4"])
+    ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
+    ap.add_argument("--rows", type=int, default=15, help="profiler rows to print")
+    args = ap.parse_args(argv)
+    os.environ["TPSERVE_THREADS"] = str(args.threads)
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from loaders.default_model import ensure_default_model
+    from server.llm import LLM
+    from server.sampling import SamplingParams
+    from sharding import layers
+
+    llm = LLM(args.model or str(ensure_default_model()), dtype=args.dtype, quantization=args.quantization,
+              max_num_seqs=1, kv_cache_memory=256 << 20)
+    ids = llm.tokenizer.encode("<|im_start|>user\nTell me a story.<|im_end|>\n<|im_start|>assistant\n")
+    params = SamplingParams(max_tokens=TOKENS, temperature=0, ignore_eos=True)
+    llm.generate([ids], params)  # warm-up
+
+    t0 = time.perf_counter()
+    llm.generate([ids], params)
+    plain = (time.perf_counter() - t0) / TOKENS * 1e3
+
+    spent = {"forward": 0.0, "linears": 0.0}
+    steps: list[float] = []
+    model, matmul = llm.runner.model, layers._Linear.matmul
+    forward = model.forward
+
+    def timed_forward(*a, **k):
+        t = time.perf_counter()
+        out = forward(*a, **k)
+        spent["forward"] += time.perf_counter() - t
+        return out
+
+    def timed_matmul(self, x, bias=None):
+        t = time.perf_counter()
+        out = matmul(self, x, bias)
+        spent["linears"] += time.perf_counter() - t
+        return out
+
+    model.forward, layers._Linear.matmul = timed_forward, timed_matmul
+    llm.engine.step_listeners.append(lambda dt, n: steps.append(dt))
+    t0 = time.perf_counter()
+    llm.generate([ids], params)
+    total = (time.perf_counter() - t0) / TOKENS * 1e3
+    model.forward, layers._Linear.matmul = forward, matmul
+    llm.engine.step_listeners.pop()
+    split = dict(total_ms=total, step_ms=sum(steps) / TOKENS * 1e3, forward_ms=spent["forward"] / TOKENS * 1e3,
+                 linears_ms=spent["linears"] / TOKENS * 1e3)
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        llm.generate([ids], params)
+    llm.close()
+    ops = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
+    top = [dict(op=e.key, self_us_per_token=e.self_cpu_time_total / TOKENS, calls_per_token=e.count / TOKENS)
+           for e in ops[:args.rows]]
+
+    name = args.quantization or (args.dtype if args.dtype != "auto" else "float32")
+    print(f"CPU: {cpu_name()}, {args.threads} threads, {name}")
+    print(f"plain: {plain:.2f} ms/token")
+    print(f"split: {split['total_ms']:.2f} ms/token = engine {split['total_ms'] - split['forward_ms']:.2f} + "
+          f"model forward {split['forward_ms']:.2f} (linears {split['linears_ms']:.2f}, everything else "
+          f"{split['forward_ms'] - split['linears_ms']:.2f})")
+    print(f"{'op (torch.profiler, self CPU)':<40} {'us/token':>9} {'calls/token':>12}")
+    for row in top:
+        print(f"{row['op'][:40]:<40} {row['self_us_per_token']:9.0f} {row['calls_per_token']:12.1f}")
+    out = ROOT / "results" / f"profile_decode_{name}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(dict(cpu=cpu_name(), threads=args.threads, precision=name, plain_ms=plain, **split,
+                                   top_ops=top), indent=2))
+    print(f"saved {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
