@@ -28,7 +28,7 @@ class Completion:
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
     prompt_logprobs: list[float] | None = None  # of prompt tokens 1.. when params.prompt_logprobs is set
-    prompt_top_logprobs: list[list[tuple[int, float]]] | None = None  # the top params.prompt_logprobs at each
+    prompt_top_logprobs: list[list[tuple[int, float]]] | None = None  # (id, logprob) of the top ones, same positions
 
 
 def offline_constraint(json_schema, regex, choice, grammar):
