@@ -41,11 +41,12 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
 # layer); see scripts/bench_paged_attention.py.
 # quant_linear.cpp: weight-only int8/int4 linears (sharding/quant.py).
 # rms_norm.cpp: float32 RMSNorm in one dispatch (sharding/layers.py RMSNorm).
+# rotary.cpp: float32 rotary of a step's queries and keys, in place, in one dispatch (sharding/models/llama.py).
 # Compiled together once per machine and torch version into $TPSERVE_HOME/kernels (needs a C++ compiler and ninja;
 # `make install` builds it). Without them the torch paths run; TPSERVE_PAGED_KERNEL=0 / TPSERVE_QUANT_KERNEL=0 turn
 # one kernel off.
 
-SOURCES = ("paged_attention.cpp", "quant_linear.cpp", "rms_norm.cpp")
+SOURCES = ("paged_attention.cpp", "quant_linear.cpp", "rms_norm.cpp", "rotary.cpp")
 _BUILT: dict[str, bool] = {}
 
 
@@ -110,6 +111,13 @@ def rms_norm_op():
     if not _BUILT.get("ok") or os.environ.get("TPSERVE_NORM_KERNEL", "1") == "0":
         return None
     return torch.ops.tpserve.rms_norm.default
+
+
+def rotary_op():
+    """The in-place float32 rotary of q and k if built (TPSERVE_ROTARY_KERNEL=0 turns it off), else None."""
+    if not _BUILT.get("ok") or os.environ.get("TPSERVE_ROTARY_KERNEL", "1") == "0":
+        return None
+    return torch.ops.tpserve.rotary_qk_.default
 
 
 def quant_linear_ops():

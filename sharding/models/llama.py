@@ -13,6 +13,7 @@ from torch import nn
 
 from loaders.partition import shard_heads, split_evenly
 from sharding.attention import AttentionMetadata, GroupedHeads, PagedKVCache, apply_rotary, attend
+from sharding import kernels
 from sharding.dist import Dist
 from sharding.layers import (ColumnParallelLinear, ParallelLMHead, Piece, RMSNorm, RowParallelLinear,
                              VocabParallelEmbedding)
@@ -39,6 +40,7 @@ class LlamaAttention(nn.Module):
         self.scale = self.head_dim ** -0.5
         self.softcap: float | None = None  # tanh soft-capping of attention scores (Gemma 2)
         self.cache: PagedKVCache | None = None
+        self._rotary: object = False  # the compiled in-place rotary, looked up at the first call (built at start)
 
     def qkv_bias(self, config) -> bool:
         return bool(getattr(config, "attention_bias", self.qkv_bias_default))
@@ -66,7 +68,12 @@ class LlamaAttention(nn.Module):
     def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         q, k, v = self.project_qkv(x)
         q, k = self.norm_qk(q, k)
-        if meta.cos is not None and q.shape[-1] == k.shape[-1]:
+        if self._rotary is False:
+            self._rotary = kernels.rotary_op() if x.device.type == "cpu" else None
+        if (self._rotary is not None and meta.cos is not None and q.dtype == torch.float32
+                and meta.cos.shape[-1] == self.head_dim == k.shape[-1]):
+            self._rotary(q, k, meta.cos, meta.sin)  # in place, one dispatch (sharding/csrc/rotary.cpp)
+        elif meta.cos is not None and q.shape[-1] == k.shape[-1]:
             # one rotary pass over the query and key heads together (elementwise, so identical to two passes)
             qk = apply_rotary(torch.cat([q, k], dim=1), meta.cos, meta.sin)
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)

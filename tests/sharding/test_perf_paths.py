@@ -102,3 +102,24 @@ def test_packed_linears_run_at_a_bounded_set_of_row_counts():
     assert max(bucket_rows(m) / m for m in range(33, 4097)) < 2
     assert sum(bucket_rows(m) - m for m in range(33, 513)) / sum(range(33, 513)) < 0.06
     assert len(buckets) <= 32 + 6 + 12 + 12 + 4
+
+
+def test_rotary_kernel_is_bit_identical_to_the_formula():
+    """The in-place rotary of q and k (views into a fused qkv row, as the attention makes them) equals transformers'
+    `x * cos + rotate_half(x) * sin` bit for bit."""
+    from sharding import kernels
+    from sharding.attention import apply_rotary
+
+    assert kernels.build_kernels(), "the CPU kernels did not build"
+    op = kernels.rotary_op()
+    assert op is not None
+    for n, hq, hk, d in ((1, 9, 3, 64), (7, 4, 2, 16), (33, 8, 8, 128)):
+        qkv = torch.randn(n, (hq + 2 * hk) * d)
+        q, k, _ = qkv.split([hq * d, hk * d, hk * d], dim=-1)
+        q, k = q.reshape(n, hq, d), k.reshape(n, hk, d)
+        cos, sin = torch.randn(n, d), torch.randn(n, d)
+        want_q, want_k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        v_before = qkv[:, (hq + hk) * d:].clone()
+        op(q, k, cos, sin)
+        assert torch.equal(q, want_q) and torch.equal(k, want_k)
+        assert torch.equal(qkv[:, (hq + hk) * d:], v_before)  # v, beside them in the row, untouched
