@@ -111,8 +111,8 @@ def quantize_activations() -> bool:
 
 
 def bind(qw: QuantizedWeight) -> QuantizedWeight:
-    """Resolve, once, the compiled op and its arguments for decode-sized calls (the settings above are read here, at
-    load: a decode step makes ~120 of these calls, and each lookup per call cost microseconds)."""
+    """Resolve, once, the compiled op and its arguments (the settings above are read here, at load: a decode step
+    makes ~120 of these calls, and each lookup per call cost microseconds)."""
     ops = kernels.quant_linear_ops() if qw.data.device.type == "cpu" else None
     if ops is None:
         qw.kernel = None
