@@ -40,7 +40,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rows", type=int, default=15, help="profiler rows to print")
     args = ap.parse_args(argv)
     os.environ["TPSERVE_THREADS"] = str(args.threads)
-    import torch
     from torch.profiler import ProfilerActivity, profile
 
     from loaders.default_model import ensure_default_model

@@ -158,7 +158,7 @@ class ModelRunner:
         self.dist = dist
         t0 = time.perf_counter()
         if dist.device.type == "cpu":
-            kernels.build_kernels()  # paged decode attention, quantized linears (sharding/kernels.py)
+            kernels.build_kernels()  # paged decode attention, quantized linears, norm, rotary (sharding/kernels.py)
         quantize = self._quantizer()
         with Checkpoint(cfg.model) as ckpt:
             self.model, self.config, self.dtype = build_model(cfg, dist, ckpt)
@@ -188,8 +188,9 @@ class ModelRunner:
 
     def _quantizer(self):
         """A function quantizing one module's weight in place under --quantization, else doing nothing. The LM head gets
-        int8 under both modes (llama.cpp's Q4_0 files keep theirs at 6 bits too: at 4 bits it costs SmolLM2 most of
-        int4's perplexity; BENCHMARKS.md), or stays unquantized with TPSERVE_QUANTIZE_LM_HEAD=0. Embeddings stay."""
+        int8 under both modes (llama.cpp's Q4_0 files keep theirs at 6 bits too: a 4-bit head took SmolLM2's int4
+        perplexity loss from +2.76 to +4.11; BENCHMARKS.md section 9), stays unquantized with
+        TPSERVE_QUANTIZE_LM_HEAD=0, or follows the mode with =same (for measurements). Embeddings stay."""
         mode, group = self.cfg.quantization, self.cfg.quantization_group_size
         head_mode = {"0": None, "same": mode}.get(os.environ.get("TPSERVE_QUANTIZE_LM_HEAD", "1"), "int8")
 

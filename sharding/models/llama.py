@@ -12,8 +12,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from loaders.partition import shard_heads, split_evenly
-from sharding.attention import AttentionMetadata, GroupedHeads, PagedKVCache, apply_rotary, attend
 from sharding import kernels
+from sharding.attention import AttentionMetadata, GroupedHeads, PagedKVCache, apply_rotary, attend
 from sharding.dist import Dist
 from sharding.layers import (ColumnParallelLinear, ParallelLMHead, Piece, RMSNorm, RowParallelLinear,
                              VocabParallelEmbedding)
