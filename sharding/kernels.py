@@ -43,11 +43,13 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
 # rms_norm.cpp: float32 RMSNorm in one dispatch (sharding/layers.py RMSNorm).
 # rotary.cpp: float32 rotary of a step's queries and keys, in place, in one dispatch (sharding/models/llama.py).
 # Compiled together once per machine and torch version into $TPSERVE_HOME/kernels (needs a C++ compiler and ninja;
-# `make install` builds it). Without them the torch paths run; TPSERVE_PAGED_KERNEL=0 / TPSERVE_QUANT_KERNEL=0 turn
-# one kernel off.
+# `make install` builds it). Without them the torch paths run; TPSERVE_PAGED_KERNEL=0, TPSERVE_QUANT_KERNEL=0,
+# TPSERVE_NORM_KERNEL=0 and TPSERVE_ROTARY_KERNEL=0 turn one kernel off (read once, at the build: the getters below
+# sit on the per-layer path of every step).
 
 SOURCES = ("paged_attention.cpp", "quant_linear.cpp", "rms_norm.cpp", "rotary.cpp")
 _BUILT: dict[str, bool] = {}
+_OPS: dict[str, object] = {}  # name -> op (or the int8/int4 pair), filled by build_kernels
 
 
 def _sources() -> list[str]:
@@ -90,6 +92,13 @@ def build_kernels(verbose: bool = False) -> bool:
              build_directory=build,
              is_python_module=False, verbose=verbose)
         ok = hasattr(torch.ops.tpserve, "paged_decode_attention")
+        ops = torch.ops.tpserve
+        for name, env, op in (("paged", "TPSERVE_PAGED_KERNEL", ops.paged_decode_attention),
+                              ("norm", "TPSERVE_NORM_KERNEL", ops.rms_norm.default),
+                              ("rotary", "TPSERVE_ROTARY_KERNEL", ops.rotary_qk_.default),
+                              ("quant", "TPSERVE_QUANT_KERNEL", (ops.int8_linear.default, ops.int4_linear.default))):
+            if os.environ.get(env, "1") != "0":
+                _OPS[name] = op
     except Exception as e:  # noqa: BLE001 - no compiler, no ninja, a failed build: the torch paths serve
         import logging
 
@@ -100,31 +109,23 @@ def build_kernels(verbose: bool = False) -> bool:
 
 
 def paged_decode_attention():
-    """The compiled op if it was built (`build_kernels`, called at start) and not turned off, else None."""
-    if not _BUILT.get("ok") or os.environ.get("TPSERVE_PAGED_KERNEL", "1") == "0":
-        return None
-    return torch.ops.tpserve.paged_decode_attention
+    """The compiled op if it was built (`build_kernels`, called at start), else None."""
+    return _OPS.get("paged")
 
 
 def rms_norm_op():
-    """The one-pass float32 RMSNorm if built (TPSERVE_NORM_KERNEL=0 turns it off), else None."""
-    if not _BUILT.get("ok") or os.environ.get("TPSERVE_NORM_KERNEL", "1") == "0":
-        return None
-    return torch.ops.tpserve.rms_norm.default
+    """The one-pass float32 RMSNorm, or None."""
+    return _OPS.get("norm")
 
 
 def rotary_op():
-    """The in-place float32 rotary of q and k if built (TPSERVE_ROTARY_KERNEL=0 turns it off), else None."""
-    if not _BUILT.get("ok") or os.environ.get("TPSERVE_ROTARY_KERNEL", "1") == "0":
-        return None
-    return torch.ops.tpserve.rotary_qk_.default
+    """The in-place float32 rotary of q and k, or None."""
+    return _OPS.get("rotary")
 
 
 def quant_linear_ops():
-    """(int8_linear, int4_linear) if built and not turned off, else None."""
-    if not _BUILT.get("ok") or os.environ.get("TPSERVE_QUANT_KERNEL", "1") == "0":
-        return None
-    return torch.ops.tpserve.int8_linear.default, torch.ops.tpserve.int4_linear.default
+    """(int8_linear, int4_linear), or None."""
+    return _OPS.get("quant")
 
 
 if __name__ == "__main__":  # `python -m sharding.kernels`: build the kernels now (make install does)

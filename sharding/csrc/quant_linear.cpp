@@ -18,6 +18,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
@@ -224,6 +225,16 @@ inline void vnni_block(const QuantX& xq, int64_t m0, const uint8_t* w, int64_t K
 }
 #endif
 
+// Calls f(std::integral_constant<int, R>{}) for R = rows (1 <= rows <= MAXR): the row count becomes a compile-time
+// constant, so each block's accumulators stay in registers.
+template <int MAXR, typename F>
+inline void with_rows(int64_t rows, const F& f) {
+  if constexpr (MAXR > 1) {
+    if (rows < MAXR) return with_rows<MAXR - 1>(rows, f);
+  }
+  f(std::integral_constant<int, MAXR>{});
+}
+
 template <typename Block>
 void run_blocks(int64_t M, int64_t N, const Block& block, int64_t mb = MB) {
   const int64_t blocks = (N + NB - 1) / NB;
@@ -263,12 +274,9 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
     const uint8_t* wu = reinterpret_cast<const uint8_t*>(wp);
     run_blocks(M, N, [&](int64_t m0, int64_t rows, int64_t n0, int64_t nrows) {
       float* yr = yp + m0 * N + n0;
-      switch (rows) {
-        case 1: vnni_block<1, false>(xq, m0, wu + n0 * K, K, nrows, sp + n0, 0, yr, N); break;
-        case 2: vnni_block<2, false>(xq, m0, wu + n0 * K, K, nrows, sp + n0, 0, yr, N); break;
-        case 3: vnni_block<3, false>(xq, m0, wu + n0 * K, K, nrows, sp + n0, 0, yr, N); break;
-        default: vnni_block<4, false>(xq, m0, wu + n0 * K, K, nrows, sp + n0, 0, yr, N); break;
-      }
+      with_rows<4>(rows, [&](auto r) {
+        vnni_block<decltype(r)::value, false>(xq, m0, wu + n0 * K, K, nrows, sp + n0, 0, yr, N);
+      });
     }, 4);  // 4 x 4 int32 + float accumulators
     return y;
   }
@@ -276,14 +284,7 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
   run_blocks(M, N, [&](int64_t m0, int64_t rows, int64_t n0, int64_t nrows) {
     const float* xr = xp + m0 * K;
     float* yr = yp + m0 * N + n0;
-    switch (rows) {
-      case 1: int8_block<1>(xr, K, wp + n0 * K, K, nrows, sp + n0, yr, N); break;
-      case 2: int8_block<2>(xr, K, wp + n0 * K, K, nrows, sp + n0, yr, N); break;
-      case 3: int8_block<3>(xr, K, wp + n0 * K, K, nrows, sp + n0, yr, N); break;
-      case 4: int8_block<4>(xr, K, wp + n0 * K, K, nrows, sp + n0, yr, N); break;
-      case 5: int8_block<5>(xr, K, wp + n0 * K, K, nrows, sp + n0, yr, N); break;
-      default: int8_block<6>(xr, K, wp + n0 * K, K, nrows, sp + n0, yr, N); break;
-    }
+    with_rows<MB>(rows, [&](auto r) { int8_block<decltype(r)::value>(xr, K, wp + n0 * K, K, nrows, sp + n0, yr, N); });
   });
   return y;
 }
@@ -309,12 +310,9 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
     run_blocks(M, N, [&](int64_t m0, int64_t rows, int64_t n0, int64_t nrows) {
       const uint8_t* wr = wp + n0 * (K / 2);
       float* yr = yp + m0 * N + n0;
-      switch (rows) {
-        case 1: vnni_block<1, true>(xq, m0, wr, K, nrows, sp + n0 * ng, G, yr, N); break;
-        case 2: vnni_block<2, true>(xq, m0, wr, K, nrows, sp + n0 * ng, G, yr, N); break;
-        case 3: vnni_block<3, true>(xq, m0, wr, K, nrows, sp + n0 * ng, G, yr, N); break;
-        default: vnni_block<4, true>(xq, m0, wr, K, nrows, sp + n0 * ng, G, yr, N); break;
-      }
+      with_rows<4>(rows, [&](auto r) {
+        vnni_block<decltype(r)::value, true>(xq, m0, wr, K, nrows, sp + n0 * ng, G, yr, N);
+      });
     }, 4);  // 4 x 4 int32 + float accumulators
     return y;
   }
@@ -323,14 +321,7 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
     const float* xr = xp + m0 * K;
     const uint8_t* wr = wp + n0 * (K / 2);
     float* yr = yp + m0 * N + n0;
-    switch (rows) {
-      case 1: int4_block<1>(xr, K, wr, K, nrows, sp + n0 * ng, G, yr, N); break;
-      case 2: int4_block<2>(xr, K, wr, K, nrows, sp + n0 * ng, G, yr, N); break;
-      case 3: int4_block<3>(xr, K, wr, K, nrows, sp + n0 * ng, G, yr, N); break;
-      case 4: int4_block<4>(xr, K, wr, K, nrows, sp + n0 * ng, G, yr, N); break;
-      case 5: int4_block<5>(xr, K, wr, K, nrows, sp + n0 * ng, G, yr, N); break;
-      default: int4_block<6>(xr, K, wr, K, nrows, sp + n0 * ng, G, yr, N); break;
-    }
+    with_rows<MB>(rows, [&](auto r) { int4_block<decltype(r)::value>(xr, K, wr, K, nrows, sp + n0 * ng, G, yr, N); });
   });
   return y;
 }

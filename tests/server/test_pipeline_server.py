@@ -3,13 +3,12 @@ stage, and a SIGTERM to the whole process group."""
 
 import asyncio
 import os
-import signal
 import time
 
 import httpx
 import pytest
 
-from test_reliability import children, drains_under_group_sigterm
+from test_reliability import children, drains_under_group_sigterm, kill_mid_stream
 from tiny import make_checkpoint
 
 
@@ -55,20 +54,12 @@ def test_sigkill_of_a_middle_stage_fails_fast(server_factory, five_layers):
     workers = children(s.proc.pid)
     middle = [p for p in workers if rank_of(p) == 1]
     assert len(workers) == 2 and len(middle) == 1
-    events, t_kill = [], None
-    with httpx.Client(base_url=s.url, timeout=60) as client:
-        with client.stream("POST", "/v1/completions", json={"prompt": "x", "max_tokens": 200, "stream": True,
-                                                            "ignore_eos": True}) as r:
-            try:
-                for line in r.iter_lines():
-                    if line.startswith("data: "):
-                        events.append(line)
-                    if len(events) == 3 and t_kill is None:
-                        os.kill(middle[0], signal.SIGKILL)
-                        t_kill = time.monotonic()
-            except httpx.HTTPError:
-                events.append("connection closed")
-        assert client.get("/health").status_code == 503 or s.proc.poll() is not None
+    events, t_kill = kill_mid_stream(s, middle[0])
+    try:
+        health = httpx.get(s.url + "/health", timeout=60).status_code
+    except httpx.HTTPError:  # already gone
+        health = None
+    assert health == 503 or s.proc.poll() is not None
     assert time.monotonic() - t_kill < 15
     assert any("engine_failed" in e for e in events) or events[-1] == "connection closed", events[-3:]
     assert s.proc.wait(timeout=30) != 0

@@ -162,10 +162,9 @@ def children(pid: int) -> list[int]:
     return [int(x) for x in out.split()]
 
 
-def test_sigkill_of_a_rank_fails_fast(server_factory, checkpoints):
-    s = server_factory(checkpoints("llama"), 2, "--max-model-len", "256")
-    workers = children(s.proc.pid)
-    assert len(workers) == 1
+def kill_mid_stream(s, pid: int) -> tuple[list[str], float]:
+    """Stream a long completion and SIGKILL `pid` after its third event; (the events, or "connection closed" last if
+    the stream broke, and when the kill happened)."""
     events, t_kill = [], None
     with httpx.Client(base_url=s.url, timeout=60) as client:
         with client.stream("POST", "/v1/completions", json={"prompt": "x", "max_tokens": 200, "stream": True,
@@ -175,10 +174,18 @@ def test_sigkill_of_a_rank_fails_fast(server_factory, checkpoints):
                     if line.startswith("data: "):
                         events.append(line)
                     if len(events) == 3 and t_kill is None:
-                        os.kill(workers[0], signal.SIGKILL)
+                        os.kill(pid, signal.SIGKILL)
                         t_kill = time.monotonic()
             except httpx.HTTPError:
                 events.append("connection closed")
+    return events, t_kill
+
+
+def test_sigkill_of_a_rank_fails_fast(server_factory, checkpoints):
+    s = server_factory(checkpoints("llama"), 2, "--max-model-len", "256")
+    workers = children(s.proc.pid)
+    assert len(workers) == 1
+    events, t_kill = kill_mid_stream(s, workers[0])
     ended = time.monotonic() - t_kill
     assert ended < 15, ended
     assert events[-1] in ("data: [DONE]", "connection closed") or "error" in events[-1]

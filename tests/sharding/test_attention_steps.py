@@ -31,10 +31,9 @@ def decode_path(request, monkeypatch):
     from sharding import kernels
 
     if request.param == "kernel":
-        assert kernels.build_kernels(), "the CPU kernels did not build"
-        monkeypatch.delenv("TPSERVE_PAGED_KERNEL", raising=False)
+        assert kernels.build_kernels() and kernels.paged_decode_attention() is not None, "no paged kernel"
     else:
-        monkeypatch.setenv("TPSERVE_PAGED_KERNEL", "0")
+        monkeypatch.setitem(kernels._OPS, "paged", None)
     return request.param
 
 

@@ -24,10 +24,9 @@ def path(request, monkeypatch):
     """The compiled kernel with int8 activations (VNNI dot products), with float32 activations, or torch alone."""
     monkeypatch.setenv("TPSERVE_QUANT_ACTIVATIONS", "0" if request.param == "float" else "1")
     if request.param == "torch":
-        monkeypatch.setenv("TPSERVE_QUANT_KERNEL", "0")
+        monkeypatch.setitem(kernels._OPS, "quant", None)
     else:
         assert kernels.build_kernels(), "the CPU kernels did not build"
-        monkeypatch.delenv("TPSERVE_QUANT_KERNEL", raising=False)
         assert kernels.quant_linear_ops() is not None
         if request.param == "vnni" and not torch.ops.tpserve.quant_has_vnni():
             pytest.skip("this CPU has no AVX-512 VNNI")
