@@ -11,17 +11,18 @@ in float32.
   as q + 8 in a nibble, two per byte. Within each run of 32 inputs, byte j holds input j (low nibble) and input
   j + 16 (high nibble), the layout the kernel unpacks with one AND and one shift.
 
+Both are stored in blocks of 4 output rows, interleaved in runs of 16 bytes (pack_rows), so that the kernel, which
+computes 4 output rows at a time, reads its weights as one sequential stream.
+
 Kernels: on CPU, sharding/csrc/quant_linear.cpp (`torch.ops.tpserve.int8_linear/int4_linear`) for every step: it
 streams the quantized bytes once and converts them to float32 in registers, 4 weight rows x 6 activation rows at a
-time (or, opted in, multiplies them with int8 activations: see quantize_activations). It beat dequantizing to float32
-for `F.linear` at every batch size measured (1 to 512 rows; scripts/bench_quant.py --linears). Without the kernel (no
+time. It beat dequantizing to float32 for `F.linear` at every batch size measured (1 to 512 rows; scripts/bench_quant.py --linears). Without the kernel (no
 compiler, another device: CUDA included) the weight is dequantized in chunks of output rows for `F.linear`: correct,
 not fast. All paths compute the same products up to float32 summation order.
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -34,21 +35,45 @@ INT4_GROUP_SIZES = (32, 128)
 DEQUANT_CHUNK = 1024  # output rows dequantized at a time on the fallback path (bounded transient memory)
 
 
+ROW_BLOCK = 4  # output rows stored (and computed) together
+RUN = 16  # bytes of one row stored together (16 int8 weights, 32 int4 ones: one vector of the kernel)
+
+
+def pack_rows(q: torch.Tensor) -> torch.Tensor:
+    """[N, R] bytes (R % 16 == 0) -> [ceil(N / 4), 4 * R]: each block of 4 rows (zero rows pad the last block)
+    holds its rows' first 16 bytes in turn, then their next 16 bytes, and so on.
+
+    Against the plain layout, where the kernel read its 4 rows as 4 short streams side by side, this made SmolLM2's
+    int8 linears at one activation row 17 -> 26-32 GB/s (2 threads, Zen 4; BENCHMARKS.md)."""
+    n, r = q.shape
+    if n % ROW_BLOCK:
+        q = torch.cat([q, q.new_zeros(ROW_BLOCK - n % ROW_BLOCK, r)])
+    nb = q.shape[0] // ROW_BLOCK
+    return q.reshape(nb, ROW_BLOCK, r // RUN, RUN).transpose(1, 2).reshape(nb, ROW_BLOCK * r).contiguous()
+
+
+def unpack_rows(packed: torch.Tensor, r: int) -> torch.Tensor:
+    """pack_rows' inverse: [B, 4 * R] -> [4 * B, R] (the padding rows included)."""
+    nb = packed.shape[0]
+    return packed.reshape(nb, r // RUN, ROW_BLOCK, RUN).transpose(1, 2).reshape(nb * ROW_BLOCK, r)
+
+
 @dataclass(slots=True)
 class QuantizedWeight:
-    """A quantized [out, in] weight: `data` int8 [out, in] (int8) or uint8 [out, in/2] (int4); `scale` float32 [out]
-    (int8) or [out, in/group] (int4)."""
+    """A quantized [out, in] weight: `data` the rows as pack_rows stores them, int8 (int8: a row is `in` bytes) or
+    uint8 (int4: `in / 2` bytes); `scale` float32 [out] (int8) or [out, in/group] (int4)."""
 
     mode: str
     data: torch.Tensor
     scale: torch.Tensor
     in_features: int
+    out_features: int
     group: int = 0
     kernel: tuple | None = None  # (op, its arguments after x): see bind
 
     @property
-    def out_features(self) -> int:
-        return self.data.shape[0]
+    def row_bytes(self) -> int:
+        return self.in_features if self.mode == "int8" else self.in_features // 2
 
     def nbytes(self) -> int:
         return self.data.numel() * self.data.element_size() + self.scale.numel() * self.scale.element_size()
@@ -78,7 +103,7 @@ def quantize(weight: torch.Tensor, mode: str, group: int = 32) -> QuantizedWeigh
         scale = w.abs().amax(dim=1) / 127.0
         inv = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
         q = torch.round(w * inv[:, None]).clamp_(-127, 127).to(torch.int8)
-        return bind(QuantizedWeight(mode, q.contiguous(), scale.contiguous(), in_features))
+        return bind(QuantizedWeight(mode, pack_rows(q), scale.contiguous(), in_features, out_features))
     group = group_for(in_features, group)
     g = w.reshape(out_features, in_features // group, group)
     idx = g.abs().argmax(dim=-1, keepdim=True)
@@ -87,27 +112,22 @@ def quantize(weight: torch.Tensor, mode: str, group: int = 32) -> QuantizedWeigh
     q = (torch.round(g * inv[..., None]).clamp_(-8, 7) + 8).to(torch.uint8)  # [out, in/group, group]
     q = q.reshape(out_features, in_features // 32, 2, 16)  # runs of 32: inputs j and j + 16 share byte j
     packed = q[:, :, 0, :] | (q[:, :, 1, :] << 4)
-    return bind(QuantizedWeight(mode, packed.reshape(out_features, in_features // 2).contiguous(),
-                                scale.contiguous(), in_features, group))
+    return bind(QuantizedWeight(mode, pack_rows(packed.reshape(out_features, in_features // 2)), scale.contiguous(),
+                                in_features, out_features, group))
 
 
 def dequantize(qw: QuantizedWeight, start: int = 0, stop: int | None = None) -> torch.Tensor:
-    """Float32 rows [start, stop) of the weight."""
-    data, scale = qw.data[start:stop], qw.scale[start:stop]
+    """Float32 rows [start, stop) of the weight (start a multiple of 4)."""
+    stop = qw.out_features if stop is None else min(stop, qw.out_features)
+    assert start % ROW_BLOCK == 0
+    blocks = qw.data[start // ROW_BLOCK : -(-stop // ROW_BLOCK)]
+    data, scale = unpack_rows(blocks, qw.row_bytes)[: stop - start], qw.scale[start:stop]
     if qw.mode == "int8":
         return data.float() * scale[:, None]
     n = data.shape[0]
     b = data.reshape(n, qw.in_features // 32, 16)
     q = torch.stack([b & 0x0F, b >> 4], dim=2).reshape(n, qw.in_features // qw.group, qw.group)
     return ((q.float() - 8.0) * scale[..., None]).reshape(n, qw.in_features)
-
-
-def quantize_activations() -> bool:
-    """TPSERVE_QUANT_ACTIVATIONS=1: the kernel quantizes the activations to int8 per block of 32 for AVX-512 VNNI dot
-    products, as llama.cpp's Q8_0/Q4_0 do. Off by default: decode streams the weights from memory either way, and on
-    Zen 4 it was no faster in a decode step (int8 15.8 vs 16.3 ms/token, int4 13.2 vs 13.0) while it costs int8
-    accuracy (SmolLM2 perplexity +0.136 instead of +0.037; BENCHMARKS.md)."""
-    return os.environ.get("TPSERVE_QUANT_ACTIVATIONS", "0") == "1"
 
 
 def bind(qw: QuantizedWeight) -> QuantizedWeight:
@@ -117,9 +137,9 @@ def bind(qw: QuantizedWeight) -> QuantizedWeight:
     if ops is None:
         qw.kernel = None
     elif qw.mode == "int8":
-        qw.kernel = (ops[0], (qw.data, qw.scale, quantize_activations()))
+        qw.kernel = (ops[0], (qw.data, qw.scale))
     else:
-        qw.kernel = (ops[1], (qw.data, qw.scale, qw.group, quantize_activations()))
+        qw.kernel = (ops[1], (qw.data, qw.scale, qw.group))
     return qw
 
 
