@@ -42,12 +42,14 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
 # quant_linear.cpp: weight-only int8/int4 linears (sharding/quant.py).
 # rms_norm.cpp: float32 RMSNorm in one dispatch (sharding/layers.py RMSNorm).
 # rotary.cpp: float32 rotary of a step's queries and keys, in place, in one dispatch (sharding/models/llama.py).
+# decode_glue.cpp: the work between the linears of a Llama-family decode layer as three ops (the decode fast path of
+# sharding/models/llama.py).
 # Compiled together once per machine and torch version into $TPSERVE_HOME/kernels (needs a C++ compiler and ninja;
 # `make install` builds it). Without them the torch paths run; TPSERVE_PAGED_KERNEL=0, TPSERVE_QUANT_KERNEL=0,
-# TPSERVE_NORM_KERNEL=0 and TPSERVE_ROTARY_KERNEL=0 turn one kernel off (read once, at the build: the getters below
+# TPSERVE_NORM_KERNEL=0, TPSERVE_ROTARY_KERNEL=0 and TPSERVE_GLUE_KERNEL=0 turn one kernel off (read once, at the build: the getters below
 # sit on the per-layer path of every step).
 
-SOURCES = ("paged_attention.cpp", "quant_linear.cpp", "rms_norm.cpp", "rotary.cpp")
+SOURCES = ("paged_attention.cpp", "quant_linear.cpp", "rms_norm.cpp", "rotary.cpp", "decode_glue.cpp")
 _BUILT: dict[str, bool] = {}
 _OPS: dict[str, object] = {}  # name -> op (or the int8/int4 pair), filled by build_kernels
 
@@ -96,7 +98,9 @@ def build_kernels(verbose: bool = False) -> bool:
         for name, env, op in (("paged", "TPSERVE_PAGED_KERNEL", ops.paged_decode_attention),
                               ("norm", "TPSERVE_NORM_KERNEL", ops.rms_norm.default),
                               ("rotary", "TPSERVE_ROTARY_KERNEL", ops.rotary_qk_.default),
-                              ("quant", "TPSERVE_QUANT_KERNEL", (ops.int8_linear.default, ops.int4_linear.default))):
+                              ("quant", "TPSERVE_QUANT_KERNEL", (ops.int8_linear.default, ops.int4_linear.default)),
+                              ("glue", "TPSERVE_GLUE_KERNEL", (ops.decode_attention.default, ops.add_rms_norm_.default,
+                                                               ops.silu_mul.default))):
             if os.environ.get(env, "1") != "0":
                 _OPS[name] = op
     except Exception as e:  # noqa: BLE001 - no compiler, no ninja, a failed build: the torch paths serve
@@ -126,6 +130,11 @@ def rotary_op():
 def quant_linear_ops():
     """(int8_linear, int4_linear), or None."""
     return _OPS.get("quant")
+
+
+def decode_glue_ops():
+    """(decode_attention, add_rms_norm_, silu_mul), or None."""
+    return _OPS.get("glue")
 
 
 if __name__ == "__main__":  # `python -m sharding.kernels`: build the kernels now (make install does)

@@ -18,7 +18,7 @@
 #include <cmath>
 #include <vector>
 
-namespace {
+namespace tpserve {  // (not anonymous: decode_glue.cpp calls it)
 
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& pool, const at::Tensor& table,
                                   const at::Tensor& lens, double scale, int64_t window) {
@@ -104,10 +104,10 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& pool, c
   return out;
 }
 
-}  // namespace
+}  // namespace tpserve
 
 TORCH_LIBRARY_FRAGMENT(tpserve, m) {
   m.def("paged_decode_attention(Tensor q, Tensor pool, Tensor table, Tensor lens, float scale, int window) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(tpserve, CPU, m) { m.impl("paged_decode_attention", &paged_decode_attention); }
+TORCH_LIBRARY_IMPL(tpserve, CPU, m) { m.impl("paged_decode_attention", &tpserve::paged_decode_attention); }

@@ -9,7 +9,7 @@
 
 #include <cmath>
 
-namespace {
+namespace tpserve {  // (not anonymous: decode_glue.cpp calls it)
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 1 && x.size(1) == w.size(0), "rms_norm: x [M, D], w [D]");
@@ -41,8 +41,8 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
   return y;
 }
 
-}  // namespace
+}  // namespace tpserve
 
 TORCH_LIBRARY_FRAGMENT(tpserve, m) { m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor"); }
 
-TORCH_LIBRARY_IMPL(tpserve, CPU, m) { m.impl("rms_norm", &rms_norm); }
+TORCH_LIBRARY_IMPL(tpserve, CPU, m) { m.impl("rms_norm", &tpserve::rms_norm); }

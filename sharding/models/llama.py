@@ -3,9 +3,16 @@
 Per layer: input RMSNorm -> fused q/k/v (column-parallel, by heads) -> rotary -> attention over the KV cache ->
 o_proj (row-parallel, all-reduce) -> residual -> RMSNorm -> fused gate/up (column-parallel) -> SiLU(gate) * up ->
 down_proj (row-parallel, all-reduce) -> residual. Two all-reduces per layer, one more for the embedding.
+
+Decode fast path (CPU, float32): a step of decode tokens only runs each layer as its four linears with three
+compiled ops between them (sharding/csrc/decode_glue.cpp), instead of ~40 torch ops and the module calls around them:
+the same arithmetic, without the per-op dispatch that dominated everything but the linears at batch 1. Models whose
+layers differ from Llama's between the linears (Qwen 3's q/k norms, Gemma's) take the module path; see _decode_plan.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -131,6 +138,33 @@ class LlamaDecoderLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
+@dataclass(slots=True)
+class _FastLayer:
+    """What the decode fast path needs of one layer, looked up once."""
+
+    attn: LlamaAttention
+    qkv: ColumnParallelLinear
+    o_proj: RowParallelLinear
+    gate_up: ColumnParallelLinear
+    down: RowParallelLinear
+    q_index: torch.Tensor | None
+    out_index: torch.Tensor | None
+    post_norm: RMSNorm
+    next_norm: RMSNorm  # the next layer's input norm, or the final norm after the last layer
+
+
+@dataclass(slots=True)
+class _DecodePlan:
+    ops: tuple
+    first_norm: RMSNorm
+    layers: list[_FastLayer]
+    head_dim: int
+
+
+def _plain_rms_norm(norm) -> bool:
+    return type(norm) is RMSNorm and not norm.offset and norm.weight.dtype == torch.float32
+
+
 class LlamaForCausalLM(nn.Module):
     """This rank's part of the model: its TP shard of its pipeline stage's layers (all of them without PP), plus the
     embedding on the first stage and the final norm and LM head on the last. `forward` takes token ids (first stage)
@@ -176,7 +210,54 @@ class LlamaForCausalLM(nn.Module):
     def embed(self, ids: torch.Tensor, scatter: bool = False) -> torch.Tensor:
         return self.embed_tokens(ids, scatter=scatter)
 
+    _plan: object = False  # the decode fast path (_DecodePlan), None where it does not apply; looked up at first use
+
+    def _decode_plan(self) -> _DecodePlan | None:
+        """The fast path applies to a whole model (one pipeline stage holding every layer) on CPU in float32 whose
+        layers are Llama's between the linears: these methods not overridden, plain RMSNorms, no soft-capping."""
+        ops = kernels.decode_glue_ops()
+        if (ops is None or not (self.first_stage and self.last_stage) or not self.layers
+                or self.norm.weight.device.type != "cpu" or not _plain_rms_norm(self.norm)):
+            return None
+        layers = []
+        for i, layer in enumerate(self.layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            if (type(layer).forward is not LlamaDecoderLayer.forward
+                    or type(attn).forward is not LlamaAttention.forward
+                    or type(attn).project_qkv is not LlamaAttention.project_qkv
+                    or type(attn).norm_qk is not LlamaAttention.norm_qk or attn.softcap is not None
+                    or type(mlp).forward is not LlamaMLP.forward or type(mlp).act is not LlamaMLP.act
+                    or not _plain_rms_norm(layer.input_layernorm) or not _plain_rms_norm(layer.post_attention_layernorm)
+                    or attn.head_dim != self.layers[0].self_attn.head_dim):
+                return None
+            nxt = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
+            layers.append(_FastLayer(attn, attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj,
+                                     attn.groups.q_index, attn.groups.out_index, layer.post_attention_layernorm, nxt))
+        return _DecodePlan(ops, self.layers[0].input_layernorm, layers, self.layers[0].self_attn.head_dim)
+
+    def _decode_fast(self, ids: torch.Tensor, meta: AttentionMetadata, plan: _DecodePlan) -> torch.Tensor | None:
+        attention, add_rms_norm_, silu_mul = plan.ops
+        h = self.embed(ids)  # a fresh tensor: the residual stream, updated in place below
+        x = plan.first_norm.forward(h)
+        window, n = meta.window or 0, h.shape[0]
+        for f in plan.layers:
+            qkv = f.qkv.matmul(x, f.qkv.bias)
+            a = f.attn
+            o = attention(qkv, meta.cos, meta.sin, a.cache.pool, meta.slots, meta.decode_table, meta.decode_lens,
+                          f.q_index, a.num_heads, a.num_kv_heads, a.scale, window)
+            if f.out_index is not None:  # uneven GQA groups: drop the padding positions
+                o = o.view(n, -1, plan.head_dim).index_select(1, f.out_index).reshape(n, -1)
+            x = add_rms_norm_(h, f.o_proj.forward(o), f.post_norm.weight, f.post_norm.eps)
+            d = f.down.forward(silu_mul(f.gate_up.matmul(x, f.gate_up.bias)))
+            x = add_rms_norm_(h, d, f.next_norm.weight, f.next_norm.eps)
+        return self.lm_head(x[meta.logits_indices])  # x: the final norm of every token's hidden state
+
     def forward(self, ids: torch.Tensor, meta: AttentionMetadata, hidden: torch.Tensor | None = None):
+        if meta.all_decode and not meta.seq_parallel and meta.cos is not None:
+            if self._plan is False:
+                self._plan = self._decode_plan()
+            if self._plan is not None and meta.cos.shape[-1] == self._plan.head_dim:
+                return self._decode_fast(ids, meta, self._plan)
         h = self.embed(ids, scatter=meta.seq_parallel) if self.first_stage else hidden
         for layer in self.layers:
             h = layer(h, meta)

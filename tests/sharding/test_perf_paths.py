@@ -124,3 +124,66 @@ def test_rotary_kernel_is_bit_identical_to_the_formula():
         op(q, k, cos, sin)
         assert torch.equal(q, want_q) and torch.equal(k, want_k)
         assert torch.equal(qkv[:, (hq + hk) * d:], v_before)  # v, beside them in the row, untouched
+
+
+@pytest.mark.parametrize("heads,kv_heads,window", [(4, 2, 0), (5, 2, 0), (4, 4, 3)])
+def test_decode_attention_op_equals_the_module_path(heads, kv_heads, window):
+    """The decode fast path's attention op (rotary, cache write, paged attention from the fused qkv rows) against the
+    module path (split, apply_rotary, attend), uneven GQA groups (5 query heads over 2 KV heads) and a window included:
+    the same cache contents and the same output."""
+    import random
+
+    from sharding import kernels
+    from sharding.attention import AttentionMetadata, PagedKVCache, apply_rotary, attend
+    from sharding.step import LOGITS_LAST, Step
+
+    assert kernels.build_kernels() and kernels.decode_glue_ops() is not None, "the CPU kernels did not build"
+    attention_op = kernels.decode_glue_ops()[0]
+    torch.manual_seed(0)
+    d, bs, rows = 16, 4, 3
+    groups = GroupedHeads(None if heads == kv_heads else [h * kv_heads // heads for h in range(heads)])
+    caches = [PagedKVCache(24, bs, kv_heads, d, torch.float32, torch.device("cpu")) for _ in range(2)]
+    caches[0].pool.normal_()
+    caches[1].pool.copy_(caches[0].pool)  # earlier tokens' K/V: random history, the same in both
+    blocks = list(range(24))
+    random.Random(0).shuffle(blocks)
+    table = torch.tensor(blocks[:18]).reshape(rows, 6)
+    starts = [5, 13, 9]  # each row's decode position
+    step = Step(torch.zeros(rows, dtype=torch.int64),
+                torch.tensor([[r, 1, starts[r], LOGITS_LAST] for r in range(rows)], dtype=torch.int64))
+    meta = AttentionMetadata.build(step, table, bs, None, window or None, torch.device("cpu"))
+    meta.cos, meta.sin = torch.randn(rows, d), torch.randn(rows, d)
+    qkv = torch.randn(rows, (heads + 2 * kv_heads) * d)
+    q, k, v = qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
+    q, k = apply_rotary(q.reshape(rows, heads, d), meta.cos, meta.sin), apply_rotary(k.reshape(rows, kv_heads, d),
+                                                                                    meta.cos, meta.sin)
+    want = attend(q, k, v.reshape(rows, kv_heads, d), caches[0], meta, groups, 0.25)
+    got = attention_op(qkv, meta.cos, meta.sin, caches[1].pool, meta.slots, meta.decode_table, meta.decode_lens,
+                       groups.q_index, heads, kv_heads, 0.25, window)
+    if groups.out_index is not None:
+        got = got.view(rows, -1, d).index_select(1, groups.out_index).reshape(rows, -1)
+    assert torch.equal(caches[1].pool, caches[0].pool)  # the rotated keys bit for bit, the values copied
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_llama_decode_fast_path_equals_the_module_path(checkpoints):
+    """A whole model's decode steps through the fast path (sharding/models/llama.py) and through the modules: the same
+    greedy tokens, logprobs equal to float32 rounding. Qwen 2's layout (q/k/v biases, 6 heads over 2 KV heads)."""
+    from server.llm import LLM
+    from server.sampling import SamplingParams
+    from sharding.models.llama import _DecodePlan
+
+    llm = LLM(str(checkpoints("qwen2")), max_num_seqs=4, kv_cache_memory=8 << 20)
+    try:
+        model = llm.runner.model
+        params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=0)
+        prompts = [[5, 6, 7, 8, 9, 10], list(range(30, 50)), [3, 4]]
+        fast = llm.generate(prompts, params)
+        assert isinstance(model._plan, _DecodePlan)
+        model._plan = None  # the module path from here on
+        slow = llm.generate(prompts, params)
+    finally:
+        llm.close()
+    for a, b in zip(fast, slow):
+        assert a.token_ids == b.token_ids
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), rtol=0, atol=1e-4)
