@@ -17,6 +17,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from server.grammar import Grammars
@@ -73,22 +74,40 @@ def build_app(state: ServerState) -> FastAPI:
         logger.exception("unhandled error")
         return error_response(APIError(500, "internal server error", "internal_error"))
 
-    @app.middleware("http")
-    async def _guard(request: Request, call_next):
-        path = request.url.path
-        if path.startswith("/v1/"):
-            if state.api_key is not None:
-                auth = request.headers.get("authorization", "")
-                if auth != f"Bearer {state.api_key}":
-                    return error_response(APIError(401, "invalid or missing API key (send Authorization: Bearer "
-                                                        "<key>)", "authentication_error", code="invalid_api_key"))
-            length = request.headers.get("content-length")
-            if length is not None and length.isdigit() and int(length) > state.max_body_bytes:
-                return error_response(APIError(413, f"request body larger than {state.max_body_bytes} bytes"))
-            if request.method == "POST" and (state.draining or state.engine.dead):
-                why = "the server is shutting down" if state.draining else "the server has failed"
-                return error_response(APIError(503, why, "service_unavailable", code="unavailable"))
-        return await call_next(request)
+    def refusal(scope) -> APIError | None:
+        """Why a /v1/ request is turned away before its route runs (key, body size, draining), or None."""
+        path = scope.get("path", "")
+        if not path.startswith("/v1/"):
+            return None
+        headers = Headers(scope=scope)
+        if state.api_key is not None and headers.get("authorization", "") != f"Bearer {state.api_key}":
+            return APIError(401, "invalid or missing API key (send Authorization: Bearer <key>)",
+                            "authentication_error", code="invalid_api_key")
+        length = headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > state.max_body_bytes:
+            return APIError(413, f"request body larger than {state.max_body_bytes} bytes")
+        if scope.get("method") == "POST" and (state.draining or state.engine.dead):
+            why = "the server is shutting down" if state.draining else "the server has failed"
+            return APIError(503, why, "service_unavailable", code="unavailable")
+        return None
+
+    class Guard:
+        """A plain ASGI middleware, not @app.middleware("http"): Starlette's BaseHTTPMiddleware relays every chunk
+        of a streamed response through a memory stream and another task, which cost the event loop CPU on every
+        token of every stream (BENCHMARKS.md, "Served overhead")."""
+
+        def __init__(self, app):
+            self.app = app
+
+        async def __call__(self, scope, receive, send):
+            if scope["type"] == "http":
+                err = refusal(scope)
+                if err is not None:
+                    await error_response(err)(scope, receive, send)
+                    return
+            await self.app(scope, receive, send)
+
+    app.add_middleware(Guard)
 
     # ---- plain endpoints -----------------------------------------------------------------------------------
     @app.get("/health")

@@ -8,6 +8,7 @@ Each HTTP request becomes one engine Sequence per (prompt, choice). The engine t
 from __future__ import annotations
 
 import asyncio
+import sys
 import time
 from dataclasses import dataclass, field
 
@@ -100,11 +101,23 @@ def admit(state: ServerState, req: PendingRequest) -> None:
 
 
 # ---- waiting for output ---------------------------------------------------------------------------------------
+if sys.version_info >= (3, 11):
+    async def _get(queue: asyncio.Queue):
+        async with asyncio.timeout(DISCONNECT_POLL_S):  # a timer on this task (wait_for wraps a new task per call)
+            return await queue.get()
+else:  # pragma: no cover - Python 3.10
+    async def _get(queue: asyncio.Queue):
+        return await asyncio.wait_for(queue.get(), DISCONNECT_POLL_S)
+
+
 async def next_event(req: PendingRequest, request: Request):
-    """The next engine event; aborts the request's sequences if the client has gone away meanwhile."""
+    """The next engine event; aborts the request's sequences if the client has gone away meanwhile. Called once per
+    streamed token: events already queued are taken without a timer."""
     while True:
+        if not req.queue.empty():
+            return req.queue.get_nowait()
         try:
-            return await asyncio.wait_for(req.queue.get(), DISCONNECT_POLL_S)
+            return await _get(req.queue)
         except asyncio.TimeoutError:
             if await request.is_disconnected():
                 req.abort()
