@@ -5,8 +5,8 @@
     python scripts/bench_quant.py --rounds 3 --served   # and `tpserve serve` streaming the same completion
     python scripts/bench_quant.py --linears         # the GEMVs alone: SmolLM2's linear shapes at M=1
 
-Pairs: tpserve float32 / bfloat16 / int8 / int4 (group 32) against llama.cpp F32 / F16 / Q8_0 / Q4_0, all made from the
-same float32 weights (llama.cpp's with its own llama-quantize). tpserve generates 128 greedy tokens after a 22-token
+Pairs: tpserve float32 / bfloat16 (--dtype) / bf16 (weights only, --quantization) / int8 / int4 (group 32) against
+llama.cpp F32 / F16 / F16 / Q8_0 / Q4_0, all made from the same float32 weights (llama.cpp's with its own llama-quantize). tpserve generates 128 greedy tokens after a 22-token
 chat prompt (EOS ignored); decode ms/token = (wall - time to first token) / 127. llama.cpp is measured by its own
 benchmark, `llama-bench -p 0 -n 128 -d 22` (128 tokens after a 22-token context, no sampling), in a fresh process
 per round. Same threads for both (default: all cores). Every round runs every pair once, so a slow spell of a shared
@@ -38,7 +38,8 @@ from bench_prefill import cpu_name  # noqa: E402
 from bench_quant_accuracy import llama_bin  # noqa: E402
 
 # (tpserve dtype, tpserve quantization, llama.cpp GGUF type)
-PAIRS = [("float32", None, "F32"), ("bfloat16", None, "F16"), ("float32", "int8", "Q8_0"), ("float32", "int4", "Q4_0")]
+PAIRS = [("float32", None, "F32"), ("bfloat16", None, "F16"), ("float32", "bf16", "F16"), ("float32", "int8", "Q8_0"),
+         ("float32", "int4", "Q4_0")]
 MAX_TOKENS = 128
 
 
@@ -145,14 +146,14 @@ def bench_linears(threads: int, iters: int, row_counts: list[int]) -> list[dict]
               "lm_head": (49152, 576)}
     rows = []
     print(f"{'linear':<8} {'M':>3} {'N x K':>12} | {'fp32 oneDNN':>18} | {'int8':>18} | {'int4':>18} | "
-          f"{'int8 dequant+F.linear':>21}")
+          f"{'bf16':>18} | {'int8 dequant+F.linear':>21}")
     for (name, (n, k)), m in ((s, m) for s in shapes.items() for m in row_counts):
         torch.manual_seed(0)
         w = torch.randn(n, k) * 0.02
         x = torch.randn(m, k)
         packed = kernels.pack(w)
         runs = {"fp32": (lambda: kernels.packed_linear(x, packed, None), n * k * 4)}
-        for mode in ("int8", "int4"):
+        for mode in ("int8", "int4", "bf16"):
             qw = quant.quantize(w, mode, 32)
             runs[mode] = ((lambda qw=qw: quant.linear(x, qw)), qw.nbytes())
         q8 = quant.quantize(w, "int8", 32)
@@ -181,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", help="checkpoint folder (default: tpserve's default SmolLM2-135M-Instruct)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
-    ap.add_argument("--only", action="append", choices=["float32", "bfloat16", "int8", "int4"],
+    ap.add_argument("--only", action="append", choices=["float32", "bfloat16", "bf16", "int8", "int4"],
                     help="tpserve precisions to run (default: all)")
     ap.add_argument("--linears", action="store_true", help="time the GEMVs alone instead")
     ap.add_argument("--served", action="store_true",

@@ -1,4 +1,4 @@
-"""Accuracy of weight-only quantization: tpserve's int8/int4 against llama.cpp's Q8_0/Q4_0 of the same weights.
+"""Accuracy of weight-only quantization: tpserve's int8/int4/bf16 against llama.cpp's Q8_0/Q4_0/F16 of the same weights.
 
     python scripts/bench_quant_accuracy.py                  # tpserve and llama.cpp (scripts/build_llama_cpp.sh first)
     python scripts/bench_quant_accuracy.py --only tpserve
@@ -11,8 +11,6 @@ tokens of context). For each precision:
 - perplexity of the text, and its change against the same engine's float32;
 - top-1 agreement: the share of scored positions where the quantized model's most likely next token is float32's
   (llama-perplexity --kl-divergence calls it "Same top p").
-
-TPSERVE_QUANT_ACTIVATIONS=1 measures the kernel's opt-in int8 activations.
 
 The float32 weights are tpserve's default checkpoint; llama.cpp gets the F32 GGUF holding the same values
 (scripts/bench_baseline.f32_gguf), quantized with its own `llama-quantize` (the function llama-cpp-python's
@@ -111,11 +109,11 @@ def main(argv: list[str] | None = None) -> int:
         base_lp, base_top = tpserve_scores(model, None, 32, args.threads)
         ppl0 = math.exp(-sum(base_lp) / len(base_lp))
         rows.append(dict(engine="tpserve", precision="float32", ppl=ppl0, top1_agreement=1.0, scored=len(base_lp)))
-        for q, g in (("int8", 32), ("int4", 32), ("int4", 128)):
+        for q, g in (("int8", 32), ("int4", 32), ("int4", 128), ("bf16", 32)):
             lp, top = tpserve_scores(model, q, g, args.threads)
             ppl = math.exp(-sum(lp) / len(lp))
             agree = sum(a == b for a, b in zip(top, base_top)) / len(top)
-            name = q if q == "int8" else f"{q} (group {g})"
+            name = f"{q} (group {g})" if q == "int4" else q
             rows.append(dict(engine="tpserve", precision=name, ppl=ppl, top1_agreement=agree, scored=len(lp)))
     if "llamacpp" in which:
         quantize = llama_bin("llama-quantize")
@@ -126,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
             base_kld = f32.with_suffix(".kld")
             rows.append(dict(engine="llama.cpp", precision="F32", top1_agreement=1.0,
                              **llama_perplexity(f32, base_kld, args.threads, write_base=True)))
-            for q in ("Q8_0", "Q4_0"):
+            for q in ("Q8_0", "Q4_0", "F16"):
                 out = f32.with_name(f32.name.replace("F32", q))
                 if not out.exists():
                     subprocess.run([str(quantize), str(f32), str(out), q, str(args.threads)], check=True,

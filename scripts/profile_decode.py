@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", help="checkpoint folder (default: the default model)")
     ap.add_argument("--dtype", default="auto")
-    ap.add_argument("--quantization", choices=["int8", "int4"])
+    ap.add_argument("--quantization", choices=["int8", "int4", "bf16"])
     ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     ap.add_argument("--rows", type=int, default=15, help="profiler rows to print")
     args = ap.parse_args(argv)

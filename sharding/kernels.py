@@ -39,7 +39,7 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
 # paged_attention.cpp: decode attention that reads K/V through the block table in place. The pure-torch path gathers
 # the decode batch's blocks into a contiguous copy first (one more write and read of every cached key and value per
 # layer); see scripts/bench_paged_attention.py.
-# quant_linear.cpp: weight-only int8/int4 linears (sharding/quant.py).
+# quant_linear.cpp: weight-only int8/int4/bf16 linears (sharding/quant.py).
 # rms_norm.cpp: float32 RMSNorm in one dispatch (sharding/layers.py RMSNorm).
 # rotary.cpp: float32 rotary of a step's queries and keys, in place, in one dispatch (sharding/models/llama.py).
 # decode_glue.cpp: the work between the linears of a Llama-family decode layer as three ops (the decode fast path of
@@ -98,7 +98,8 @@ def build_kernels(verbose: bool = False) -> bool:
         for name, env, op in (("paged", "TPSERVE_PAGED_KERNEL", ops.paged_decode_attention),
                               ("norm", "TPSERVE_NORM_KERNEL", ops.rms_norm.default),
                               ("rotary", "TPSERVE_ROTARY_KERNEL", ops.rotary_qk_.default),
-                              ("quant", "TPSERVE_QUANT_KERNEL", (ops.int8_linear.default, ops.int4_linear.default)),
+                              ("quant", "TPSERVE_QUANT_KERNEL",
+                               (ops.int8_linear.default, ops.int4_linear.default, ops.bf16_linear.default)),
                               ("glue", "TPSERVE_GLUE_KERNEL", (ops.decode_attention.default, ops.add_rms_norm_.default,
                                                                ops.silu_mul.default))):
             if os.environ.get(env, "1") != "0":
@@ -128,7 +129,7 @@ def rotary_op():
 
 
 def quant_linear_ops():
-    """(int8_linear, int4_linear), or None."""
+    """(int8_linear, int4_linear, bf16_linear), or None."""
     return _OPS.get("quant")
 
 

@@ -1,24 +1,30 @@
-"""Weight-only quantization of the linears (`--quantization int8|int4`).
+"""Weight-only quantization of the linears (`--quantization int8|int4|bf16`).
 
 Each rank quantizes its own shard right after reading it, so it never holds more than one layer's weight in the
 checkpoint's precision next to the quantized model. Activations stay in the model's dtype; the products are computed
-in float32.
+in float32 (int4 on CPUs with AVX-512 VNNI: in int8, see below).
 
 - int8: symmetric, one float32 scale per output channel: W[n, k] ~= q[n, k] * scale[n], q in [-127, 127].
+- bf16: the weight rounded to bfloat16 (half of float32's bytes; no scale), for float32 checkpoints served at the
+  speed of 16-bit weights with float32 activations (llama.cpp's F16 files are the same idea). Unlike --dtype bfloat16,
+  nothing else is rounded: norms, attention and the residual stream stay in float32.
 - int4: symmetric, one float32 scale per group of `group` (32 or 128; 32 where the input size is not a multiple of
   128) inputs, as llama.cpp's Q4_0: the input of
   largest magnitude m in a group maps to -8, so scale = m / -8 and q = round(W / scale) clamped to [-8, 7]; stored
   as q + 8 in a nibble, two per byte. Within each run of 32 inputs, byte j holds input j (low nibble) and input
   j + 16 (high nibble), the layout the kernel unpacks with one AND and one shift.
 
-Both are stored in blocks of 4 output rows, interleaved in runs of 16 bytes (pack_rows), so that the kernel, which
-computes 4 output rows at a time, reads its weights as one sequential stream.
+All are stored in blocks of 4 output rows, interleaved in runs of 16 bytes (32 for bf16: 16 weights, a vector of the
+kernel; pack_rows), so that the kernel, which computes 4 output rows at a time, reads its weights as one sequential
+stream.
 
-Kernels: on CPU, sharding/csrc/quant_linear.cpp (`torch.ops.tpserve.int8_linear/int4_linear`) for every step: it
-streams the quantized bytes once and converts them to float32 in registers, 4 weight rows x 6 activation rows at a
-time. It beat dequantizing to float32 for `F.linear` at every batch size measured (1 to 512 rows; scripts/bench_quant.py --linears). Without the kernel (no
-compiler, another device: CUDA included) the weight is dequantized in chunks of output rows for `F.linear`: correct,
-not fast. All paths compute the same products up to float32 summation order.
+Kernels: on CPU, sharding/csrc/quant_linear.cpp (`torch.ops.tpserve.int8_linear/int4_linear/bf16_linear`) for
+every step: it streams the quantized bytes once and converts them to float32 in registers, 4 weight rows x 6
+activation rows at a time; int4 on CPUs with AVX-512 VNNI instead quantizes the activations to int8 per block of 32,
+as llama.cpp's Q4_0 does, and multiplies bytes (`int8_activations()` says which). The kernel beat dequantizing to
+float32 for `F.linear` at every batch size measured (1 to 512 rows; scripts/bench_quant.py --linears). Without it
+(no compiler, another device: CUDA included) the weight is dequantized in chunks of output rows for `F.linear`:
+correct, not fast. The float paths compute the same products up to float32 summation order.
 """
 
 from __future__ import annotations
@@ -30,18 +36,19 @@ import torch.nn.functional as F
 
 from sharding import kernels
 
-MODES = ("int8", "int4")
+MODES = ("int8", "int4", "bf16")
 INT4_GROUP_SIZES = (32, 128)
 DEQUANT_CHUNK = 1024  # output rows dequantized at a time on the fallback path (bounded transient memory)
 
 
 ROW_BLOCK = 4  # output rows stored (and computed) together
-RUN = 16  # bytes of one row stored together (16 int8 weights, 32 int4 ones: one vector of the kernel)
+RUN = {"int8": 16, "int4": 16, "bf16": 32}  # bytes of one row stored together: the 16 weights of one kernel vector
+# (32 for int4, two per byte)
 
 
-def pack_rows(q: torch.Tensor) -> torch.Tensor:
-    """[N, R] bytes (R % 16 == 0) -> [ceil(N / 4), 4 * R]: each block of 4 rows (zero rows pad the last block)
-    holds its rows' first 16 bytes in turn, then their next 16 bytes, and so on.
+def pack_rows(q: torch.Tensor, run: int = 16) -> torch.Tensor:
+    """[N, R] bytes (R % run == 0) -> [ceil(N / 4), 4 * R]: each block of 4 rows (zero rows pad the last block)
+    holds its rows' first `run` bytes in turn, then their next `run` bytes, and so on.
 
     Against the plain layout, where the kernel read its 4 rows as 4 short streams side by side, this made SmolLM2's
     int8 linears at one activation row 17 -> 26-32 GB/s (2 threads, Zen 4; BENCHMARKS.md)."""
@@ -49,19 +56,21 @@ def pack_rows(q: torch.Tensor) -> torch.Tensor:
     if n % ROW_BLOCK:
         q = torch.cat([q, q.new_zeros(ROW_BLOCK - n % ROW_BLOCK, r)])
     nb = q.shape[0] // ROW_BLOCK
-    return q.reshape(nb, ROW_BLOCK, r // RUN, RUN).transpose(1, 2).reshape(nb, ROW_BLOCK * r).contiguous()
+    return q.reshape(nb, ROW_BLOCK, r // run, run).transpose(1, 2).reshape(nb, ROW_BLOCK * r).contiguous()
 
 
-def unpack_rows(packed: torch.Tensor, r: int) -> torch.Tensor:
+def unpack_rows(packed: torch.Tensor, r: int, run: int = 16) -> torch.Tensor:
     """pack_rows' inverse: [B, 4 * R] -> [4 * B, R] (the padding rows included)."""
     nb = packed.shape[0]
-    return packed.reshape(nb, r // RUN, ROW_BLOCK, RUN).transpose(1, 2).reshape(nb * ROW_BLOCK, r)
+    return packed.reshape(nb, r // run, ROW_BLOCK, run).transpose(1, 2).reshape(nb * ROW_BLOCK, r)
 
 
 @dataclass(slots=True)
 class QuantizedWeight:
     """A quantized [out, in] weight: `data` the rows as pack_rows stores them, int8 (int8: a row is `in` bytes) or
-    uint8 (int4: `in / 2` bytes); `scale` float32 [out] (int8) or [out, in/group] (int4)."""
+    uint8 (int4: `in / 2` bytes; bf16: `2 * in`); `scale` float32 [out] (int8), empty (bf16), or for int4
+    [ceil(out / 4), in / group, 4]: each block of 4 rows' scales, group by group (zeros pad the last block), so that
+    the kernel reads a block's scales with its weights (`row_scales` gives [out, in / group])."""
 
     mode: str
     data: torch.Tensor
@@ -71,9 +80,14 @@ class QuantizedWeight:
     group: int = 0
     kernel: tuple | None = None  # (op, its arguments after x): see bind
 
+    def row_scales(self) -> torch.Tensor:
+        """int4: the scales as [out, in / group]."""
+        nb, ng, _ = self.scale.shape
+        return self.scale.transpose(1, 2).reshape(nb * ROW_BLOCK, ng)[: self.out_features]
+
     @property
     def row_bytes(self) -> int:
-        return self.in_features if self.mode == "int8" else self.in_features // 2
+        return {"int8": self.in_features, "int4": self.in_features // 2, "bf16": 2 * self.in_features}[self.mode]
 
     def nbytes(self) -> int:
         return self.data.numel() * self.data.element_size() + self.scale.numel() * self.scale.element_size()
@@ -93,17 +107,20 @@ def group_for(in_features: int, group: int) -> int:
 
 def supported(mode: str, in_features: int, group: int) -> bool:
     """Whether a linear with this many inputs can be quantized (the kernels need whole vectors / groups)."""
-    return in_features % (16 if mode == "int8" else group_for(in_features, group)) == 0
+    return in_features % (group_for(in_features, group) if mode == "int4" else 16) == 0
 
 
 def quantize(weight: torch.Tensor, mode: str, group: int = 32) -> QuantizedWeight:
     w = weight.detach().float()
     out_features, in_features = w.shape
+    if mode == "bf16":
+        data = w.to(torch.bfloat16).view(torch.int16).view(torch.uint8)  # [out, 2 * in], little-endian values
+        return bind(QuantizedWeight(mode, pack_rows(data, RUN[mode]), w.new_zeros(0), in_features, out_features))
     if mode == "int8":
         scale = w.abs().amax(dim=1) / 127.0
         inv = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
         q = torch.round(w * inv[:, None]).clamp_(-127, 127).to(torch.int8)
-        return bind(QuantizedWeight(mode, pack_rows(q), scale.contiguous(), in_features, out_features))
+        return bind(QuantizedWeight(mode, pack_rows(q, RUN[mode]), scale.contiguous(), in_features, out_features))
     group = group_for(in_features, group)
     g = w.reshape(out_features, in_features // group, group)
     idx = g.abs().argmax(dim=-1, keepdim=True)
@@ -112,8 +129,12 @@ def quantize(weight: torch.Tensor, mode: str, group: int = 32) -> QuantizedWeigh
     q = (torch.round(g * inv[..., None]).clamp_(-8, 7) + 8).to(torch.uint8)  # [out, in/group, group]
     q = q.reshape(out_features, in_features // 32, 2, 16)  # runs of 32: inputs j and j + 16 share byte j
     packed = q[:, :, 0, :] | (q[:, :, 1, :] << 4)
-    return bind(QuantizedWeight(mode, pack_rows(packed.reshape(out_features, in_features // 2)), scale.contiguous(),
-                                in_features, out_features, group))
+    pad = -out_features % ROW_BLOCK
+    if pad:
+        scale = torch.cat([scale, scale.new_zeros(pad, scale.shape[1])])
+    block_scales = scale.reshape(-1, ROW_BLOCK, scale.shape[1]).transpose(1, 2).contiguous()
+    return bind(QuantizedWeight(mode, pack_rows(packed.reshape(out_features, in_features // 2), RUN[mode]),
+                                block_scales, in_features, out_features, group))
 
 
 def dequantize(qw: QuantizedWeight, start: int = 0, stop: int | None = None) -> torch.Tensor:
@@ -121,7 +142,10 @@ def dequantize(qw: QuantizedWeight, start: int = 0, stop: int | None = None) -> 
     stop = qw.out_features if stop is None else min(stop, qw.out_features)
     assert start % ROW_BLOCK == 0
     blocks = qw.data[start // ROW_BLOCK : -(-stop // ROW_BLOCK)]
-    data, scale = unpack_rows(blocks, qw.row_bytes)[: stop - start], qw.scale[start:stop]
+    data = unpack_rows(blocks, qw.row_bytes, RUN[qw.mode])[: stop - start]
+    if qw.mode == "bf16":
+        return data.contiguous().view(torch.bfloat16).float()
+    scale = qw.scale[start:stop] if qw.mode == "int8" else qw.row_scales()[start:stop]
     if qw.mode == "int8":
         return data.float() * scale[:, None]
     n = data.shape[0]
@@ -130,16 +154,22 @@ def dequantize(qw: QuantizedWeight, start: int = 0, stop: int | None = None) -> 
     return ((q.float() - 8.0) * scale[..., None]).reshape(n, qw.in_features)
 
 
+def int8_activations() -> bool:
+    """Whether int4 linears quantize their activations to int8 (the compiled kernel on a CPU with AVX-512 VNNI)."""
+    return kernels.quant_linear_ops() is not None and bool(torch.ops.tpserve.quant_int8_activations())
+
+
 def bind(qw: QuantizedWeight) -> QuantizedWeight:
-    """Resolve, once, the compiled op and its arguments (the settings above are read here, at load: a decode step
-    makes ~120 of these calls, and each lookup per call cost microseconds)."""
+    """Resolve, once, at load, the compiled op and its arguments (a decode step makes ~120 of these calls)."""
     ops = kernels.quant_linear_ops() if qw.data.device.type == "cpu" else None
     if ops is None:
         qw.kernel = None
     elif qw.mode == "int8":
         qw.kernel = (ops[0], (qw.data, qw.scale))
+    elif qw.mode == "int4":
+        qw.kernel = (ops[1], (qw.data, qw.scale, qw.group, qw.out_features))
     else:
-        qw.kernel = (ops[1], (qw.data, qw.scale, qw.group))
+        qw.kernel = (ops[2], (qw.data, qw.out_features))
     return qw
 
 

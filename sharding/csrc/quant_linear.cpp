@@ -1,28 +1,38 @@
-// Weight-only quantized linears for CPU decode: y = x @ dequant(W)^T, float32 activations, int8 or int4 weights.
+// Weight-only quantized linears for CPU decode: y = x @ dequant(W)^T, float32 activations, int8, int4 or bf16 weights.
 // Decode is bound by streaming the weights, so the kernel reads each weight byte once per call and converts it to
 // float32 in registers; the activations (a few rows) stay in L1.
 //
 //   int8_linear(x [M, K] f32, w, scale [N] f32)                 per output channel: W[n,k] = w[n,k] * scale[n]
-//   int4_linear(x [M, K] f32, w, scale [N, K/G] f32, G)         per group of G inputs (G % 32 == 0):
+//   int4_linear(x [M, K] f32, w, scale, G, N)                    per group of G inputs (G % 32 == 0):
 //       within each run of 32 inputs, byte j holds input j in its low nibble and input j+16 in its high nibble;
-//       W[n,k] = (nibble - 8) * scale[n, k/G]   (llama.cpp's Q4_0 scheme)
+//       W[n,k] = (nibble - 8) * s[n, k/G]   (llama.cpp's Q4_0 scheme); scale [ceil(N/4), K/G, 4] holds s for each
+//       block of 4 rows, group by group, the 4 rows' scales side by side (read with the block's weights)
+//   bf16_linear(x [M, K] f32, w, N)                             W[n,k] = w[n,k], a bfloat16
 //
-// A row has R bytes (K for int8, K/2 for int4; R % 16 == 0). The weight w [ceil(N/4), 4R] is stored in blocks of 4
-// output rows (zero rows pad the last), as quant.py's pack_rows lays them out: the 4 rows' first 16 bytes in turn,
-// then their next 16, and so on. The kernel computes a block's 4 rows together, so it reads its weights as one
+// A row has R bytes (K for int8, K/2 for int4, 2K for bf16). The weight w [ceil(N/4), 4R] is stored in blocks of 4
+// output rows (zero rows pad the last), as quant.py's pack_rows lays them out: the 4 rows' first RUN bytes in turn,
+// then their next RUN, and so on, RUN = 16 bytes (32 for bf16): the 16 weights of one vector (32 for int4). The kernel computes a block's 4 rows together, so it reads its weights as one
 // sequential stream, where the 4 rows of the plain layout were 4 short streams side by side (2 threads, SmolLM2's
 // linears at one activation row: 17 -> 26-32 GB/s; scripts/bench_quant.py --linears).
 //
 // Output rows are split over torch's intra-op threads in blocks of 4; each block keeps up to 6 rows of x x 4 output
 // rows of float32 accumulators in registers (AVX-512), so every converted weight vector feeds up to 6 FMAs. Other CPUs
 // get the same loops in portable C++ (auto-vectorized). Built by sharding/kernels.py with the other CPU kernels.
+//
+// int4 on CPUs with AVX-512 VNNI multiplies bytes instead, as llama.cpp's Q4_0 does: the activations are quantized
+// to int8 per row and block of 32 inputs (scale max|x| / 127, as Q8_0), and vpdpbusd multiplies 64 nibbles of a
+// block's 4 rows by 16 activation bytes broadcast to each row at once. Converting every nibble to float32 had made
+// int4 compute-bound even at one row; this reads the weights at memory speed and multiplies batches ~4x cheaper.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
+#include <cstring>
+#include <vector>
 #include <type_traits>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
@@ -34,7 +44,7 @@ namespace {
 
 constexpr int64_t NB = 4;    // output rows per block
 constexpr int64_t MB = 6;    // activation rows per pass (6 x 4 accumulators + 4 weight vectors fit 32 registers)
-constexpr int64_t RUN = 16;  // bytes of one row stored together
+constexpr int64_t RUN = 16;  // bytes of one row stored together (int8, int4; bf16: 16 weights, RUN * 2 bytes)
 
 #ifdef TPSERVE_AVX512
 
@@ -65,16 +75,13 @@ inline void int4_block(const float* x, int64_t ldx, const uint8_t* w, int64_t K,
   __m512 acc[R][NB];
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < NB; ++j) acc[r][j] = _mm512_setzero_ps();
-  const float* sr[NB];
-  const int64_t ng = K / G;
-  for (int j = 0; j < NB; ++j) sr[j] = scale + (j < nrows ? j : 0) * ng;
   // the 16 values a nibble stands for, (n - 8), looked up by vpermps from each int32 lane's low 4 bits
   const __m512 values = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
   for (int64_t k = 0; k < K; k += 32) {
     const uint8_t* c = w + (k / 2) * NB;
     __m512 lo[NB], hi[NB];
     for (int j = 0; j < NB; ++j) {
-      const __m512 table = _mm512_mul_ps(values, _mm512_set1_ps(sr[j][k / G]));  // this group's weights
+      const __m512 table = _mm512_mul_ps(values, _mm512_set1_ps(scale[(k / G) * NB + j]));  // this group's weights
       const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(c + j * RUN));
       lo[j] = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(b), table);  // bits above the low nibble are ignored
       hi[j] = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(_mm_srli_epi16(b, 4)), table);
@@ -86,6 +93,28 @@ inline void int4_block(const float* x, int64_t ldx, const uint8_t* w, int64_t K,
         acc[r][j] = _mm512_fmadd_ps(x0, lo[j], acc[r][j]);
         acc[r][j] = _mm512_fmadd_ps(x1, hi[j], acc[r][j]);
       }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < nrows; ++j) y[r * ldy + j] = _mm512_reduce_add_ps(acc[r][j]);
+}
+
+// w: the block's bf16 weights. Row j's weights [k, k + 16) are at w + k * NB + j * 16.
+template <int R>
+inline void bf16_block(const float* x, int64_t ldx, const uint16_t* w, int64_t K, int64_t nrows, float* y,
+                       int64_t ldy) {
+  __m512 acc[R][NB];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < NB; ++j) acc[r][j] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += 16) {
+    const uint16_t* c = w + k * NB;
+    __m512 wf[NB];
+    for (int j = 0; j < NB; ++j)  // a bfloat16 is the top half of its float32
+      wf[j] = _mm512_castsi512_ps(_mm512_slli_epi32(
+          _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + j * 16))), 16));
+    for (int r = 0; r < R; ++r) {
+      const __m512 xv = _mm512_loadu_ps(x + r * ldx + k);
+      for (int j = 0; j < NB; ++j) acc[r][j] = _mm512_fmadd_ps(xv, wf[j], acc[r][j]);
     }
   }
   for (int r = 0; r < R; ++r)
@@ -115,7 +144,6 @@ inline void int4_block(const float* x, int64_t ldx, const uint8_t* w, int64_t K,
                        int64_t G, float* y, int64_t ldy) {
   for (int r = 0; r < R; ++r)
     for (int64_t j = 0; j < nrows; ++j) {
-      const float* sr = scale + j * (K / G);
       const float* xr = x + r * ldx;
       float acc = 0.f;
       for (int64_t k = 0; k < K; k += 32) {
@@ -126,13 +154,109 @@ inline void int4_block(const float* x, int64_t ldx, const uint8_t* w, int64_t K,
           const uint8_t b = wr[i];
           part += xr[k + i] * static_cast<float>((b & 0x0F) - 8) + xr[k + 16 + i] * static_cast<float>((b >> 4) - 8);
         }
-        acc += part * sr[k / G];
+        acc += part * scale[(k / G) * NB + j];
+      }
+      y[r * ldy + j] = acc;
+    }
+}
+
+template <int R>
+inline void bf16_block(const float* x, int64_t ldx, const uint16_t* w, int64_t K, int64_t nrows, float* y,
+                       int64_t ldy) {
+  for (int r = 0; r < R; ++r)
+    for (int64_t j = 0; j < nrows; ++j) {
+      const float* xr = x + r * ldx;
+      float acc = 0.f;
+      for (int64_t k = 0; k < K; k += 16) {
+        const uint16_t* wr = w + k * NB + j * 16;
+#pragma omp simd reduction(+ : acc)
+        for (int64_t i = 0; i < 16; ++i) {
+          const uint32_t bits = static_cast<uint32_t>(wr[i]) << 16;
+          float v;
+          std::memcpy(&v, &bits, sizeof v);
+          acc += xr[k + i] * v;
+        }
       }
       y[r * ldy + j] = acc;
     }
 }
 
 #endif
+
+#if defined(TPSERVE_AVX512) && defined(__AVX512VNNI__)
+#define TPSERVE_VNNI 1
+constexpr int64_t MB_VNNI = 8;  // activation rows per pass: one accumulator each (the 4 weight rows share it)
+
+// Activations quantized per row and block of 32 inputs: q = round(x / s), s = max|x| / 127 (llama.cpp's Q8_0).
+struct QuantizedRows {
+  std::vector<int8_t> q;      // [M, K]
+  std::vector<float> scale;   // [M, K/32]
+  std::vector<int32_t> corr;  // [M, K/32, 4]: -8 * the sum of the q a dot-product lane meets (see int4_vnni_block)
+};
+
+inline QuantizedRows quantize_rows(const float* x, int64_t M, int64_t K) {
+  const int64_t nb = K / 32;
+  QuantizedRows r{std::vector<int8_t>(M * K), std::vector<float>(M * nb), std::vector<int32_t>(M * nb * 4)};
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t b = 0; b < nb; ++b) {
+      const float* xb = x + m * K + b * 32;
+      float amax = 0.f;
+      for (int i = 0; i < 32; ++i) amax = std::max(amax, std::abs(xb[i]));
+      const float inv = amax > 0.f ? 127.f / amax : 0.f;
+      int8_t* qb = r.q.data() + m * K + b * 32;
+      for (int i = 0; i < 32; ++i) qb[i] = static_cast<int8_t>(std::nearbyint(xb[i] * inv));
+      r.scale[m * nb + b] = amax / 127.f;
+      for (int p = 0; p < 4; ++p) {  // lane p of a row meets inputs 4p..4p+3 (low nibbles) and 16+4p.. (high)
+        int32_t sum = 0;
+        for (int i = 0; i < 4; ++i) sum += qb[4 * p + i] + qb[16 + 4 * p + i];
+        r.corr[(m * nb + b) * 4 + p] = -8 * sum;  // the nibbles are w + 8
+      }
+    }
+  return r;
+}
+
+// R activation rows against one block of 4 int4 rows. Per run of 32 inputs: the block's 64 bytes hold 4 rows x 16
+// bytes; their low nibbles are inputs 0-15 and their high nibbles inputs 16-31 of each row, so two vpdpbusd with the
+// row's activation bytes broadcast to the 4 rows leave, in each int32 lane, 8 products of one row (4 lanes per row),
+// started from the lane's -8 correction. Each run is then scaled by the weights' group scale and the activations'
+// block scale and summed in float32.
+template <int R>
+inline void int4_vnni_block(const QuantizedRows& xq, int64_t m0, const uint8_t* w, int64_t K, int64_t nrows,
+                            const float* scale, int64_t G, float* y, int64_t ldy) {
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  const int64_t nb = K / 32;
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  const __m512i spread = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);  // row j -> lanes 4j..4j+3
+  for (int64_t k = 0; k < K; k += 32) {
+    const __m512i line = _mm512_loadu_si512(w + (k / 2) * NB);
+    const __m512i lo = _mm512_and_si512(line, low);
+    const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(line, 4), low);
+    const __m512 sw = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(_mm_loadu_ps(scale + (k / G) * NB)));
+    for (int r = 0; r < R; ++r) {
+      const int64_t row = m0 + r, b = k / 32;
+      const int8_t* xr = xq.q.data() + row * K + k;
+      __m512i dot = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(xq.corr.data() + (row * nb + b) * 4)));
+      dot = _mm512_dpbusd_epi32(dot, lo, _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(xr))));
+      dot = _mm512_dpbusd_epi32(dot, hi, _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(xr + 16))));
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(sw, _mm512_set1_ps(xq.scale[row * nb + b])), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    alignas(64) float lanes[16];
+    _mm512_store_ps(lanes, acc[r]);
+    for (int j = 0; j < nrows; ++j) y[r * ldy + j] = (lanes[4 * j] + lanes[4 * j + 1]) + (lanes[4 * j + 2] + lanes[4 * j + 3]);
+  }
+}
+#endif
+
+bool has_vnni() {
+#ifdef TPSERVE_VNNI
+  return true;
+#else
+  return false;
+#endif
+}
 
 // Calls f(std::integral_constant<int, R>{}) for R = rows (1 <= rows <= MAXR): the row count becomes a compile-time
 // constant, so each block's accumulators stay in registers.
@@ -145,13 +269,13 @@ inline void with_rows(int64_t rows, const F& f) {
 }
 
 template <typename Block>
-void run_blocks(int64_t M, int64_t N, const Block& block) {
+void run_blocks(int64_t M, int64_t N, const Block& block, int64_t mb = MB) {
   const int64_t blocks = (N + NB - 1) / NB;
   // ~16 blocks per task keeps the split even on few cores without fine-grained scheduling.
   at::parallel_for(0, blocks, 16, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t n0 = b * NB, nrows = std::min<int64_t>(NB, N - n0);
-      for (int64_t m0 = 0; m0 < M; m0 += MB) block(m0, std::min<int64_t>(MB, M - m0), n0, nrows);
+      for (int64_t m0 = 0; m0 < M; m0 += mb) block(m0, std::min<int64_t>(mb, M - m0), n0, nrows);
     }
   });
 }
@@ -177,13 +301,14 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
   return y;
 }
 
-at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale, int64_t G) {
-  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && scale.dim() == 2, "int4_linear: x [M, K], w [N/4, 2K], scale [N, K/G]");
+at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale, int64_t G, int64_t N) {
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && scale.dim() == 3,
+              "int4_linear: x [M, K], w [N/4, 2K], scale [N/4, K/G, 4]");
   TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kByte && scale.scalar_type() == at::kFloat,
               "int4_linear: float32 x, uint8 w, float32 scale");
-  const int64_t M = x.size(0), K = x.size(1), N = scale.size(0);
-  TORCH_CHECK(G % 32 == 0 && K % G == 0 && w.size(0) == (N + NB - 1) / NB && w.size(1) == NB * K / 2 &&
-                  scale.size(1) == K / G,
+  const int64_t M = x.size(0), K = x.size(1), blocks = (N + NB - 1) / NB;
+  TORCH_CHECK(G % 32 == 0 && K % G == 0 && w.size(0) == blocks && w.size(1) == NB * K / 2 &&
+                  scale.size(0) == blocks && scale.size(1) == K / G && scale.size(2) == NB,
               "int4_linear: shapes (G % 32 == 0, K % G == 0)");
   TORCH_CHECK(w.is_contiguous() && scale.is_contiguous(), "int4_linear: contiguous weights");
   const at::Tensor xc = x.contiguous();
@@ -193,11 +318,40 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
   const float* sp = scale.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   const int64_t ng = K / G;
+#ifdef TPSERVE_VNNI
+  const QuantizedRows xq = quantize_rows(xp, M, K);
+  run_blocks(M, N, [&](int64_t m0, int64_t rows, int64_t n0, int64_t nrows) {
+    float* yr = yp + m0 * N + n0;
+    with_rows<MB_VNNI>(rows, [&](auto r) {
+      int4_vnni_block<decltype(r)::value>(xq, m0, wp + n0 * (K / 2), K, nrows, sp + n0 * ng, G, yr, N);
+    });
+  }, MB_VNNI);
+#else
   run_blocks(M, N, [&](int64_t m0, int64_t rows, int64_t n0, int64_t nrows) {
     const float* xr = xp + m0 * K;
     const uint8_t* wr = wp + n0 * (K / 2);
     float* yr = yp + m0 * N + n0;
     with_rows<MB>(rows, [&](auto r) { int4_block<decltype(r)::value>(xr, K, wr, K, nrows, sp + n0 * ng, G, yr, N); });
+  });
+#endif
+  return y;
+}
+
+at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& w, int64_t N) {
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2, "bf16_linear: x [M, K], w [N/4, 8K] bytes");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kByte, "bf16_linear: float32 x, uint8 w");
+  const int64_t M = x.size(0), K = x.size(1);
+  TORCH_CHECK(w.size(0) == (N + NB - 1) / NB && w.size(1) == NB * K * 2 && K % 16 == 0, "bf16_linear: shapes (K % 16 == 0)");
+  TORCH_CHECK(w.is_contiguous(), "bf16_linear: contiguous weights");
+  const at::Tensor xc = x.contiguous();
+  at::Tensor y = at::empty({M, N}, x.options());
+  const float* xp = xc.data_ptr<float>();
+  const uint16_t* wp = reinterpret_cast<const uint16_t*>(w.data_ptr<uint8_t>());
+  float* yp = y.data_ptr<float>();
+  run_blocks(M, N, [&](int64_t m0, int64_t rows, int64_t n0, int64_t nrows) {
+    const float* xr = xp + m0 * K;
+    float* yr = yp + m0 * N + n0;
+    with_rows<MB>(rows, [&](auto r) { bf16_block<decltype(r)::value>(xr, K, wp + n0 * K, K, nrows, yr, N); });
   });
   return y;
 }
@@ -206,10 +360,13 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
 
 TORCH_LIBRARY_FRAGMENT(tpserve, m) {
   m.def("int8_linear(Tensor x, Tensor w, Tensor scale) -> Tensor");
-  m.def("int4_linear(Tensor x, Tensor w, Tensor scale, int group) -> Tensor");
+  m.def("int4_linear(Tensor x, Tensor w, Tensor scale, int group, int n) -> Tensor");
+  m.def("quant_int8_activations() -> bool", &has_vnni);  // int4_linear quantizes its activations (VNNI)
+  m.def("bf16_linear(Tensor x, Tensor w, int n) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tpserve, CPU, m) {
   m.impl("int8_linear", &int8_linear);
   m.impl("int4_linear", &int4_linear);
+  m.impl("bf16_linear", &bf16_linear);
 }

@@ -16,7 +16,7 @@ from llm_runner import run_llm
 from sharding import kernels, quant
 from tiny import make_checkpoint
 
-MODES = [("int8", 32), ("int4", 32), ("int4", 128)]
+MODES = [("int8", 32), ("int4", 32), ("int4", 128), ("bf16", 32)]
 
 
 @pytest.fixture(params=["kernel", "torch"])
@@ -30,8 +30,24 @@ def path(request, monkeypatch):
     return request.param
 
 
+def int8_rounded(x: torch.Tensor) -> torch.Tensor:
+    """x as int4 linears see it with int8 activations: each block of 32 inputs of a row rounded to a multiple of
+    max|block| / 127 (llama.cpp's Q8_0)."""
+    blocks = x.reshape(x.shape[0], -1, 32)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    return (torch.round(blocks * inv) * (amax / 127.0)).reshape(x.shape)
+
+
+def int8_activations(mode: str) -> bool:
+    """Whether tpserve's int4 linears take int8 activations here (the ranks build the kernels at start)."""
+    return mode == "int4" and kernels.build_kernels() and quant.int8_activations()
+
+
 @pytest.mark.parametrize("mode,group", MODES)
 def test_linear_equals_dequantized_weight(mode, group, path):
+    """Every kernel (and the torch path) against the dequantized weight, at every row-block shape; int4 through the
+    VNNI kernel against the same product of the int8-rounded activations."""
     torch.manual_seed(0)
     # row counts that leave the last block of 4 packed rows partial
     for n, k in [(5, 256), (37, 128), (1030, 384), (64, 1536), (9, 96)]:
@@ -39,10 +55,11 @@ def test_linear_equals_dequantized_weight(mode, group, path):
         qw = quant.quantize(w, mode, group)
         ref_w = quant.dequantize(qw).double()
         bias = torch.randn(n)
-        for m in (1, 2, 3, 4, 5, 6, 7, 9, 16, 17, 40):  # the kernels' row blocks (4 and 6) and their tails
+        for m in (1, 2, 3, 4, 5, 6, 7, 9, 16, 17, 40):  # the kernels' row blocks (4, 6 and 8) and their tails
             x = torch.randn(m, k)
             got = quant.linear(x, qw, bias)
-            want = (x.double() @ ref_w.T + bias.double()).float()
+            xr = int8_rounded(x) if int8_activations(mode) and path == "kernel" else x
+            want = (xr.double() @ ref_w.T + bias.double()).float()
             assert got.shape == (m, n)
             torch.testing.assert_close(got, want, atol=2e-4, rtol=1e-4)
         # bf16 activations come back in bf16
@@ -60,10 +77,13 @@ def test_round_trip_error_is_half_a_step(mode, group):
     if mode == "int8":
         assert qw.data.dtype == torch.int8 and qw.data.shape == (12, 4 * 256) and qw.scale.shape == (48,)
         assert (err <= qw.scale[:, None] / 2 * (1 + 1e-5) + 1e-12).all()
+    elif mode == "bf16":  # the weight rounded to bfloat16, stored as its two bytes
+        assert qw.data.dtype == torch.uint8 and qw.data.shape == (12, 4 * 512) and qw.scale.numel() == 0
+        assert torch.equal(quant.dequantize(qw), w.to(torch.bfloat16).float())
     else:
         g = quant.group_for(256, group)
-        assert qw.data.dtype == torch.uint8 and qw.data.shape == (12, 4 * 128) and qw.scale.shape == (48, 256 // g)
-        step = qw.scale.abs().repeat_interleave(g, dim=1)
+        assert qw.data.dtype == torch.uint8 and qw.data.shape == (12, 4 * 128) and qw.scale.shape == (12, 256 // g, 4)
+        step = qw.row_scales().abs().repeat_interleave(g, dim=1)
         # round to nearest, except the largest positive values of a group led by a negative one: 8 clamps to 7
         assert (err <= step * (1 + 1e-5) + 1e-12).all()
         assert ((err <= step / 2 * (1 + 1e-5) + 1e-12).float().mean() > 0.99)
@@ -76,7 +96,8 @@ def test_round_trip_error_is_half_a_step(mode, group):
 
 def fake_quantized_greedy(folder, mode: str, group: int, tp: int, prompt: list[int], max_new_tokens: int):
     """transformers' greedy tokens and logprobs with every linear (and the LM head, in int8) replaced by the round trip
-    of the shard each rank quantizes: row-parallel layers (o_proj, down_proj) are split by input columns over `tp`."""
+    of the shard each rank quantizes: row-parallel layers (o_proj, down_proj) are split by input columns over `tp`.
+    Where int4 linears take int8 activations (VNNI), their inputs are rounded the same way, shard by shard."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
@@ -86,8 +107,14 @@ def fake_quantized_greedy(folder, mode: str, group: int, tp: int, prompt: list[i
             if isinstance(mod, torch.nn.Linear):
                 w = mod.weight
                 parts = w.chunk(tp, dim=1) if name.endswith(("o_proj", "down_proj")) else [w]
-                how = "int8" if name == "lm_head" else mode  # the LM head is int8 under both modes
+                # the LM head is int8 under both integer modes
+                how = "int8" if name == "lm_head" and mode in ("int8", "int4") else mode
                 mod.weight.copy_(torch.cat([quant.dequantize(quant.quantize(p, how, group)) for p in parts], 1))
+                if int8_activations(how):
+                    mod.register_forward_pre_hook(
+                        lambda _m, args, tp=len(parts): (torch.cat([int8_rounded(c.reshape(-1, c.shape[-1]))
+                                                                    for c in args[0].chunk(tp, dim=-1)], -1)
+                                                         .reshape(args[0].shape),))
         out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False,
                              output_logits=True, return_dict_in_generate=True, pad_token_id=0,
                              attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
