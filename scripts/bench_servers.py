@@ -6,7 +6,7 @@
     python scripts/bench_servers.py --levels 1:6 --rounds 5
 
 The servers run at once on this machine, idle between runs, with the same threads:
-- tpserve: TP=1, the default SmolLM2 checkpoint (--dtype bfloat16 / --quantization int8|int4 for the other
+- tpserve: TP=1, the default SmolLM2 checkpoint (--dtype bfloat16 / --quantization bf16|int8|int4 for the other
   precisions).
 - llama-server: llama.cpp's C++ server, as its users run it: `--parallel N` slots (N = the highest concurrency, or
   --llama-parallel) with continuous batching, on a GGUF holding the same weights (the F32 one from
@@ -74,7 +74,8 @@ def run_level(name: str, port: int, conc: int, num: int, args, tokenizer: str, e
 
 
 PRECISIONS = {"float32": ([], "F32"), "bfloat16": (["--dtype", "bfloat16"], "F16"),
-              "int8": (["--quantization", "int8"], "Q8_0"), "int4": (["--quantization", "int4"], "Q4_0")}
+              "bf16": (["--quantization", "bf16"], "F16"), "int8": (["--quantization", "int8"], "Q8_0"),
+              "int4": (["--quantization", "int4"], "Q4_0")}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -21,6 +21,7 @@ PYTHON=$PY scripts/build_llama_cpp.sh
 $PY scripts/bench_servers.py --rounds 2
 $PY scripts/bench_servers.py --rounds 2 --precision int8
 $PY scripts/bench_servers.py --rounds 2 --precision int4
+$PY scripts/bench_servers.py --rounds 2 --precision bf16
 $PY scripts/bench_quant.py --rounds 3 --served
 $PY scripts/bench_quant.py --linears --rows 1,8,32,512
 $PY scripts/bench_quant_accuracy.py

@@ -11,9 +11,10 @@
 //
 // A row has R bytes (K for int8, K/2 for int4, 2K for bf16). The weight w [ceil(N/4), 4R] is stored in blocks of 4
 // output rows (zero rows pad the last), as quant.py's pack_rows lays them out: the 4 rows' first RUN bytes in turn,
-// then their next RUN, and so on, RUN = 16 bytes (32 for bf16): the 16 weights of one vector (32 for int4). The kernel computes a block's 4 rows together, so it reads its weights as one
-// sequential stream, where the 4 rows of the plain layout were 4 short streams side by side (2 threads, SmolLM2's
-// linears at one activation row: 17 -> 26-32 GB/s; scripts/bench_quant.py --linears).
+// then their next RUN, and so on, RUN = 16 bytes (32 for bf16): the 16 weights of one vector (32 for int4). The
+// kernel computes a block's 4 rows together, so it reads its weights as one sequential stream, where the 4 rows of the
+// plain layout were 4 short streams side by side (2 threads, SmolLM2's int8 linears at one activation row: 17 -> 26-32
+// GB/s; BENCHMARKS.md section 9).
 //
 // Output rows are split over torch's intra-op threads in blocks of 4; each block keeps up to 6 rows of x x 4 output
 // rows of float32 accumulators in registers (AVX-512), so every converted weight vector feeds up to 6 FMAs. Other CPUs
@@ -197,7 +198,8 @@ struct QuantizedRows {
 inline QuantizedRows quantize_rows(const float* x, int64_t M, int64_t K) {
   const int64_t nb = K / 32;
   QuantizedRows r{std::vector<int8_t>(M * K), std::vector<float>(M * nb), std::vector<int32_t>(M * nb * 4)};
-  for (int64_t m = 0; m < M; ++m)
+  at::parallel_for(0, M, std::max<int64_t>(1, 8192 / K), [&](int64_t m0, int64_t m1) {  // threads for prefill only
+  for (int64_t m = m0; m < m1; ++m)
     for (int64_t b = 0; b < nb; ++b) {
       const float* xb = x + m * K + b * 32;
       float amax = 0.f;
@@ -212,6 +214,7 @@ inline QuantizedRows quantize_rows(const float* x, int64_t M, int64_t K) {
         r.corr[(m * nb + b) * 4 + p] = -8 * sum;  // the nibbles are w + 8
       }
     }
+  });
   return r;
 }
 
@@ -236,16 +239,21 @@ inline void int4_vnni_block(const QuantizedRows& xq, int64_t m0, const uint8_t* 
     for (int r = 0; r < R; ++r) {
       const int64_t row = m0 + r, b = k / 32;
       const int8_t* xr = xq.q.data() + row * K + k;
-      __m512i dot = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(xq.corr.data() + (row * nb + b) * 4)));
-      dot = _mm512_dpbusd_epi32(dot, lo, _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(xr))));
-      dot = _mm512_dpbusd_epi32(dot, hi, _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(xr + 16))));
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(sw, _mm512_set1_ps(xq.scale[row * nb + b])), acc[r]);
+      const auto bytes16 = [](const void* p) {  // 16 bytes, repeated for each of the 4 rows
+        return _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+      };
+      __m512i dot = bytes16(xq.corr.data() + (row * nb + b) * 4);
+      dot = _mm512_dpbusd_epi32(dot, lo, bytes16(xr));
+      dot = _mm512_dpbusd_epi32(dot, hi, bytes16(xr + 16));
+      const __m512 s = _mm512_mul_ps(sw, _mm512_set1_ps(xq.scale[row * nb + b]));
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), s, acc[r]);
     }
   }
   for (int r = 0; r < R; ++r) {
     alignas(64) float lanes[16];
     _mm512_store_ps(lanes, acc[r]);
-    for (int j = 0; j < nrows; ++j) y[r * ldy + j] = (lanes[4 * j] + lanes[4 * j + 1]) + (lanes[4 * j + 2] + lanes[4 * j + 3]);
+    for (int j = 0; j < nrows; ++j)
+      y[r * ldy + j] = (lanes[4 * j] + lanes[4 * j + 1]) + (lanes[4 * j + 2] + lanes[4 * j + 3]);
   }
 }
 #endif
@@ -285,7 +293,8 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
   TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kChar && scale.scalar_type() == at::kFloat,
               "int8_linear: float32 x, int8 w, float32 scale");
   const int64_t M = x.size(0), K = x.size(1), N = scale.size(0);
-  TORCH_CHECK(w.size(0) == (N + NB - 1) / NB && w.size(1) == NB * K && K % RUN == 0, "int8_linear: shapes (K % 16 == 0)");
+  TORCH_CHECK(w.size(0) == (N + NB - 1) / NB && w.size(1) == NB * K && K % RUN == 0,
+              "int8_linear: shapes (K % 16 == 0)");
   TORCH_CHECK(w.is_contiguous() && scale.is_contiguous(), "int8_linear: contiguous weights");
   const at::Tensor xc = x.contiguous();
   at::Tensor y = at::empty({M, N}, x.options());
@@ -341,7 +350,8 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& w, int64_t N) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2, "bf16_linear: x [M, K], w [N/4, 8K] bytes");
   TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kByte, "bf16_linear: float32 x, uint8 w");
   const int64_t M = x.size(0), K = x.size(1);
-  TORCH_CHECK(w.size(0) == (N + NB - 1) / NB && w.size(1) == NB * K * 2 && K % 16 == 0, "bf16_linear: shapes (K % 16 == 0)");
+  TORCH_CHECK(w.size(0) == (N + NB - 1) / NB && w.size(1) == NB * K * 2 && K % 16 == 0,
+              "bf16_linear: shapes (K % 16 == 0)");
   TORCH_CHECK(w.is_contiguous(), "bf16_linear: contiguous weights");
   const at::Tensor xc = x.contiguous();
   at::Tensor y = at::empty({M, N}, x.options());
