@@ -3,15 +3,13 @@
 // decode batch of a few rows; here it is three calls, with the same arithmetic:
 //
 //   decode_attention(qkv, cos, sin, pool, slots, table, lens, q_index, heads, kv_heads, scale, window) -> [B, P * D]
-//       qkv [B, (heads + 2 kv_heads) * D]: the fused projection's output. Rotary on q and k (transformers' formula,
-//       product by product, as rotary.cpp), k and v stored at their slots in the paged cache (pool [2, kv_heads,
-//       blocks, block_size, D]), then paged_decode_attention. q_index (optional, [P]): the local query head of each
-//       of the P = kv_heads * group padded positions when GQA groups are uneven (attention.py GroupedHeads); the
-//       caller drops the padding from the output.
+//       qkv [B, (heads + 2 kv_heads) * D]: the fused projection's output. Rotary on q and k (rotary.cpp's
+//       rotate_head: transformers' formula, product by product), k and v stored at their slots in the paged cache
+//       (pool [2, kv_heads, blocks, block_size, D]), then paged_decode_attention. q_index (optional, [P]): the local
+//       query head of each of the P = kv_heads * group padded positions when GQA groups are uneven (attention.py
+//       GroupedHeads); the caller drops the padding from the output.
 //   add_rms_norm_(h, delta, w, eps) -> rms_norm(h += delta, w, eps): the residual add, in place, and the next norm.
 //   silu_mul(gate_up [B, 2I]) -> silu(gate) * up [B, I].
-
-#pragma GCC optimize("fp-contract=off")
 
 #include <ATen/ATen.h>
 #include <torch/library.h>
@@ -23,22 +21,12 @@ namespace tpserve {
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& pool, const at::Tensor& table,
                                   const at::Tensor& lens, double scale, int64_t window);
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps);
+void rotate_head(float* dst, const float* src, const float* c, const float* s, int64_t D);  // rotary.cpp
 }  // namespace tpserve
 
 namespace {
 
-// dst = rotary(src) over one head of D floats (cos/sin of the token's position)
-inline void rotate_into(float* dst, const float* src, const float* c, const float* s, int64_t D) {
-  const int64_t half = D / 2;
-#pragma omp simd
-  for (int64_t i = 0; i < half; ++i) {
-    const float x1 = src[i], x2 = src[i + half];
-    const float a1 = x1 * c[i], b1 = x2 * s[i];
-    const float a2 = x2 * c[i + half], b2 = x1 * s[i + half];
-    dst[i] = a1 - b1;
-    dst[i + half] = a2 + b2;
-  }
-}
+using tpserve::rotate_head;
 
 at::Tensor decode_attention(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor pool,
                             const at::Tensor& slots, const at::Tensor& table, const at::Tensor& lens,
@@ -81,11 +69,11 @@ at::Tensor decode_attention(const at::Tensor& qkv, const at::Tensor& cos, const 
     for (int64_t p = 0; p < P; ++p) {
       const int64_t h = qi ? qi[p] : p;
       TORCH_CHECK(h >= 0 && h < heads, "decode_attention: q_index out of range");
-      rotate_into(qp + (b * P + p) * D, row + h * D, c, s, D);
+      rotate_head(qp + (b * P + p) * D, row + h * D, c, s, D);
     }
     TORCH_CHECK(slot[b] >= 0 && slot[b] < per_head, "decode_attention: slot out of range");
     for (int64_t h = 0; h < kv_heads; ++h) {
-      rotate_into(kc + (h * per_head + slot[b]) * D, row + (heads + h) * D, c, s, D);
+      rotate_head(kc + (h * per_head + slot[b]) * D, row + (heads + h) * D, c, s, D);
       const float* v = row + (heads + kv_heads + h) * D;
       std::copy(v, v + D, vc + (h * per_head + slot[b]) * D);
     }

@@ -11,27 +11,34 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
+namespace tpserve {  // (not anonymous: decode_glue.cpp calls it)
+
+// dst = rotary(src) over one head of D floats, given the cos/sin of its token's position; dst may be src
+void rotate_head(float* dst, const float* src, const float* c, const float* s, int64_t D) {
+  const int64_t half = D / 2;
+#pragma omp simd
+  for (int64_t i = 0; i < half; ++i) {
+    const float x1 = src[i], x2 = src[i + half];
+    const float a1 = x1 * c[i], b1 = x2 * s[i];
+    const float a2 = x2 * c[i + half], b2 = x1 * s[i + half];
+    dst[i] = a1 - b1;
+    dst[i + half] = a2 + b2;
+  }
+}
+
+}  // namespace tpserve
+
 namespace {
 
 void rotate(at::Tensor& x, const float* cp, const float* sp) {
-  const int64_t N = x.size(0), H = x.size(1), D = x.size(2), half = D / 2;
+  const int64_t N = x.size(0), H = x.size(1), D = x.size(2);
   const int64_t s0 = x.stride(0), s1 = x.stride(1);
   float* base = x.data_ptr<float>();
-  for (int64_t n = 0; n < N; ++n) {
-    const float* c = cp + n * D;
-    const float* s = sp + n * D;
+  for (int64_t n = 0; n < N; ++n)
     for (int64_t h = 0; h < H; ++h) {
       float* v = base + n * s0 + h * s1;
-#pragma omp simd
-      for (int64_t i = 0; i < half; ++i) {
-        const float x1 = v[i], x2 = v[i + half];
-        const float a1 = x1 * c[i], b1 = x2 * s[i];
-        const float a2 = x2 * c[i + half], b2 = x1 * s[i + half];
-        v[i] = a1 - b1;
-        v[i + half] = a2 + b2;
-      }
+      tpserve::rotate_head(v, v, cp + n * D, sp + n * D, D);
     }
-  }
 }
 
 void rotary_qk_(at::Tensor q, at::Tensor k, const at::Tensor& cos, const at::Tensor& sin) {
