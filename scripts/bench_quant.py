@@ -6,10 +6,10 @@
     python scripts/bench_quant.py --linears         # the GEMVs alone: SmolLM2's linear shapes at M=1
 
 Pairs: tpserve float32 / bfloat16 (--dtype) / bf16 (weights only, --quantization) / int8 / int4 (group 32) against
-llama.cpp F32 / F16 / F16 / Q8_0 / Q4_0, all made from the same float32 weights (llama.cpp's with its own llama-quantize). tpserve generates 128 greedy tokens after a 22-token
-chat prompt (EOS ignored); decode ms/token = (wall - time to first token) / 127. llama.cpp is measured by its own
-benchmark, `llama-bench -p 0 -n 128 -d 22` (128 tokens after a 22-token context, no sampling), in a fresh process
-per round. Same threads for both (default: all cores). Every round runs every pair once, so a slow spell of a shared
+llama.cpp F32 / F16 / F16 / Q8_0 / Q4_0, all made from the same float32 weights (llama.cpp's with its own
+llama-quantize). tpserve generates 128 greedy tokens after a 22-token chat prompt (EOS ignored); decode ms/token =
+(wall - time to first token) / 127. llama.cpp is measured by its own benchmark, `llama-bench -p 0 -n 128 -d 22` (128
+tokens after a 22-token context, no sampling), in a fresh process per round. Same threads for both (default: all cores). Every round runs every pair once, so a slow spell of a shared
 host hits all alike; medians over rounds are reported, and each ratio is taken within one round.
 
 --linears times each weight-only kernel against the packed oneDNN float32 linear tpserve uses unquantized (and int8

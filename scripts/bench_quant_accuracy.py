@@ -1,4 +1,5 @@
-"""Accuracy of weight-only quantization: tpserve's int8/int4/bf16 against llama.cpp's Q8_0/Q4_0/F16 of the same weights.
+"""Accuracy of weight-only quantization: tpserve's int8/int4/bf16 against llama.cpp's Q8_0/Q4_0/F16 of the same
+weights.
 
     python scripts/bench_quant_accuracy.py                  # tpserve and llama.cpp (scripts/build_llama_cpp.sh first)
     python scripts/bench_quant_accuracy.py --only tpserve
