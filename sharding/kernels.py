@@ -46,8 +46,8 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
 # sharding/models/llama.py).
 # Compiled together once per machine and torch version into $TPSERVE_HOME/kernels (needs a C++ compiler and ninja;
 # `make install` builds it). Without them the torch paths run; TPSERVE_PAGED_KERNEL=0, TPSERVE_QUANT_KERNEL=0,
-# TPSERVE_NORM_KERNEL=0, TPSERVE_ROTARY_KERNEL=0 and TPSERVE_GLUE_KERNEL=0 turn one kernel off (read once, at the build: the getters below
-# sit on the per-layer path of every step).
+# TPSERVE_NORM_KERNEL=0, TPSERVE_ROTARY_KERNEL=0 and TPSERVE_GLUE_KERNEL=0 turn one kernel off (read once, at the
+# build: the getters below sit on the per-layer path of every step).
 
 SOURCES = ("paged_attention.cpp", "quant_linear.cpp", "rms_norm.cpp", "rotary.cpp", "decode_glue.cpp")
 _BUILT: dict[str, bool] = {}

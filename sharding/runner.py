@@ -188,9 +188,9 @@ class ModelRunner:
 
     def _quantizer(self):
         """A function quantizing one module's weight in place under --quantization, else doing nothing. The LM head gets
-        int8 under both integer modes (bf16 under bf16) (llama.cpp's Q4_0 files keep theirs at 6 bits too: a 4-bit head took SmolLM2's int4
-        perplexity loss from +2.76 to +4.11; BENCHMARKS.md section 9), stays unquantized with
-        TPSERVE_QUANTIZE_LM_HEAD=0, or follows the mode with =same (for measurements). Embeddings stay."""
+        int8 under both integer modes (llama.cpp's Q4_0 files keep theirs at 6 bits too: a 4-bit head took SmolLM2's
+        int4 perplexity loss from +2.76 to +4.11; BENCHMARKS.md section 9) and bf16 under bf16; it stays unquantized
+        with TPSERVE_QUANTIZE_LM_HEAD=0, or follows the mode with =same (for measurements). Embeddings stay."""
         mode, group = self.cfg.quantization, self.cfg.quantization_group_size
         default_head = "int8" if mode in ("int8", "int4") else mode
         head_mode = {"0": None, "same": mode}.get(os.environ.get("TPSERVE_QUANTIZE_LM_HEAD", "1"), default_head)
