@@ -145,9 +145,9 @@ def dequantize(qw: QuantizedWeight, start: int = 0, stop: int | None = None) -> 
     data = unpack_rows(blocks, qw.row_bytes, RUN[qw.mode])[: stop - start]
     if qw.mode == "bf16":
         return data.contiguous().view(torch.bfloat16).float()
-    scale = qw.scale[start:stop] if qw.mode == "int8" else qw.row_scales()[start:stop]
     if qw.mode == "int8":
-        return data.float() * scale[:, None]
+        return data.float() * qw.scale[start:stop, None]
+    scale = qw.row_scales()[start:stop]
     n = data.shape[0]
     b = data.reshape(n, qw.in_features // 32, 16)
     q = torch.stack([b & 0x0F, b >> 4], dim=2).reshape(n, qw.in_features // qw.group, qw.group)
