@@ -40,9 +40,12 @@ def _empty(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Paramete
 
 class _Linear(nn.Module):
     """What every linear shares: `weight` [out, in] as loaded, and after `prepack()` (the runner calls it once all
-    weights are loaded) a oneDNN-packed copy that replaces it on CPU (sharding/kernels.py)."""
+    weights are loaded) a copy laid out for the CPU kernels that replaces it: float32 in blocks of 32 output columns
+    for the compiled f32_linear, else (bfloat16, or without the compiled kernels) oneDNN's packed layout
+    (sharding/kernels.py)."""
 
     packed: torch.Tensor | None = None
+    blocked: torch.Tensor | None = None  # float32, kernels.block_f32
     qweight: quant.QuantizedWeight | None = None  # --quantization: replaces the weight (sharding/quant.py)
 
     def quantize(self, mode: str, group: int) -> None:
@@ -51,6 +54,13 @@ class _Linear(nn.Module):
             self.weight = None  # a tied embedding keeps its own reference
 
     def prepack(self) -> None:
+        w = self.weight
+        if (self.blocked is None and w is not None and w.dim() == 2 and w.dtype == torch.float32
+                and w.device.type == "cpu" and kernels.f32_linear_op() is not None):
+            self.blocked = kernels.block_f32(w)
+            self._f32 = (kernels.f32_linear_op(), w.shape[0])
+            self.weight = None  # (a tied embedding keeps its own reference)
+            return
         if self.packed is None and self.weight is not None and can_pack(self.weight):
             try:
                 self.packed = pack(self.weight)
@@ -61,6 +71,11 @@ class _Linear(nn.Module):
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if self.qweight is not None:
             return quant.linear(x, self.qweight, bias)
+        if self.blocked is not None:
+            op, n = self._f32
+            if x.dim() == 2:
+                return op(x, self.blocked, bias, n)
+            return op(x.reshape(-1, x.shape[-1]), self.blocked, bias, n).reshape(*x.shape[:-1], n)
         if self.packed is not None:
             m = x.shape[0]
             rows = bucket_rows(m)

@@ -62,12 +62,18 @@ def test_prefill_attention_gqa_equals_repeated_kv():
     torch.testing.assert_close(_prefill_attention(q, k, v, gh, None, 16 ** -0.5, None), ref)
 
 
-def test_packed_linears_equal_plain_ones():
-    """The oneDNN-packed weight (the runner's CPU default) computes F.linear: in fp32 to rounding; in bf16 within
-    two bf16 roundings of the exact product (the bias may be added after the product is rounded)."""
+@pytest.mark.parametrize("f32_kernel", [True, False])
+def test_packed_linears_equal_plain_ones(f32_kernel, monkeypatch):
+    """The runner's CPU layouts compute F.linear: float32 through the compiled f32_linear over its column blocks
+    (or oneDNN's packed weight without it) to fp32 rounding; bfloat16 through oneDNN within two bf16 roundings of the
+    exact product (the bias may be added after the product is rounded)."""
+    from sharding import kernels
     from sharding.dist import Dist
     from sharding.layers import ColumnParallelLinear, ParallelLMHead, Piece, RowParallelLinear
 
+    assert kernels.build_kernels()
+    if not f32_kernel:
+        monkeypatch.setitem(kernels._OPS, "f32", None)
     cpu, d = torch.device("cpu"), Dist()
     for dtype in (torch.float32, torch.bfloat16):
         col = ColumnParallelLinear(96, [Piece("q", 0, 40, (40, 96))], True, dtype, cpu)
@@ -80,7 +86,11 @@ def test_packed_linears_equal_plain_ones():
         plain = [(m, m.weight.clone(), m.bias) for m in (col, row, head)]
         for m in (col, row, head):
             m.prepack()
-            assert m.packed is not None and m.weight is None  # the packed copy replaced the weight
+            assert m.weight is None  # the packed copy replaced the weight
+            if dtype == torch.float32 and f32_kernel:
+                assert m.blocked is not None and m.packed is None
+            else:
+                assert m.packed is not None and m.blocked is None
         for rows in (1, 3, 8, 33):
             for m, w, b in plain:
                 x = torch.randn(rows, w.shape[1]).to(dtype)
@@ -90,6 +100,29 @@ def test_packed_linears_equal_plain_ones():
                 else:
                     exact = F.linear(x.float(), w.float(), None if b is None else b.float())
                     torch.testing.assert_close(out, exact, rtol=2 * 2 ** -8, atol=0.02)
+
+
+def test_f32_linear_is_exact_to_rounding_and_the_same_at_every_batch_size():
+    """The compiled float32 linear against the float64 product (partial last block, with and without bias, row
+    counts around its 8-row tile), and each row's output bitwise the same whether computed alone or in any batch."""
+    from sharding import kernels
+
+    assert kernels.build_kernels()
+    op = kernels.f32_linear_op()
+    assert op is not None
+    torch.manual_seed(0)
+    for n, k in ((40, 96), (577, 64), (5, 16), (33, 48)):
+        w, b = torch.randn(n, k), torch.randn(n)
+        blocked = kernels.block_f32(w)
+        assert blocked.shape == (-(-n // 32), k, 32) and torch.equal(kernels.unblock_f32(blocked, n), w)
+        x = torch.randn(37, k)
+        for bias in (b, None):
+            ref = F.linear(x.double(), w.double(), None if bias is None else bias.double()).float()
+            whole = op(x, blocked, bias, n)
+            torch.testing.assert_close(whole, ref, rtol=1e-5, atol=1e-4)
+            for m in (1, 7, 8, 9, 16):
+                assert torch.equal(op(x[:m], blocked, bias, n), whole[:m])
+            assert torch.equal(torch.cat([op(x[i : i + 1], blocked, bias, n) for i in range(37)]), whole)
 
 
 def test_packed_linears_run_at_a_bounded_set_of_row_counts():
