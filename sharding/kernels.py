@@ -106,7 +106,9 @@ def build_kernels(verbose: bool = False) -> bool:
                                (ops.int8_linear.default, ops.int4_linear.default, ops.bf16_linear.default)),
                               ("glue", "TPSERVE_GLUE_KERNEL", (ops.decode_attention.default, ops.add_rms_norm_.default,
                                                                                                ops.silu_mul.default)),
-                              ("f32", "TPSERVE_F32_KERNEL", ops.f32_linear.default)):
+                              ("f32", "TPSERVE_F32_KERNEL", ops.f32_linear.default),
+                              ("layers", "TPSERVE_LAYERS_KERNEL",
+                               (torch.classes.tpserve.DecodeLayers, ops.decode_layers.default))):
             if os.environ.get(env, "1") != "0":
                 _OPS[name] = op
     except Exception as e:  # noqa: BLE001 - no compiler, no ninja, a failed build: the torch paths serve
@@ -158,6 +160,11 @@ def block_f32(weight: torch.Tensor) -> torch.Tensor:
 def unblock_f32(blocked: torch.Tensor, n: int) -> torch.Tensor:
     """block_f32's inverse: the [n, K] weight."""
     return blocked.transpose(1, 2).reshape(-1, blocked.shape[1])[:n]
+
+
+def decode_layers_ops():
+    """(DecodeLayers, decode_layers): a model's decode layers in one call (decode_glue.cpp), or None."""
+    return _OPS.get("layers") if _OPS.get("glue") is not None else None
 
 
 def decode_glue_ops():

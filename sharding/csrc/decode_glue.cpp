@@ -12,16 +12,23 @@
 //   silu_mul(gate_up [B, 2I]) -> silu(gate) * up [B, I].
 
 #include <ATen/ATen.h>
+#include <torch/custom_class.h>
 #include <torch/library.h>
 
 #include <cmath>
 #include <optional>
+#include <vector>
 
 namespace tpserve {
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& pool, const at::Tensor& table,
                                   const at::Tensor& lens, double scale, int64_t window);
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps);
 void rotate_head(float* dst, const float* src, const float* c, const float* s, int64_t D);  // rotary.cpp
+at::Tensor f32_linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias,
+                      int64_t N);                                                            // f32_linear.cpp
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale);  // quant_linear.cpp
+at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale, int64_t G, int64_t N);
+at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& w, int64_t N);
 }  // namespace tpserve
 
 namespace {
@@ -112,6 +119,78 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
   return out;
 }
 
+
+// ---- the whole decode step of a model's layers in one call (TP=1) ---------------------------------------------------
+// DecodeLayers holds, once, what each layer needs (its four linears with their kernels, norms, cache pool, heads);
+// decode_layers(plan, h, x, ...) then runs every layer with the three ops above and the linear kernels, without a
+// return to Python between them: at one row the Python loop and the dispatch of ~8 ops per layer cost ~1.5 ms of a
+// ~7 ms int8 step (BENCHMARKS.md). The residual stream h is updated in place; the result is the final norm's output.
+
+struct PlanLinear {
+  int64_t kind;  // 0 float32 (f32_linear.cpp), 1 int8, 2 int4, 3 bf16 (quant_linear.cpp)
+  at::Tensor w, scale;
+  std::optional<at::Tensor> bias;
+  int64_t n, group;
+};
+
+struct PlanLayer {
+  PlanLinear qkv, o, gate_up, down;
+  at::Tensor pool, post_w, next_w;
+  std::optional<at::Tensor> q_index, out_index;
+  int64_t heads, kv_heads;
+  double scale, post_eps, next_eps;
+};
+
+at::Tensor run_linear(const PlanLinear& l, const at::Tensor& x) {
+  if (l.kind == 0) return tpserve::f32_linear(x, l.w, l.bias, l.n);
+  at::Tensor y = l.kind == 1   ? tpserve::int8_linear(x, l.w, l.scale)
+                 : l.kind == 2 ? tpserve::int4_linear(x, l.w, l.scale, l.group, l.n)
+                               : tpserve::bf16_linear(x, l.w, l.n);
+  if (l.bias.has_value()) y.add_(*l.bias);
+  return y;
+}
+
+struct DecodeLayers : torch::CustomClassHolder {
+  std::vector<PlanLinear> pending;
+  std::vector<PlanLayer> layers;
+
+  void add_linear(int64_t kind, at::Tensor w, at::Tensor scale, std::optional<at::Tensor> bias, int64_t n,
+                  int64_t group) {
+    TORCH_CHECK(kind >= 0 && kind <= 3 && pending.size() < 4, "DecodeLayers.add_linear: kind 0-3, 4 per layer");
+    pending.push_back(PlanLinear{kind, std::move(w), std::move(scale), std::move(bias), n, group});
+  }
+
+  // after the layer's four linears, in order: qkv, o, gate_up, down
+  void add_layer(at::Tensor pool, std::optional<at::Tensor> q_index, std::optional<at::Tensor> out_index,
+                 int64_t heads, int64_t kv_heads, double scale, at::Tensor post_w, double post_eps, at::Tensor next_w,
+                 double next_eps) {
+    TORCH_CHECK(pending.size() == 4, "DecodeLayers.add_layer: add the layer's 4 linears first");
+    layers.push_back(PlanLayer{pending[0], pending[1], pending[2], pending[3], std::move(pool), std::move(post_w),
+                               std::move(next_w), std::move(q_index), std::move(out_index), heads, kv_heads, scale,
+                               post_eps, next_eps});
+    pending.clear();
+  }
+
+  int64_t size() const { return static_cast<int64_t>(layers.size()); }
+};
+
+at::Tensor decode_layers(const c10::intrusive_ptr<DecodeLayers>& plan, at::Tensor h, at::Tensor x,
+                         const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& slots,
+                         const at::Tensor& table, const at::Tensor& lens, int64_t window) {
+  const int64_t n = h.size(0);
+  for (const PlanLayer& l : plan->layers) {
+    const at::Tensor qkv = run_linear(l.qkv, x);
+    at::Tensor o = decode_attention(qkv, cos, sin, l.pool, slots, table, lens, l.q_index, l.heads, l.kv_heads, l.scale,
+                                    window);
+    if (l.out_index.has_value())  // uneven GQA groups: drop the padding positions
+      o = o.view({n, -1, l.pool.size(4)}).index_select(1, *l.out_index).reshape({n, -1});
+    x = add_rms_norm_(h, run_linear(l.o, o), l.post_w, l.post_eps);
+    const at::Tensor d = run_linear(l.down, silu_mul(run_linear(l.gate_up, x)));
+    x = add_rms_norm_(h, d, l.next_w, l.next_eps);
+  }
+  return x;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(tpserve, m) {
@@ -119,10 +198,18 @@ TORCH_LIBRARY_FRAGMENT(tpserve, m) {
         "Tensor lens, Tensor? q_index, int heads, int kv_heads, float scale, int window) -> Tensor");
   m.def("add_rms_norm_(Tensor(a!) h, Tensor delta, Tensor w, float eps) -> Tensor");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
+  m.class_<DecodeLayers>("DecodeLayers")
+      .def(torch::init<>())
+      .def("add_linear", &DecodeLayers::add_linear)
+      .def("add_layer", &DecodeLayers::add_layer)
+      .def("size", &DecodeLayers::size);
+  m.def("decode_layers(__torch__.torch.classes.tpserve.DecodeLayers plan, Tensor(a!) h, Tensor x, Tensor cos, "
+        "Tensor sin, Tensor slots, Tensor table, Tensor lens, int window) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tpserve, CPU, m) {
   m.impl("decode_attention", &decode_attention);
   m.impl("add_rms_norm_", &add_rms_norm_);
   m.impl("silu_mul", &silu_mul);
+  m.impl("decode_layers", &decode_layers);
 }

@@ -82,6 +82,10 @@ inline void with_rows(int64_t rows, const F& f) {
   f(std::integral_constant<int, MAXR>{});
 }
 
+}  // namespace
+
+namespace tpserve {  // (not anonymous: decode_glue.cpp calls it)
+
 at::Tensor f32_linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias, int64_t N) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 3 && x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat,
               "f32_linear: float32 x [M, K] and w [N/32, K, 32]");
@@ -115,12 +119,12 @@ at::Tensor f32_linear(const at::Tensor& x, const at::Tensor& w, const std::optio
   return y;
 }
 
-}  // namespace
+}  // namespace tpserve
 
 TORCH_LIBRARY_FRAGMENT(tpserve, m) {
   m.def("f32_linear(Tensor x, Tensor w, Tensor? bias, int n) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tpserve, CPU, m) {
-  m.impl("f32_linear", &f32_linear);
+  m.impl("f32_linear", &tpserve::f32_linear);
 }

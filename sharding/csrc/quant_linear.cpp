@@ -288,6 +288,10 @@ void run_blocks(int64_t M, int64_t N, const Block& block, int64_t mb = MB) {
   });
 }
 
+}  // namespace
+
+namespace tpserve {  // (not anonymous: decode_glue.cpp calls them)
+
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && scale.dim() == 1, "int8_linear: x [M, K], w [N/4, 4K], scale [N]");
   TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kChar && scale.scalar_type() == at::kFloat,
@@ -366,7 +370,7 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& w, int64_t N) {
   return y;
 }
 
-}  // namespace
+}  // namespace tpserve
 
 TORCH_LIBRARY_FRAGMENT(tpserve, m) {
   m.def("int8_linear(Tensor x, Tensor w, Tensor scale) -> Tensor");
@@ -376,7 +380,7 @@ TORCH_LIBRARY_FRAGMENT(tpserve, m) {
 }
 
 TORCH_LIBRARY_IMPL(tpserve, CPU, m) {
-  m.impl("int8_linear", &int8_linear);
-  m.impl("int4_linear", &int4_linear);
-  m.impl("bf16_linear", &bf16_linear);
+  m.impl("int8_linear", &tpserve::int8_linear);
+  m.impl("int4_linear", &tpserve::int4_linear);
+  m.impl("bf16_linear", &tpserve::bf16_linear);
 }

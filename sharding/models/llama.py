@@ -159,6 +159,40 @@ class _DecodePlan:
     first_norm: RMSNorm
     layers: list[_FastLayer]
     head_dim: int
+    compiled: object = None  # torch.classes.tpserve.DecodeLayers: every layer in one call (TP=1, see _compile_plan)
+    run: object = None  # torch.ops.tpserve.decode_layers
+    pool: torch.Tensor | None = None  # the first layer's cache pool when `compiled` was made
+
+
+def _plan_linear(lin) -> tuple | None:
+    """How decode_layers runs this linear: (kind, weight, scale, bias, n, group), or None (no compiled kernel)."""
+    empty = torch.empty(0)
+    if lin.blocked is not None:
+        return 0, lin.blocked, empty, lin.bias, lin._f32[1], 0
+    q = lin.qweight
+    if q is None or q.kernel is None:
+        return None
+    kind = {"int8": 1, "int4": 2, "bf16": 3}[q.mode]
+    return kind, q.data, q.scale if q.mode != "bf16" else empty, lin.bias, q.out_features, q.group
+
+
+def _compile_plan(plan: _DecodePlan, world_size: int) -> object:
+    """The layers as one compiled DecodeLayers (sharding/csrc/decode_glue.cpp), where every linear has a compiled
+    kernel and there is no all-reduce between them (TP=1); else None (the Python loop of _decode_fast)."""
+    ops = kernels.decode_layers_ops()
+    if ops is None or world_size != 1:
+        return None
+    linears = [[_plan_linear(lin) for lin in (f.qkv, f.o_proj, f.gate_up, f.down)] for f in plan.layers]
+    if any(spec is None for layer in linears for spec in layer):
+        return None
+    compiled = ops[0]()
+    for f, specs in zip(plan.layers, linears):
+        for spec in specs:
+            compiled.add_linear(*spec)
+        a = f.attn
+        compiled.add_layer(a.cache.pool, f.q_index, f.out_index, a.num_heads, a.num_kv_heads, a.scale,
+                           f.post_norm.weight, f.post_norm.eps, f.next_norm.weight, f.next_norm.eps)
+    return compiled
 
 
 def _plain_rms_norm(norm) -> bool:
@@ -240,6 +274,14 @@ class LlamaForCausalLM(nn.Module):
         h = self.embed(ids)  # a fresh tensor: the residual stream, updated in place below
         x = plan.first_norm.forward(h)
         window, n = meta.window or 0, h.shape[0]
+        if plan.pool is not plan.layers[0].attn.cache.pool:  # first use, or a new cache
+            plan.compiled = _compile_plan(plan, self.dist.world_size)
+            plan.run = kernels.decode_layers_ops()[1] if plan.compiled is not None else None
+            plan.pool = plan.layers[0].attn.cache.pool
+        if plan.compiled is not None:
+            x = plan.run(plan.compiled, h, x, meta.cos, meta.sin, meta.slots, meta.decode_table, meta.decode_lens,
+                         window)
+            return self.lm_head(x[meta.logits_indices])
         for f in plan.layers:
             qkv = f.qkv.matmul(x, f.qkv.bias)
             a = f.attn

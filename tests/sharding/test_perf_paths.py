@@ -199,24 +199,31 @@ def test_decode_attention_op_equals_the_module_path(heads, kv_heads, window):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
-def test_llama_decode_fast_path_equals_the_module_path(checkpoints):
-    """A whole model's decode steps through the fast path (sharding/models/llama.py) and through the modules: the same
-    greedy tokens, logprobs equal to float32 rounding. Qwen 2's layout (q/k/v biases, 6 heads over 2 KV heads)."""
+@pytest.mark.parametrize("quantization", [None, "int8", "int4", "bf16"])
+def test_llama_decode_fast_path_equals_the_module_path(checkpoints, quantization):
+    """A whole model's decode steps through the compiled layers (decode_layers: every layer in one call), through
+    the fast path's Python loop, and through the modules: the same greedy tokens, logprobs equal to float32
+    rounding. Qwen 2's layout (q/k/v biases, 6 heads over 2 KV heads), each linear kernel."""
     from server.llm import LLM
     from server.sampling import SamplingParams
     from sharding.models.llama import _DecodePlan
 
-    llm = LLM(str(checkpoints("qwen2")), max_num_seqs=4, kv_cache_memory=8 << 20)
+    llm = LLM(str(checkpoints("qwen2")), max_num_seqs=4, kv_cache_memory=8 << 20, quantization=quantization)
     try:
         model = llm.runner.model
         params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=0)
         prompts = [[5, 6, 7, 8, 9, 10], list(range(30, 50)), [3, 4]]
-        fast = llm.generate(prompts, params)
-        assert isinstance(model._plan, _DecodePlan)
+        compiled = llm.generate(prompts, params)
+        assert isinstance(model._plan, _DecodePlan) and model._plan.compiled is not None
+        assert model._plan.compiled.size() == len(model.layers)
+        model._plan.compiled = None  # the Python loop over the same ops from here on (the pool is unchanged)
+        loop = llm.generate(prompts, params)
+        assert model._plan.compiled is None
         model._plan = None  # the module path from here on
-        slow = llm.generate(prompts, params)
+        modules = llm.generate(prompts, params)
     finally:
         llm.close()
-    for a, b in zip(fast, slow):
-        assert a.token_ids == b.token_ids
-        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), rtol=0, atol=1e-4)
+    for a, b, c in zip(compiled, loop, modules):
+        assert a.token_ids == b.token_ids == c.token_ids
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), rtol=0, atol=0)
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(c.logprobs), rtol=0, atol=1e-4)
