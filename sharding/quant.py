@@ -8,10 +8,9 @@ in float32 (int4 on CPUs with AVX-512 VNNI: in int8, see below).
 - bf16: the weight rounded to bfloat16 (half of float32's bytes; no scale), for float32 checkpoints served at the
   speed of 16-bit weights with float32 activations (llama.cpp's F16 files are the same idea). Unlike --dtype bfloat16,
   nothing else is rounded: norms, attention and the residual stream stay in float32.
-- int4: symmetric, one float32 scale per group of `group` (32 or 128; 32 where the input size is not a multiple of
-  128) inputs, as llama.cpp's Q4_0: the input of
-  largest magnitude m in a group maps to -8, so scale = m / -8 and q = round(W / scale) clamped to [-8, 7]; stored
-  as q + 8 in a nibble, two per byte. Within each run of 32 inputs, byte j holds input j (low nibble) and input
+- int4: symmetric, one float16 scale per group of `group` (32 or 128; 32 where the input size is not a multiple of
+  128) inputs, as llama.cpp's Q4_0: the input of largest magnitude m in a group maps to -8, so scale = m / -8
+  (rounded to float16) and q = round(W / scale) clamped to [-8, 7]; stored as q + 8 in a nibble, two per byte. Within each run of 32 inputs, byte j holds input j (low nibble) and input
   j + 16 (high nibble), the layout the kernel unpacks with one AND and one shift.
 
 All are stored in blocks of 4 output rows, interleaved in runs of 16 bytes (32 for bf16: 16 weights, a vector of the
@@ -68,7 +67,7 @@ def unpack_rows(packed: torch.Tensor, r: int, run: int = 16) -> torch.Tensor:
 @dataclass(slots=True)
 class QuantizedWeight:
     """A quantized [out, in] weight: `data` the rows as pack_rows stores them, int8 (int8: a row is `in` bytes) or
-    uint8 (int4: `in / 2` bytes; bf16: `2 * in`); `scale` float32 [out] (int8), empty (bf16), or for int4
+    uint8 (int4: `in / 2` bytes; bf16: `2 * in`); `scale` float32 [out] (int8), empty (bf16), or for int4 float16
     [ceil(out / 4), in / group, 4]: each block of 4 rows' scales, group by group (zeros pad the last block), so that
     the kernel reads a block's scales with its weights (`row_scales` gives [out, in / group])."""
 
@@ -83,7 +82,7 @@ class QuantizedWeight:
     def row_scales(self) -> torch.Tensor:
         """int4: the scales as [out, in / group]."""
         nb, ng, _ = self.scale.shape
-        return self.scale.transpose(1, 2).reshape(nb * ROW_BLOCK, ng)[: self.out_features]
+        return self.scale.transpose(1, 2).reshape(nb * ROW_BLOCK, ng)[: self.out_features].float()
 
     @property
     def row_bytes(self) -> int:
@@ -124,7 +123,7 @@ def quantize(weight: torch.Tensor, mode: str, group: int = 32) -> QuantizedWeigh
     group = group_for(in_features, group)
     g = w.reshape(out_features, in_features // group, group)
     idx = g.abs().argmax(dim=-1, keepdim=True)
-    scale = (torch.gather(g, -1, idx) / -8.0).squeeze(-1)  # [out, in/group]
+    scale = (torch.gather(g, -1, idx) / -8.0).squeeze(-1).clamp(-65504, 65504).half().float()  # stored as float16
     inv = torch.where(scale != 0, 1.0 / scale, torch.zeros_like(scale))
     q = (torch.round(g * inv[..., None]).clamp_(-8, 7) + 8).to(torch.uint8)  # [out, in/group, group]
     q = q.reshape(out_features, in_features // 32, 2, 16)  # runs of 32: inputs j and j + 16 share byte j
@@ -132,7 +131,7 @@ def quantize(weight: torch.Tensor, mode: str, group: int = 32) -> QuantizedWeigh
     pad = -out_features % ROW_BLOCK
     if pad:
         scale = torch.cat([scale, scale.new_zeros(pad, scale.shape[1])])
-    block_scales = scale.reshape(-1, ROW_BLOCK, scale.shape[1]).transpose(1, 2).contiguous()
+    block_scales = scale.reshape(-1, ROW_BLOCK, scale.shape[1]).transpose(1, 2).half().contiguous()
     return bind(QuantizedWeight(mode, pack_rows(packed.reshape(out_features, in_features // 2), RUN[mode]),
                                 block_scales, in_features, out_features, group))
 

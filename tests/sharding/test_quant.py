@@ -83,15 +83,16 @@ def test_round_trip_error_is_half_a_step(mode, group):
     else:
         g = quant.group_for(256, group)
         assert qw.data.dtype == torch.uint8 and qw.data.shape == (12, 4 * 128) and qw.scale.shape == (12, 256 // g, 4)
+        assert qw.scale.dtype == torch.float16  # as Q4_0's
         step = qw.row_scales().abs().repeat_interleave(g, dim=1)
         # round to nearest, except the largest positive values of a group led by a negative one: 8 clamps to 7
         assert (err <= step * (1 + 1e-5) + 1e-12).all()
         assert ((err <= step / 2 * (1 + 1e-5) + 1e-12).float().mean() > 0.99)
-        # the value of largest magnitude in each group is exact
+        # the value of largest magnitude in each group is exact but for the float16 rounding of its scale
         grouped = w.reshape(48, -1, g)
         at = grouped.abs().argmax(-1, keepdim=True)
         back = quant.dequantize(qw).reshape(48, -1, g)
-        torch.testing.assert_close(back.gather(-1, at), grouped.gather(-1, at), rtol=1e-6, atol=0)
+        torch.testing.assert_close(back.gather(-1, at), grouped.gather(-1, at), rtol=2 ** -11, atol=0)
 
 
 def fake_quantized_greedy(folder, mode: str, group: int, tp: int, prompt: list[int], max_new_tokens: int):
