@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from sharding import kernels
+
 
 @dataclass(slots=True)
 class SamplingParams:
@@ -77,11 +79,18 @@ def apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> None:
             logits[i] -= p.presence_penalty * (counts > 0).to(logits.dtype)
 
 
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """logits.argmax(dim=-1), through the compiled CPU op where it is built (torch's reads a vocabulary-wide row at
+    ~4.5 GB/s: 44 us per decode step for SmolLM2's 49,152 tokens)."""
+    op = kernels.argmax_op() if logits.device.type == "cpu" and logits.dtype == torch.float32 else None
+    return op(logits) if op is not None and logits.dim() == 2 else logits.argmax(dim=-1)
+
+
 def sample(logits: torch.Tensor, rows: list[SampleRow]) -> Sampled:
     """logits: float32 [B, vocab] on rank 0. Returns one token per row."""
     if all(r.params.greedy and r.params.logprobs is None and not r.params.has_penalties and not r.banned_ids
            and not r.params.logit_bias for r in rows):
-        return Sampled(logits.argmax(dim=-1).tolist(), None, None)  # the common batch: one argmax, no per-row work
+        return Sampled(argmax(logits).tolist(), None, None)  # the common batch: one argmax, no per-row work
     want_logprobs = [r.params.logprobs for r in rows]
     raw_logprobs = torch.log_softmax(logits, dim=-1) if any(n is not None for n in want_logprobs) else None
     if any(r.params.has_penalties or r.params.logit_bias or r.banned_ids for r in rows):

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -68,6 +69,9 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return torch.cat([rot * cos + rotate_half(rot) * sin, rest], dim=-1)
 
 
+LEAN_DECODE_MAX = 64  # decode steps of up to this many sequences take AttentionMetadata._build_decode
+
+
 @dataclass(slots=True)
 class Prefill:
     token_start: int
@@ -105,6 +109,8 @@ class AttentionMetadata:
         """Vectorized over the step's sequences; only prefilling sequences (few per step) loop in Python.
         `block_table` [rows, blocks per sequence] already holds this step's updates."""
         table = step.seq_table
+        if table.shape[0] == step.input_ids.numel() and table.shape[0] <= LEAN_DECODE_MAX and device.type == "cpu":
+            return AttentionMetadata._build_decode(table, block_table, block_size, rotary, sliding_window)
         rows, ns, starts, flags = table[:, 0], table[:, 1], table[:, 2], table[:, 3]
         n_seqs = table.shape[0]
         ends = ns.cumsum(0)
@@ -160,6 +166,61 @@ class AttentionMetadata:
             all_decode=all_decode,
         )
         return meta.windowed(sliding_window)
+
+    @staticmethod
+    def _build_decode(table: torch.Tensor, block_table: torch.Tensor, block_size: int, rotary: "RotaryTable | None",
+                      sliding_window: int | None) -> "AttentionMetadata":
+        """`build` for a step of decode tokens only (one per sequence), on CPU: the same fields, computed on numpy
+        views of the small tables. Each torch op costs a few microseconds on such tables, and the ~40 of the general
+        path were ~0.2 ms of a ~4 ms int4 decode step (BENCHMARKS.md)."""
+        t, bt = table.numpy(), block_table.numpy()
+        rows, starts, flags = t[:, 0], t[:, 2], t[:, 3]
+        n_seqs = t.shape[0]
+        slots = bt[rows, starts // block_size] * block_size + starts % block_size
+        lens = starts + 1
+        decode_len = int(lens.max())
+        decode_table = bt[rows, : (decode_len + block_size - 1) // block_size]  # (a copy: fancy indexing)
+        blocks = decode_table.reshape(-1)
+        first = int(blocks[0])
+        contiguous = bool((blocks == np.arange(first, first + blocks.size)).all())
+        positions = torch.from_numpy(starts.copy())
+        if bool((flags == LOGITS_LAST).all()):
+            logits_indices = torch.arange(n_seqs)
+        else:
+            ones = torch.ones(n_seqs, dtype=torch.int64)
+            logits_indices = _logits_indices(torch.arange(1, n_seqs + 1), ones, table[:, 3])
+        decode_mask = None
+        window = sliding_window
+        if (window is not None and decode_len > window) or bool((lens != decode_len).any()):
+            k = np.arange(decode_len)[None, :]
+            mask = k < lens[:, None]
+            if window is not None and decode_len > window:
+                mask &= k >= lens[:, None] - window
+            decode_mask = torch.from_numpy(mask)
+        if rotary is None:
+            cos = sin = None
+        elif n_seqs == 1:
+            p = int(starts[0])
+            cos, sin = rotary.cos[p : p + 1], rotary.sin[p : p + 1]
+        else:
+            cos, sin = rotary.cos[positions], rotary.sin[positions]
+        return AttentionMetadata(
+            positions=positions,
+            slots=torch.from_numpy(slots),
+            cos=cos,
+            sin=sin,
+            decode_tokens=torch.arange(n_seqs),
+            decode_lens=torch.from_numpy(lens),
+            decode_table=torch.from_numpy(decode_table),
+            decode_blocks=None if contiguous else torch.from_numpy(blocks),
+            decode_range=(first, first + blocks.size) if contiguous else None,
+            decode_len=decode_len,
+            decode_mask=decode_mask,
+            prefills=[],
+            logits_indices=logits_indices,
+            all_decode=True,
+            window=window,
+        )
 
     def windowed(self, window: int | None) -> "AttentionMetadata":
         """This step's masks with each query limited to the `window` latest keys (itself included), as transformers'

@@ -107,6 +107,7 @@ def build_kernels(verbose: bool = False) -> bool:
                               ("glue", "TPSERVE_GLUE_KERNEL", (ops.decode_attention.default, ops.add_rms_norm_.default,
                                                                                                ops.silu_mul.default)),
                               ("f32", "TPSERVE_F32_KERNEL", ops.f32_linear.default),
+                              ("argmax", "TPSERVE_GLUE_KERNEL", ops.argmax_rows.default),
                               ("layers", "TPSERVE_LAYERS_KERNEL",
                                (torch.classes.tpserve.DecodeLayers, ops.decode_layers.default))):
             if os.environ.get(env, "1") != "0":
@@ -160,6 +161,11 @@ def block_f32(weight: torch.Tensor) -> torch.Tensor:
 def unblock_f32(blocked: torch.Tensor, n: int) -> torch.Tensor:
     """block_f32's inverse: the [n, K] weight."""
     return blocked.transpose(1, 2).reshape(-1, blocked.shape[1])[:n]
+
+
+def argmax_op():
+    """argmax_rows(logits [B, V] float32) -> [B]: torch.argmax(logits, -1), vectorized (greedy sampling), or None."""
+    return _OPS.get("argmax")
 
 
 def decode_layers_ops():

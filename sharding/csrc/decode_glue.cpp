@@ -16,6 +16,11 @@
 #include <torch/library.h>
 
 #include <cmath>
+#include <cstdint>
+#include <cstring>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 #include <optional>
 #include <vector>
 
@@ -120,6 +125,63 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
 }
 
 
+// argmax_rows(logits [B, V] float32) -> [B] int64: torch.argmax(logits, -1) (the first maximal value; a NaN counts as
+// the maximum, as torch's does), for greedy sampling. torch's CPU argmax reads a 49,152-wide row at ~4.5 GB/s (44 us
+// per decode step); this is one vectorized max pass and one compare pass over the row.
+inline bool is_nan(float v) {  // by its bits: -ffast-math folds std::isnan to false
+  uint32_t bits;
+  std::memcpy(&bits, &v, sizeof bits);
+  return (bits & 0x7FFFFFFFu) > 0x7F800000u;
+}
+
+at::Tensor argmax_rows(const at::Tensor& logits) {
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.size(1) > 0,
+              "argmax_rows: float32 logits [B, V], V > 0");
+  const at::Tensor lc = logits.contiguous();
+  const int64_t B = lc.size(0), V = lc.size(1);
+  at::Tensor out = at::empty({B}, lc.options().dtype(at::kLong));
+  const float* lp = lc.data_ptr<float>();
+  int64_t* op = out.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b) {
+    const float* row = lp + b * V;
+    float best = row[0];
+    bool nan = false;
+    int64_t i = 0;
+#if defined(__AVX512F__)
+    __m512 m = _mm512_set1_ps(row[0]);
+    __mmask16 unordered = 0;
+    for (; i + 16 <= V; i += 16) {
+      const __m512 v = _mm512_loadu_ps(row + i);
+      unordered |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+      m = _mm512_max_ps(m, v);
+    }
+    best = _mm512_reduce_max_ps(m);
+    nan = unordered != 0;
+#endif
+    for (; i < V; ++i) {
+      nan |= is_nan(row[i]);
+      best = row[i] > best ? row[i] : best;
+    }
+    int64_t at = 0;
+    if (nan) {
+      while (!is_nan(row[at])) ++at;
+    } else {
+      i = 0;
+#if defined(__AVX512F__)
+      const __m512 target = _mm512_set1_ps(best);
+      for (; i + 16 <= V; i += 16) {
+        const __mmask16 eq = _mm512_cmp_ps_mask(_mm512_loadu_ps(row + i), target, _CMP_EQ_OQ);
+        if (eq) break;
+      }
+#endif
+      while (row[i] != best) ++i;
+      at = i;
+    }
+    op[b] = at;
+  }
+  return out;
+}
+
 // ---- the whole decode step of a model's layers in one call (TP=1) ---------------------------------------------------
 // DecodeLayers holds, once, what each layer needs (its four linears with their kernels, norms, cache pool, heads);
 // decode_layers(plan, h, x, ...) then runs every layer with the three ops above and the linear kernels, without a
@@ -198,6 +260,7 @@ TORCH_LIBRARY_FRAGMENT(tpserve, m) {
         "Tensor lens, Tensor? q_index, int heads, int kv_heads, float scale, int window) -> Tensor");
   m.def("add_rms_norm_(Tensor(a!) h, Tensor delta, Tensor w, float eps) -> Tensor");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
+  m.def("argmax_rows(Tensor logits) -> Tensor");
   m.class_<DecodeLayers>("DecodeLayers")
       .def(torch::init<>())
       .def("add_linear", &DecodeLayers::add_linear)
@@ -211,5 +274,6 @@ TORCH_LIBRARY_IMPL(tpserve, CPU, m) {
   m.impl("decode_attention", &decode_attention);
   m.impl("add_rms_norm_", &add_rms_norm_);
   m.impl("silu_mul", &silu_mul);
+  m.impl("argmax_rows", &argmax_rows);
   m.impl("decode_layers", &decode_layers);
 }

@@ -87,6 +87,42 @@ def test_mixed_steps_equal_per_sequence_attention(heads, kv_heads, window, softc
             at += n
 
 
+@pytest.mark.parametrize("window", [None, 6])
+def test_decode_steps_build_the_same_metadata_on_the_lean_path(window, monkeypatch):
+    """AttentionMetadata for a decode-only step: the numpy path (_build_decode) gives every field the general
+    path gives. Steps of 1-5 sequences at scattered and consecutive blocks, equal and unequal lengths, each flag."""
+    import dataclasses
+
+    from sharding import attention
+
+    class Rotary:
+        cos, sin = torch.randn(64, 8), torch.randn(64, 8)
+
+    rng = random.Random(3)
+    bs, cpu = 4, torch.device("cpu")
+    for trial in range(40):
+        n = 1 + trial % 5
+        table = torch.tensor([rng.sample(range(100), 8) for _ in range(6)])
+        if trial % 4 == 0:  # one sequence over consecutive blocks: the view instead of the gather
+            table[2] = torch.arange(20, 28)
+        rows = rng.sample(range(6), n) if trial % 4 else [2] * n
+        starts = [rng.randrange(0, 30) for _ in rows] if trial % 3 else [17] * n
+        flags = [rng.choice([LOGITS_LAST, LOGITS_LAST, 0, LOGITS_ALL | LOGITS_LAST]) for _ in rows]
+        step = Step(torch.zeros(n, dtype=torch.int64),
+                    torch.tensor([[r, 1, s, f] for r, s, f in zip(rows, starts, flags)]))
+        lean = AttentionMetadata.build(step, table, bs, Rotary, window, cpu)
+        monkeypatch.setattr(attention, "LEAN_DECODE_MAX", 0)
+        general = AttentionMetadata.build(step, table, bs, Rotary, window, cpu)
+        monkeypatch.undo()
+        for f in dataclasses.fields(AttentionMetadata):
+            a, b = getattr(lean, f.name), getattr(general, f.name)
+            if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+                assert a is not None and b is not None and a.dtype == b.dtype and torch.equal(a, b), f.name
+            else:
+                assert a == b, f.name
+        assert lean.decode_table.is_contiguous() and lean.cos.is_contiguous()
+
+
 def test_decode_over_consecutive_blocks_reads_a_view():
     """One sequence whose blocks are consecutive in the pool is read through a view (no gather), with the same
     result as the gather."""

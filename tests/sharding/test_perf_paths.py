@@ -227,3 +227,26 @@ def test_llama_decode_fast_path_equals_the_module_path(checkpoints, quantization
         assert a.token_ids == b.token_ids == c.token_ids
         torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), rtol=0, atol=0)
         torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(c.logprobs), rtol=0, atol=1e-4)
+
+
+def test_argmax_op_equals_torch_argmax():
+    """The compiled greedy argmax: the first maximal value's index, a NaN counting as the maximum, as torch's; rows
+    of ties, infinities and widths around its 16-wide vectors."""
+    from sharding import kernels
+
+    assert kernels.build_kernels()
+    op = kernels.argmax_op()
+    assert op is not None
+    torch.manual_seed(0)
+    for trial in range(300):
+        b, v = 1 + trial % 5, [1, 15, 16, 17, 100, 49152][trial % 6]
+        x = torch.randn(b, v)
+        if trial % 3 == 0:
+            x = x.round()  # ties: the first one wins
+        if trial % 7 == 0:
+            x[0, (trial * 13) % v] = float("nan")
+        if trial % 11 == 0:
+            x[-1] = float("-inf")
+        if trial % 13 == 0 and v > 3:
+            x[0, 2] = x[0, v - 1] = float("inf")
+        assert torch.equal(op(x), x.argmax(dim=-1)), trial
