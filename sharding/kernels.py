@@ -54,6 +54,7 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
 
 SOURCES = ("paged_attention.cpp", "quant_linear.cpp", "rms_norm.cpp", "rotary.cpp", "decode_glue.cpp",
            "f32_linear.cpp")
+HEADERS = ("tpserve_kernels.h",)  # shared by the sources: part of the build's hash
 _BUILT: dict[str, bool] = {}
 _OPS: dict[str, object] = {}  # name -> op (or the int8/int4 pair), filled by build_kernels
 
@@ -73,7 +74,7 @@ def _kernel_dir() -> str:
     except OSError:
         pass
     key = hashlib.sha256(flags.encode() + torch.__version__.encode() + platform.machine().encode() + b"-fopenmp")
-    for src in _sources():
+    for src in _sources() + [os.path.join(os.path.dirname(__file__), "csrc", name) for name in HEADERS]:
         with open(src, "rb") as f:
             key.update(f.read())
     home = os.environ.get("TPSERVE_HOME") or os.path.join(os.path.expanduser("~"), ".cache", "tpserve")

@@ -12,8 +12,11 @@
 //   silu_mul(gate_up [B, 2I]) -> silu(gate) * up [B, I].
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <torch/custom_class.h>
 #include <torch/library.h>
+
+#include "tpserve_kernels.h"
 
 #include <cmath>
 #include <cstdint>
@@ -21,19 +24,12 @@
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
+#include <omp.h>
 #include <optional>
 #include <vector>
 
-namespace tpserve {
-at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& pool, const at::Tensor& table,
-                                  const at::Tensor& lens, double scale, int64_t window);
-at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps);
-void rotate_head(float* dst, const float* src, const float* c, const float* s, int64_t D);  // rotary.cpp
-at::Tensor f32_linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias,
-                      int64_t N);                                                            // f32_linear.cpp
-at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale);  // quant_linear.cpp
-at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale, int64_t G, int64_t N);
-at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& w, int64_t N);
+namespace tpserve {  // f32_linear.cpp: the op the fast path's Python loop calls too
+at::Tensor f32_linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias, int64_t N);
 }  // namespace tpserve
 
 namespace {
@@ -93,6 +89,17 @@ at::Tensor decode_attention(const at::Tensor& qkv, const at::Tensor& cos, const 
   return tpserve::paged_decode_attention(q, pool, table, lens, scale, window).view({B, P * D});
 }
 
+// the residual add and SiLU(gate) * up of one row: one definition for the ops and decode_layers (bitwise the same)
+inline void add_row(float* h, const float* d, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) h[i] += d[i];
+}
+
+inline void silu_mul_row(const float* gate, const float* up, float* o, int64_t I) {
+#pragma omp simd
+  for (int64_t i = 0; i < I; ++i) o[i] = gate[i] / (1.f + std::exp(-gate[i])) * up[i];
+}
+
 at::Tensor add_rms_norm_(at::Tensor h, const at::Tensor& delta, const at::Tensor& w, double eps) {
   TORCH_CHECK(h.dim() == 2 && delta.sizes() == h.sizes() && h.scalar_type() == at::kFloat &&
                   delta.scalar_type() == at::kFloat && h.is_contiguous(),
@@ -100,9 +107,8 @@ at::Tensor add_rms_norm_(at::Tensor h, const at::Tensor& delta, const at::Tensor
   const at::Tensor dc = delta.contiguous();
   float* hp = h.data_ptr<float>();
   const float* dp = dc.data_ptr<float>();
-  const int64_t n = h.numel();
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) hp[i] += dp[i];
+  const int64_t D = h.size(1);
+  for (int64_t r = 0; r < h.size(0); ++r) add_row(hp + r * D, dp + r * D, D);
   return tpserve::rms_norm(h, w, eps);
 }
 
@@ -114,13 +120,7 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
   at::Tensor out = at::empty({M, I}, g.options());
   const float* gp = g.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  for (int64_t m = 0; m < M; ++m) {
-    const float* gate = gp + m * 2 * I;
-    const float* up = gate + I;
-    float* o = op + m * I;
-#pragma omp simd
-    for (int64_t i = 0; i < I; ++i) o[i] = gate[i] / (1.f + std::exp(-gate[i])) * up[i];
-  }
+  for (int64_t m = 0; m < M; ++m) silu_mul_row(gp + m * 2 * I, gp + m * 2 * I + I, op + m * I, I);
   return out;
 }
 
@@ -184,33 +184,26 @@ at::Tensor argmax_rows(const at::Tensor& logits) {
 
 // ---- the whole decode step of a model's layers in one call (TP=1) ---------------------------------------------------
 // DecodeLayers holds, once, what each layer needs (its four linears with their kernels, norms, cache pool, heads);
-// decode_layers(plan, h, x, ...) then runs every layer with the three ops above and the linear kernels, without a
-// return to Python between them: at one row the Python loop and the dispatch of ~8 ops per layer cost ~1.5 ms of a
-// ~7 ms int8 step (BENCHMARKS.md). The residual stream h is updated in place; the result is the final norm's output.
+// decode_layers(plan, h, x, ...) then runs every layer in one OpenMP team: each thread takes its share of each phase
+// (the output blocks of a linear, the (sequence, KV head) pairs of attention, the rows of a norm) and the team meets
+// at a barrier between phases. Against one op per phase (fork-join of the thread team, a tensor allocated, the
+// dispatcher, and the Python loop between ops), the other threads no longer idle through the single-threaded glue
+// and a linear starts without waking a team. The residual stream h is updated in place; the result is the final
+// norm's output. The kernels are the ops' own (tpserve_kernels.h): the same arithmetic, bitwise.
 
 struct PlanLinear {
   int64_t kind;  // 0 float32 (f32_linear.cpp), 1 int8, 2 int4, 3 bf16 (quant_linear.cpp)
   at::Tensor w, scale;
   std::optional<at::Tensor> bias;
-  int64_t n, group;
+  int64_t n, group, k, blocks;
 };
 
 struct PlanLayer {
   PlanLinear qkv, o, gate_up, down;
   at::Tensor pool, post_w, next_w;
-  std::optional<at::Tensor> q_index, out_index;
   int64_t heads, kv_heads;
   double scale, post_eps, next_eps;
 };
-
-at::Tensor run_linear(const PlanLinear& l, const at::Tensor& x) {
-  if (l.kind == 0) return tpserve::f32_linear(x, l.w, l.bias, l.n);
-  at::Tensor y = l.kind == 1   ? tpserve::int8_linear(x, l.w, l.scale)
-                 : l.kind == 2 ? tpserve::int4_linear(x, l.w, l.scale, l.group, l.n)
-                               : tpserve::bf16_linear(x, l.w, l.n);
-  if (l.bias.has_value()) y.add_(*l.bias);
-  return y;
-}
 
 struct DecodeLayers : torch::CustomClassHolder {
   std::vector<PlanLinear> pending;
@@ -218,39 +211,227 @@ struct DecodeLayers : torch::CustomClassHolder {
 
   void add_linear(int64_t kind, at::Tensor w, at::Tensor scale, std::optional<at::Tensor> bias, int64_t n,
                   int64_t group) {
-    TORCH_CHECK(kind >= 0 && kind <= 3 && pending.size() < 4, "DecodeLayers.add_linear: kind 0-3, 4 per layer");
-    pending.push_back(PlanLinear{kind, std::move(w), std::move(scale), std::move(bias), n, group});
+    TORCH_CHECK(pending.size() < 4, "DecodeLayers.add_linear: 4 per layer");
+    TORCH_CHECK(w.dim() >= 2 && w.is_contiguous() && n > 0, "DecodeLayers.add_linear: a contiguous weight");
+    int64_t k = 0, blocks = w.size(0);
+    if (kind == 0) {
+      TORCH_CHECK(w.dim() == 3 && w.scalar_type() == at::kFloat && w.size(2) == tpserve::F32_BLOCK &&
+                      blocks == (n + tpserve::F32_BLOCK - 1) / tpserve::F32_BLOCK,
+                  "DecodeLayers.add_linear: float32 weights [ceil(n/32), K, 32]");
+      k = w.size(1);
+    } else {
+      TORCH_CHECK(w.dim() == 2 && blocks == (n + tpserve::QUANT_BLOCK - 1) / tpserve::QUANT_BLOCK,
+                  "DecodeLayers.add_linear: packed weights [ceil(n/4), 4 row bytes]");
+      if (kind == 1) {
+        k = w.size(1) / 4;
+        TORCH_CHECK(w.scalar_type() == at::kChar && scale.scalar_type() == at::kFloat && scale.numel() == n &&
+                        scale.is_contiguous() && k % 16 == 0,
+                    "DecodeLayers.add_linear: int8 weights with float32 scales [n]");
+      } else if (kind == 2) {
+        k = w.size(1) / 2;
+        TORCH_CHECK(w.scalar_type() == at::kByte && scale.scalar_type() == at::kHalf && group > 0 && group % 32 == 0 &&
+                        k % group == 0 && scale.dim() == 3 && scale.size(0) == blocks &&
+                        scale.size(1) == k / group && scale.size(2) == 4 && scale.is_contiguous(),
+                    "DecodeLayers.add_linear: int4 weights with float16 scales [ceil(n/4), K/group, 4]");
+      } else {
+        TORCH_CHECK(kind == 3 && w.scalar_type() == at::kByte, "DecodeLayers.add_linear: kind 0-3");
+        k = w.size(1) / 8;
+        TORCH_CHECK(k % 16 == 0, "DecodeLayers.add_linear: bf16 inputs a multiple of 16");
+      }
+    }
+    if (bias.has_value())
+      TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->numel() == n && bias->is_contiguous(),
+                  "DecodeLayers.add_linear: float32 bias [n]");
+    pending.push_back(PlanLinear{kind, std::move(w), std::move(scale), std::move(bias), n, group, k, blocks});
   }
 
-  // after the layer's four linears, in order: qkv, o, gate_up, down
-  void add_layer(at::Tensor pool, std::optional<at::Tensor> q_index, std::optional<at::Tensor> out_index,
-                 int64_t heads, int64_t kv_heads, double scale, at::Tensor post_w, double post_eps, at::Tensor next_w,
-                 double next_eps) {
+  // after the layer's four linears, in order: qkv, o, gate_up, down (uniform GQA groups: query head p reads KV head
+  // p / (heads / kv_heads))
+  void add_layer(at::Tensor pool, int64_t heads, int64_t kv_heads, double scale, at::Tensor post_w, double post_eps,
+                 at::Tensor next_w, double next_eps) {
     TORCH_CHECK(pending.size() == 4, "DecodeLayers.add_layer: add the layer's 4 linears first");
+    const PlanLinear &qkv = pending[0], &o = pending[1], &gu = pending[2], &down = pending[3];
+    TORCH_CHECK(pool.dim() == 5 && pool.scalar_type() == at::kFloat && pool.is_contiguous() && pool.size(0) == 2 &&
+                    pool.size(1) == kv_heads && kv_heads > 0 && heads % kv_heads == 0,
+                "DecodeLayers.add_layer: cache pool [2, kv_heads, blocks, block_size, head_dim], even groups");
+    const int64_t D = pool.size(4), hidden = qkv.k;
+    TORCH_CHECK(D % 2 == 0 && qkv.n == (heads + 2 * kv_heads) * D && o.k == heads * D && o.n == hidden &&
+                    gu.k == hidden && gu.n % 2 == 0 && down.k == gu.n / 2 && down.n == hidden,
+                "DecodeLayers.add_layer: the linears' shapes do not chain");
+    TORCH_CHECK(post_w.scalar_type() == at::kFloat && next_w.scalar_type() == at::kFloat && post_w.is_contiguous() &&
+                    next_w.is_contiguous() && post_w.numel() == hidden && next_w.numel() == hidden,
+                "DecodeLayers.add_layer: float32 norm weights [hidden]");
+    TORCH_CHECK(layers.empty() || layers[0].qkv.k == hidden, "DecodeLayers.add_layer: one hidden size");
     layers.push_back(PlanLayer{pending[0], pending[1], pending[2], pending[3], std::move(pool), std::move(post_w),
-                               std::move(next_w), std::move(q_index), std::move(out_index), heads, kv_heads, scale,
-                               post_eps, next_eps});
+                               std::move(next_w), heads, kv_heads, scale, post_eps, next_eps});
     pending.clear();
   }
 
   int64_t size() const { return static_cast<int64_t>(layers.size()); }
 };
 
-at::Tensor decode_layers(const c10::intrusive_ptr<DecodeLayers>& plan, at::Tensor h, at::Tensor x,
+// y[:, output blocks b0..b1) of linear l over the M rows of x (xq: x quantized, for int4 through VNNI)
+void linear_range(const PlanLinear& l, const float* x, const tpserve::Int8Rows* xq, int64_t M, float* y, int64_t b0,
+                  int64_t b1) {
+  const float* bias = l.bias.has_value() ? l.bias->data_ptr<float>() : nullptr;
+  switch (l.kind) {
+    case 0:
+      tpserve::f32_range(x, M, l.k, l.w.data_ptr<float>(), bias, l.n, y, b0, b1);
+      break;
+    case 1:
+      tpserve::int8_range(x, M, l.k, l.w.data_ptr<int8_t>(), l.scale.data_ptr<float>(), bias, l.n, y, b0, b1);
+      break;
+    case 2:
+      tpserve::int4_range(x, xq, M, l.k, l.w.data_ptr<uint8_t>(), l.scale.data_ptr<at::Half>(), l.group, bias, l.n, y,
+                          b0, b1);
+      break;
+    default:
+      tpserve::bf16_range(x, M, l.k, reinterpret_cast<const uint16_t*>(l.w.data_ptr<uint8_t>()), bias, l.n, y, b0,
+                          b1);
+  }
+}
+
+at::Tensor decode_layers(const c10::intrusive_ptr<DecodeLayers>& plan, at::Tensor h, const at::Tensor& x,
                          const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& slots,
                          const at::Tensor& table, const at::Tensor& lens, int64_t window) {
-  const int64_t n = h.size(0);
-  for (const PlanLayer& l : plan->layers) {
-    const at::Tensor qkv = run_linear(l.qkv, x);
-    at::Tensor o = decode_attention(qkv, cos, sin, l.pool, slots, table, lens, l.q_index, l.heads, l.kv_heads, l.scale,
-                                    window);
-    if (l.out_index.has_value())  // uneven GQA groups: drop the padding positions
-      o = o.view({n, -1, l.pool.size(4)}).index_select(1, *l.out_index).reshape({n, -1});
-    x = add_rms_norm_(h, run_linear(l.o, o), l.post_w, l.post_eps);
-    const at::Tensor d = run_linear(l.down, silu_mul(run_linear(l.gate_up, x)));
-    x = add_rms_norm_(h, d, l.next_w, l.next_eps);
+  // every check before the team starts: an exception inside an OpenMP region cannot be caught
+  const auto& layers = plan->layers;
+  TORCH_CHECK(!layers.empty(), "decode_layers: an empty plan");
+  const int64_t B = h.size(0), hidden = layers[0].qkv.k, D = layers[0].pool.size(4);
+  TORCH_CHECK(h.dim() == 2 && h.size(1) == hidden && h.scalar_type() == at::kFloat && h.is_contiguous() &&
+                  x.sizes() == h.sizes() && x.scalar_type() == at::kFloat && x.is_contiguous(),
+              "decode_layers: h and x [B, hidden] float32, contiguous");
+  TORCH_CHECK(cos.dim() == 2 && cos.size(0) == B && cos.size(1) == D && sin.sizes() == cos.sizes() &&
+                  cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
+                  sin.is_contiguous(),
+              "decode_layers: cos/sin [B, head_dim] float32");
+  TORCH_CHECK(slots.dim() == 1 && slots.size(0) == B && lens.dim() == 1 && lens.size(0) == B && table.dim() == 2 &&
+                  table.size(0) == B && slots.scalar_type() == at::kLong && lens.scalar_type() == at::kLong &&
+                  table.scalar_type() == at::kLong && slots.is_contiguous() && lens.is_contiguous() &&
+                  table.is_contiguous(),
+              "decode_layers: slots [B], lens [B], table [B, blocks] int64");
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  const int64_t* lp = lens.data_ptr<int64_t>();
+  const int64_t* tp = table.data_ptr<int64_t>();
+  const int64_t MAXB = table.size(1);
+  const int64_t max_q = layers[0].qkv.n, max_att = layers[0].o.k, max_gu = layers[0].gate_up.n;
+  bool int4 = false;
+  for (const PlanLayer& l : layers) {
+    const int64_t NB = l.pool.size(2), BS = l.pool.size(3);
+    TORCH_CHECK(l.pool.size(4) == D, "decode_layers: one head_dim");
+    for (int64_t b = 0; b < B; ++b) {
+      TORCH_CHECK(sp[b] >= 0 && sp[b] < NB * BS && lp[b] >= 1 && lp[b] <= MAXB * BS,
+                  "decode_layers: slot or length out of range");
+      for (int64_t i = 0; i < (lp[b] + BS - 1) / BS; ++i)
+        TORCH_CHECK(tp[b * MAXB + i] >= 0 && tp[b * MAXB + i] < NB, "decode_layers: block out of range");
+    }
+    TORCH_CHECK(l.qkv.n == layers[0].qkv.n && l.o.k == layers[0].o.k && l.gate_up.n == layers[0].gate_up.n,
+                "decode_layers: layers of one shape");
+    for (const PlanLinear* lin : {&l.qkv, &l.o, &l.gate_up, &l.down}) int4 |= lin->kind == 2;
   }
-  return x;
+  const bool int8_rows = int4 && tpserve::int4_uses_int8_rows();
+  const auto opts = h.options();
+  at::Tensor qkv = at::empty({B, max_q}, opts), q = at::empty({B, max_att}, opts), att = at::empty({B, max_att}, opts);
+  at::Tensor ob = at::empty({B, hidden}, opts), gu = at::empty({B, max_gu}, opts), act = at::empty({B, max_gu / 2}, opts);
+  at::Tensor dd = at::empty({B, hidden}, opts), out = at::empty({B, hidden}, opts);
+  float *qkvp = qkv.data_ptr<float>(), *qp = q.data_ptr<float>(), *attp = att.data_ptr<float>();
+  float *obp = ob.data_ptr<float>(), *gup = gu.data_ptr<float>(), *actp = act.data_ptr<float>();
+  float *ddp = dd.data_ptr<float>(), *outp = out.data_ptr<float>(), *hp = h.data_ptr<float>();
+  const float *cp = cos.data_ptr<float>(), *snp = sin.data_ptr<float>();
+  // int8 copies of each linear's input (int4 through VNNI), one per input kind: x/out (qkv, gate_up), att (o), act
+  tpserve::Int8Rows xq_x, xq_att, xq_act;
+  if (int8_rows) {
+    tpserve::resize_rows(xq_x, B, hidden);
+    tpserve::resize_rows(xq_att, B, max_att);
+    tpserve::resize_rows(xq_act, B, max_gu / 2);
+  }
+  const int nt = std::max(1, at::get_num_threads());
+  std::vector<std::vector<float>> scores(nt);
+  const float* x0 = x.data_ptr<float>();
+
+#pragma omp parallel num_threads(nt)
+  {
+    const float* xin = x0;  // this layer's input: x, then the previous layer's output
+    const int t = omp_get_thread_num(), T = omp_get_num_threads();
+    const auto share = [&](int64_t n, int64_t& a, int64_t& b) {  // this thread's part of n work items
+      a = n * t / T;
+      b = n * (t + 1) / T;
+    };
+    int64_t a, b;
+    const auto quantize = [&](const PlanLinear& l, const float* src, tpserve::Int8Rows& rows, int64_t r0, int64_t r1) {
+      if (int8_rows && l.kind == 2) tpserve::quantize_rows(src, rows, r0, r1, 0, l.k / 32);
+    };
+    share(B, a, b);
+    quantize(layers[0].qkv, xin, xq_x, a, b);
+#pragma omp barrier
+    for (size_t li = 0; li < layers.size(); ++li) {
+      const PlanLayer& l = layers[li];
+      const int64_t heads = l.heads, kvh = l.kv_heads, G = heads / kvh, width = l.qkv.n;
+      const int64_t NB = l.pool.size(2), BS = l.pool.size(3), per_head = NB * BS;
+      float* kc = l.pool.data_ptr<float>();
+      float* vc = kc + kvh * per_head * D;
+      // q, k, v
+      share(l.qkv.blocks, a, b);
+      linear_range(l.qkv, xin, &xq_x, B, qkvp, a, b);
+#pragma omp barrier
+      // rotary, the cache write and attention, per (sequence, KV head)
+      share(B * kvh, a, b);
+      for (int64_t task = a; task < b; ++task) {
+        const int64_t s = task / kvh, kh = task % kvh;
+        const float* row = qkvp + s * width;
+        const float *c = cp + s * D, *sn = snp + s * D;
+        for (int64_t g = 0; g < G; ++g) {
+          const int64_t p = kh * G + g;
+          tpserve::rotate_head(qp + (s * heads + p) * D, row + p * D, c, sn, D);
+        }
+        tpserve::rotate_head(kc + (kh * per_head + sp[s]) * D, row + (heads + kh) * D, c, sn, D);
+        const float* v = row + (heads + kvh + kh) * D;
+        std::copy(v, v + D, vc + (kh * per_head + sp[s]) * D);
+        const int64_t len = lp[s], first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+        tpserve::paged_attention_head(qp + (s * heads + kh * G) * D, kc + kh * per_head * D, vc + kh * per_head * D,
+                                      tp + s * MAXB, len, first, G, D, BS, static_cast<float>(l.scale), scores[t],
+                                      attp + (s * heads + kh * G) * D);
+      }
+#pragma omp barrier
+      if (int8_rows && l.o.kind == 2) {
+        share(B, a, b);
+        quantize(l.o, attp, xq_att, a, b);
+#pragma omp barrier
+      }
+      share(l.o.blocks, a, b);
+      linear_range(l.o, attp, &xq_att, B, obp, a, b);
+#pragma omp barrier
+      // residual, post-attention norm
+      share(B, a, b);
+      for (int64_t r = a; r < b; ++r) {
+        add_row(hp + r * hidden, obp + r * hidden, hidden);
+        tpserve::rms_norm_rows(hp, l.post_w.data_ptr<float>(), static_cast<float>(l.post_eps), outp, hidden, r, r + 1);
+      }
+      quantize(l.gate_up, outp, xq_x, a, b);
+#pragma omp barrier
+      share(l.gate_up.blocks, a, b);
+      linear_range(l.gate_up, outp, &xq_x, B, gup, a, b);
+#pragma omp barrier
+      const int64_t I = l.gate_up.n / 2;
+      share(B, a, b);
+      for (int64_t r = a; r < b; ++r) silu_mul_row(gup + r * 2 * I, gup + r * 2 * I + I, actp + r * I, I);
+      quantize(l.down, actp, xq_act, a, b);
+#pragma omp barrier
+      share(l.down.blocks, a, b);
+      linear_range(l.down, actp, &xq_act, B, ddp, a, b);
+#pragma omp barrier
+      // residual, the next layer's input norm (or the final norm)
+      share(B, a, b);
+      for (int64_t r = a; r < b; ++r) {
+        add_row(hp + r * hidden, ddp + r * hidden, hidden);
+        tpserve::rms_norm_rows(hp, l.next_w.data_ptr<float>(), static_cast<float>(l.next_eps), outp, hidden, r, r + 1);
+      }
+      if (li + 1 < layers.size()) quantize(layers[li + 1].qkv, outp, xq_x, a, b);
+      xin = outp;
+#pragma omp barrier
+    }
+  }
+  return out;
 }
 
 }  // namespace

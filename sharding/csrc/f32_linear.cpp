@@ -21,6 +21,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "tpserve_kernels.h"
+
 #include <algorithm>
 #include <cstdint>
 #include <type_traits>
@@ -31,7 +33,7 @@
 
 namespace {
 
-constexpr int64_t BW = 32;  // output columns per block
+constexpr int64_t BW = tpserve::F32_BLOCK;  // output columns per block
 constexpr int64_t MR = 8;   // activation rows per tile (8 x 2 accumulators)
 
 template <int R>
@@ -84,7 +86,19 @@ inline void with_rows(int64_t rows, const F& f) {
 
 }  // namespace
 
-namespace tpserve {  // (not anonymous: decode_glue.cpp calls it)
+namespace tpserve {
+
+void f32_range(const float* x, int64_t M, int64_t K, const float* w, const float* bias, int64_t N, float* y, int64_t b0,
+               int64_t b1) {
+  for (int64_t b = b0; b < b1; ++b) {
+    const int64_t n0 = b * BW, ncols = std::min<int64_t>(BW, N - n0);
+    const float* wb = w + b * K * BW;
+    for (int64_t m0 = 0; m0 < M; m0 += MR)
+      with_rows<MR>(std::min<int64_t>(MR, M - m0), [&](auto r) {
+        f32_tile<decltype(r)::value>(x + m0 * K, K, wb, K, bias ? bias + n0 : nullptr, y + m0 * N + n0, N, ncols);
+      });
+  }
+}
 
 at::Tensor f32_linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias, int64_t N) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 3 && x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat,
@@ -105,17 +119,8 @@ at::Tensor f32_linear(const at::Tensor& x, const at::Tensor& w, const std::optio
   const float* xp = xc.data_ptr<float>();
   const float* wp = w.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  // one block is K * 128 bytes of weights: a few per task keeps 2 threads even on the smallest linears
-  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) {
-      const int64_t n0 = b * BW, ncols = std::min<int64_t>(BW, N - n0);
-      const float* wb = wp + b * K * BW;
-      for (int64_t m0 = 0; m0 < M; m0 += MR)
-        with_rows<MR>(std::min<int64_t>(MR, M - m0), [&](auto r) {
-          f32_tile<decltype(r)::value>(xp + m0 * K, K, wb, K, bp ? bp + n0 : nullptr, yp + m0 * N + n0, N, ncols);
-        });
-    }
-  });
+  // one block is K * 128 bytes of weights: a split per block keeps 2 threads even on the smallest linears
+  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) { f32_range(xp, M, K, wp, bp, N, yp, b0, b1); });
   return y;
 }
 

@@ -30,6 +30,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "tpserve_kernels.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -189,43 +191,13 @@ inline void bf16_block(const float* x, int64_t ldx, const uint16_t* w, int64_t K
 #define TPSERVE_VNNI 1
 constexpr int64_t MB_VNNI = 8;  // activation rows per pass: one accumulator each (the 4 weight rows share it)
 
-// Activations quantized per row and block of 32 inputs: q = round(x / s), s = max|x| / 127 (llama.cpp's Q8_0).
-struct QuantizedRows {
-  std::vector<int8_t> q;      // [M, K]
-  std::vector<float> scale;   // [M, K/32]
-  std::vector<int32_t> corr;  // [M, K/32, 4]: -8 * the sum of the q a dot-product lane meets (see int4_vnni_block)
-};
-
-inline QuantizedRows quantize_rows(const float* x, int64_t M, int64_t K) {
-  const int64_t nb = K / 32;
-  QuantizedRows r{std::vector<int8_t>(M * K), std::vector<float>(M * nb), std::vector<int32_t>(M * nb * 4)};
-  at::parallel_for(0, M, std::max<int64_t>(1, 8192 / K), [&](int64_t m0, int64_t m1) {  // threads for prefill only
-  for (int64_t m = m0; m < m1; ++m)
-    for (int64_t b = 0; b < nb; ++b) {
-      const float* xb = x + m * K + b * 32;
-      float amax = 0.f;
-      for (int i = 0; i < 32; ++i) amax = std::max(amax, std::abs(xb[i]));
-      const float inv = amax > 0.f ? 127.f / amax : 0.f;
-      int8_t* qb = r.q.data() + m * K + b * 32;
-      for (int i = 0; i < 32; ++i) qb[i] = static_cast<int8_t>(std::nearbyint(xb[i] * inv));
-      r.scale[m * nb + b] = amax / 127.f;
-      for (int p = 0; p < 4; ++p) {  // lane p of a row meets inputs 4p..4p+3 (low nibbles) and 16+4p.. (high)
-        int32_t sum = 0;
-        for (int i = 0; i < 4; ++i) sum += qb[4 * p + i] + qb[16 + 4 * p + i];
-        r.corr[(m * nb + b) * 4 + p] = -8 * sum;  // the nibbles are w + 8
-      }
-    }
-  });
-  return r;
-}
-
 // R activation rows against one block of 4 int4 rows. Per run of 32 inputs: the block's 64 bytes hold 4 rows x 16
 // bytes; their low nibbles are inputs 0-15 and their high nibbles inputs 16-31 of each row, so two vpdpbusd with the
 // row's activation bytes broadcast to the 4 rows leave, in each int32 lane, 8 products of one row (4 lanes per row),
 // started from the lane's -8 correction. Each run is then scaled by the weights' group scale and the activations'
 // block scale and summed in float32.
 template <int R>
-inline void int4_vnni_block(const QuantizedRows& xq, int64_t m0, const uint8_t* w, int64_t K, int64_t nrows,
+inline void int4_vnni_block(const tpserve::Int8Rows& xq, int64_t m0, const uint8_t* w, int64_t K, int64_t nrows,
                             const at::Half* scale, int64_t G, float* y, int64_t ldy) {
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
@@ -278,21 +250,100 @@ inline void with_rows(int64_t rows, const F& f) {
   f(std::integral_constant<int, MAXR>{});
 }
 
-template <typename Block>
-void run_blocks(int64_t M, int64_t N, const Block& block, int64_t mb = MB) {
-  const int64_t blocks = (N + NB - 1) / NB;
-  // ~16 blocks per task keeps the split even on few cores without fine-grained scheduling.
-  at::parallel_for(0, blocks, 16, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) {
-      const int64_t n0 = b * NB, nrows = std::min<int64_t>(NB, N - n0);
-      for (int64_t m0 = 0; m0 < M; m0 += mb) block(m0, std::min<int64_t>(mb, M - m0), n0, nrows);
+}  // namespace
+
+namespace tpserve {
+
+bool int4_uses_int8_rows() { return has_vnni(); }
+
+void resize_rows(Int8Rows& r, int64_t M, int64_t K) {
+  r.M = M, r.K = K;
+  r.q.resize(M * K);
+  r.scale.resize(M * (K / 32));
+  r.corr.resize(M * (K / 32) * 4);
+}
+
+// Activations quantized per row and block of 32 inputs: q = round(x / s), s = max|x| / 127 (llama.cpp's Q8_0).
+void quantize_rows(const float* x, Int8Rows& r, int64_t m0, int64_t m1, int64_t kb0, int64_t kb1) {
+  const int64_t K = r.K, nb = K / 32;
+  for (int64_t m = m0; m < m1; ++m)
+    for (int64_t b = kb0; b < kb1; ++b) {
+      const float* xb = x + m * K + b * 32;
+      float amax = 0.f;
+      for (int i = 0; i < 32; ++i) amax = std::max(amax, std::abs(xb[i]));
+      const float inv = amax > 0.f ? 127.f / amax : 0.f;
+      int8_t* qb = r.q.data() + m * K + b * 32;
+      for (int i = 0; i < 32; ++i) qb[i] = static_cast<int8_t>(std::nearbyint(xb[i] * inv));
+      r.scale[m * nb + b] = amax / 127.f;
+      for (int p = 0; p < 4; ++p) {  // lane p of a row meets inputs 4p..4p+3 (low nibbles) and 16+4p.. (high)
+        int32_t sum = 0;
+        for (int i = 0; i < 4; ++i) sum += qb[4 * p + i] + qb[16 + 4 * p + i];
+        r.corr[(m * nb + b) * 4 + p] = -8 * sum;  // the nibbles are w + 8
+      }
     }
-  });
+}
+
+namespace {
+
+// the bias of rows [n0, n0 + nrows) added to the M outputs of a block, after the product (as torch's y + bias)
+inline void add_bias(const float* bias, int64_t M, int64_t n0, int64_t nrows, float* y, int64_t N) {
+  if (!bias) return;
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t j = 0; j < nrows; ++j) y[m * N + n0 + j] += bias[n0 + j];
 }
 
 }  // namespace
 
-namespace tpserve {  // (not anonymous: decode_glue.cpp calls them)
+void int8_range(const float* x, int64_t M, int64_t K, const int8_t* w, const float* scale, const float* bias, int64_t N,
+                float* y, int64_t b0, int64_t b1) {
+  for (int64_t b = b0; b < b1; ++b) {
+    const int64_t n0 = b * NB, nrows = std::min<int64_t>(NB, N - n0);
+    for (int64_t m0 = 0; m0 < M; m0 += MB)
+      with_rows<MB>(std::min<int64_t>(MB, M - m0), [&](auto r) {
+        int8_block<decltype(r)::value>(x + m0 * K, K, w + n0 * K, K, nrows, scale + n0, y + m0 * N + n0, N);
+      });
+    add_bias(bias, M, n0, nrows, y, N);
+  }
+}
+
+void bf16_range(const float* x, int64_t M, int64_t K, const uint16_t* w, const float* bias, int64_t N, float* y,
+                int64_t b0, int64_t b1) {
+  for (int64_t b = b0; b < b1; ++b) {
+    const int64_t n0 = b * NB, nrows = std::min<int64_t>(NB, N - n0);
+    for (int64_t m0 = 0; m0 < M; m0 += MB)
+      with_rows<MB>(std::min<int64_t>(MB, M - m0), [&](auto r) {
+        bf16_block<decltype(r)::value>(x + m0 * K, K, w + n0 * K, K, nrows, y + m0 * N + n0, N);
+      });
+    add_bias(bias, M, n0, nrows, y, N);
+  }
+}
+
+void int4_range(const float* x, const Int8Rows* xq, int64_t M, int64_t K, const uint8_t* w, const at::Half* scale,
+                int64_t G, const float* bias, int64_t N, float* y, int64_t b0, int64_t b1) {
+  const int64_t ng = K / G;
+  for (int64_t b = b0; b < b1; ++b) {
+    const int64_t n0 = b * NB, nrows = std::min<int64_t>(NB, N - n0);
+#ifdef TPSERVE_VNNI
+    (void)x;
+    for (int64_t m0 = 0; m0 < M; m0 += MB_VNNI)
+      with_rows<MB_VNNI>(std::min<int64_t>(MB_VNNI, M - m0), [&](auto r) {
+        int4_vnni_block<decltype(r)::value>(*xq, m0, w + n0 * (K / 2), K, nrows, scale + n0 * ng, G, y + m0 * N + n0, N);
+      });
+#else
+    (void)xq;
+    for (int64_t m0 = 0; m0 < M; m0 += MB)
+      with_rows<MB>(std::min<int64_t>(MB, M - m0), [&](auto r) {
+        int4_block<decltype(r)::value>(x + m0 * K, K, w + n0 * (K / 2), K, nrows, scale + n0 * ng, G, y + m0 * N + n0,
+                                       N);
+      });
+#endif
+    add_bias(bias, M, n0, nrows, y, N);
+  }
+}
+
+// The ops: output blocks split over torch's intra-op threads, ~16 blocks per task at least (an even split on few
+// cores without fine-grained scheduling).
+constexpr int64_t GRAIN = 16;
 
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && scale.dim() == 1, "int8_linear: x [M, K], w [N/4, 4K], scale [N]");
@@ -308,11 +359,7 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
   const int8_t* wp = w.data_ptr<int8_t>();
   const float* sp = scale.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  run_blocks(M, N, [&](int64_t m0, int64_t rows, int64_t n0, int64_t nrows) {
-    const float* xr = xp + m0 * K;
-    float* yr = yp + m0 * N + n0;
-    with_rows<MB>(rows, [&](auto r) { int8_block<decltype(r)::value>(xr, K, wp + n0 * K, K, nrows, sp + n0, yr, N); });
-  });
+  at::parallel_for(0, w.size(0), GRAIN, [&](int64_t b0, int64_t b1) { int8_range(xp, M, K, wp, sp, nullptr, N, yp, b0, b1); });
   return y;
 }
 
@@ -332,23 +379,16 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
   const uint8_t* wp = w.data_ptr<uint8_t>();
   const at::Half* sp = scale.data_ptr<at::Half>();
   float* yp = y.data_ptr<float>();
-  const int64_t ng = K / G;
-#ifdef TPSERVE_VNNI
-  const QuantizedRows xq = quantize_rows(xp, M, K);
-  run_blocks(M, N, [&](int64_t m0, int64_t rows, int64_t n0, int64_t nrows) {
-    float* yr = yp + m0 * N + n0;
-    with_rows<MB_VNNI>(rows, [&](auto r) {
-      int4_vnni_block<decltype(r)::value>(xq, m0, wp + n0 * (K / 2), K, nrows, sp + n0 * ng, G, yr, N);
+  Int8Rows xq;
+  if (int4_uses_int8_rows()) {
+    resize_rows(xq, M, K);
+    at::parallel_for(0, M, std::max<int64_t>(1, 8192 / K), [&](int64_t m0, int64_t m1) {  // threads for prefill only
+      quantize_rows(xp, xq, m0, m1, 0, K / 32);
     });
-  }, MB_VNNI);
-#else
-  run_blocks(M, N, [&](int64_t m0, int64_t rows, int64_t n0, int64_t nrows) {
-    const float* xr = xp + m0 * K;
-    const uint8_t* wr = wp + n0 * (K / 2);
-    float* yr = yp + m0 * N + n0;
-    with_rows<MB>(rows, [&](auto r) { int4_block<decltype(r)::value>(xr, K, wr, K, nrows, sp + n0 * ng, G, yr, N); });
+  }
+  at::parallel_for(0, blocks, GRAIN, [&](int64_t b0, int64_t b1) {
+    int4_range(xp, &xq, M, K, wp, sp, G, nullptr, N, yp, b0, b1);
   });
-#endif
   return y;
 }
 
@@ -364,11 +404,7 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& w, int64_t N) {
   const float* xp = xc.data_ptr<float>();
   const uint16_t* wp = reinterpret_cast<const uint16_t*>(w.data_ptr<uint8_t>());
   float* yp = y.data_ptr<float>();
-  run_blocks(M, N, [&](int64_t m0, int64_t rows, int64_t n0, int64_t nrows) {
-    const float* xr = xp + m0 * K;
-    float* yr = yp + m0 * N + n0;
-    with_rows<MB>(rows, [&](auto r) { bf16_block<decltype(r)::value>(xr, K, wp + n0 * K, K, nrows, yr, N); });
-  });
+  at::parallel_for(0, w.size(0), GRAIN, [&](int64_t b0, int64_t b1) { bf16_range(xp, M, K, wp, nullptr, N, yp, b0, b1); });
   return y;
 }
 

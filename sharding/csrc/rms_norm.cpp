@@ -7,9 +7,24 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "tpserve_kernels.h"
+
 #include <cmath>
 
-namespace tpserve {  // (not anonymous: decode_glue.cpp calls it)
+namespace tpserve {
+
+void rms_norm_rows(const float* x, const float* w, float eps, float* y, int64_t D, int64_t r0, int64_t r1) {
+  for (int64_t r = r0; r < r1; ++r) {
+    const float* xr = x + r * D;
+    float* yr = y + r * D;
+    float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+    for (int64_t i = 0; i < D; ++i) ss += xr[i] * xr[i];
+    const float inv = 1.f / std::sqrt(ss / static_cast<float>(D) + eps);
+#pragma omp simd
+    for (int64_t i = 0; i < D; ++i) yr[i] = w[i] * (xr[i] * inv);
+  }
+}
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 1 && x.size(1) == w.size(0), "rms_norm: x [M, D], w [D]");
@@ -21,18 +36,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
   const float* wp = wc.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   const float feps = static_cast<float>(eps);
-  auto rows = [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
-      const float* xr = xp + r * D;
-      float* yr = yp + r * D;
-      float ss = 0.f;
-#pragma omp simd reduction(+ : ss)
-      for (int64_t i = 0; i < D; ++i) ss += xr[i] * xr[i];
-      const float inv = 1.f / std::sqrt(ss / static_cast<float>(D) + feps);
-#pragma omp simd
-      for (int64_t i = 0; i < D; ++i) yr[i] = wp[i] * (xr[i] * inv);
-    }
-  };
+  auto rows = [&](int64_t r0, int64_t r1) { rms_norm_rows(xp, wp, feps, yp, D, r0, r1); };
   if (M * D >= 65536) {
     at::parallel_for(0, M, std::max<int64_t>(1, 16384 / D), rows);
   } else {

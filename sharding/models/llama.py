@@ -180,7 +180,7 @@ def _compile_plan(plan: _DecodePlan, world_size: int) -> object:
     """The layers as one compiled DecodeLayers (sharding/csrc/decode_glue.cpp), where every linear has a compiled
     kernel and there is no all-reduce between them (TP=1); else None (the Python loop of _decode_fast)."""
     ops = kernels.decode_layers_ops()
-    if ops is None or world_size != 1:
+    if ops is None or world_size != 1 or any(f.q_index is not None for f in plan.layers):
         return None
     linears = [[_plan_linear(lin) for lin in (f.qkv, f.o_proj, f.gate_up, f.down)] for f in plan.layers]
     if any(spec is None for layer in linears for spec in layer):
@@ -190,8 +190,8 @@ def _compile_plan(plan: _DecodePlan, world_size: int) -> object:
         for spec in specs:
             compiled.add_linear(*spec)
         a = f.attn
-        compiled.add_layer(a.cache.pool, f.q_index, f.out_index, a.num_heads, a.num_kv_heads, a.scale,
-                           f.post_norm.weight, f.post_norm.eps, f.next_norm.weight, f.next_norm.eps)
+        compiled.add_layer(a.cache.pool, a.num_heads, a.num_kv_heads, a.scale, f.post_norm.weight, f.post_norm.eps,
+                           f.next_norm.weight, f.next_norm.eps)
     return compiled
 
 

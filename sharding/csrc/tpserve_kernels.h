@@ -1,0 +1,57 @@
+// What the CPU kernel files share: raw-pointer entry points over a range of work, so that decode_glue.cpp's
+// decode_layers can run a whole decode step in one OpenMP team (each thread its share of every phase, barriers
+// between phases) while the torch ops run the same code through at::parallel_for. Same code, same arithmetic: the
+// two paths give bitwise the same results (tests/sharding/test_perf_paths.py).
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <optional>
+#include <vector>
+
+namespace tpserve {
+
+// ---- linears: y [M, N] (row stride N) from x [M, K] contiguous, over output blocks [b0, b1) -------------------------
+// quant_linear.cpp: blocks of 4 output rows (int8, int4, bf16 weights as quant.py's pack_rows stores them)
+constexpr int64_t QUANT_BLOCK = 4;
+void int8_range(const float* x, int64_t M, int64_t K, const int8_t* w, const float* scale, const float* bias, int64_t N,
+                float* y, int64_t b0, int64_t b1);
+void bf16_range(const float* x, int64_t M, int64_t K, const uint16_t* w, const float* bias, int64_t N, float* y,
+                int64_t b0, int64_t b1);
+
+// int4 on CPUs with AVX-512 VNNI multiplies int8 activations: x quantized per row and block of 32 inputs (Q8_0's
+// scheme), once per input, by quantize_rows (blocks [kb0, kb1) of every row; `rows` sized by resize_rows first)
+struct Int8Rows {
+  std::vector<int8_t> q;      // [M, K]
+  std::vector<float> scale;   // [M, K/32]
+  std::vector<int32_t> corr;  // [M, K/32, 4]: -8 * the sums of q that a dot-product lane meets (see int4_vnni_block)
+  int64_t M = 0, K = 0;
+};
+bool int4_uses_int8_rows();
+void resize_rows(Int8Rows& r, int64_t M, int64_t K);
+void quantize_rows(const float* x, Int8Rows& r, int64_t m0, int64_t m1, int64_t kb0, int64_t kb1);
+// xq: the quantized x when int4_uses_int8_rows(), else unused
+void int4_range(const float* x, const Int8Rows* xq, int64_t M, int64_t K, const uint8_t* w, const at::Half* scale,
+                int64_t G, const float* bias, int64_t N, float* y, int64_t b0, int64_t b1);
+
+// f32_linear.cpp: blocks of 32 output columns (kernels.block_f32)
+constexpr int64_t F32_BLOCK = 32;
+void f32_range(const float* x, int64_t M, int64_t K, const float* w, const float* bias, int64_t N, float* y, int64_t b0,
+               int64_t b1);
+
+// ---- the rest of a decode layer --------------------------------------------------------------------------------------
+// rotary.cpp: dst = rotary(src) over one head of D floats (dst may be src)
+void rotate_head(float* dst, const float* src, const float* c, const float* s, int64_t D);
+// rms_norm.cpp: rows [r0, r1) of y = w * (x * rsqrt(mean(x^2) + eps))
+void rms_norm_rows(const float* x, const float* w, float eps, float* y, int64_t D, int64_t r0, int64_t r1);
+// paged_attention.cpp: one (sequence, KV head): its G query heads qbh [G, D] against keys [first, len) of the head's
+// K/V blocks (kh/vh: the head's [blocks, BS, D] pool), out obh [G, D]; scores: scratch
+void paged_attention_head(const float* qbh, const float* kh, const float* vh, const int64_t* blocks, int64_t len,
+                          int64_t first, int64_t G, int64_t D, int64_t BS, float scale, std::vector<float>& scores,
+                          float* obh);
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& pool, const at::Tensor& table,
+                                  const at::Tensor& lens, double scale, int64_t window);
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps);
+
+}  // namespace tpserve
