@@ -12,8 +12,9 @@ llama-quantize). tpserve generates 128 greedy tokens after a 22-token chat promp
 tokens after a 22-token context, no sampling), in a fresh process per round. Same threads for both (default: all cores). Every round runs every pair once, so a slow spell of a shared
 host hits all alike; medians over rounds are reported, and each ratio is taken within one round.
 
---linears times each weight-only kernel against the packed oneDNN float32 linear tpserve uses unquantized (and int8
-dequantized to float32 for F.linear, the path without the kernel), at --rows activation rows (default 1), and prints
+--linears times each weight-only kernel and tpserve's float32 kernel (f32_linear, what it runs unquantized) against
+oneDNN's packed float32 linear (what it ran before; and int8 dequantized to float32 for F.linear, the path without
+the kernel), at --rows activation rows (default 1), and prints
 the weight bytes streamed per second. The weights of one linear fit this host's caches: these are kernel speeds, not
 memory bandwidth; the decode benchmark above is the one that streams a whole model per token.
 """
@@ -145,14 +146,16 @@ def bench_linears(threads: int, iters: int, row_counts: list[int]) -> list[dict]
     shapes = {"qkv": (576 + 2 * 192, 576), "o": (576, 576), "gate_up": (2 * 1536, 576), "down": (576, 1536),
               "lm_head": (49152, 576)}
     rows = []
-    print(f"{'linear':<8} {'M':>3} {'N x K':>12} | {'fp32 oneDNN':>18} | {'int8':>18} | {'int4':>18} | "
-          f"{'bf16':>18} | {'int8 dequant+F.linear':>21}")
+    print(f"{'linear':<8} {'M':>3} {'N x K':>12} | {'fp32 oneDNN':>18} | {'fp32 f32_linear':>18} | {'int8':>18} | "
+          f"{'int4':>18} | {'bf16':>18} | {'int8 dequant+F.linear':>21}")
     for (name, (n, k)), m in ((s, m) for s in shapes.items() for m in row_counts):
         torch.manual_seed(0)
         w = torch.randn(n, k) * 0.02
         x = torch.randn(m, k)
         packed = kernels.pack(w)
-        runs = {"fp32": (lambda: kernels.packed_linear(x, packed, None), n * k * 4)}
+        blocked, f32 = kernels.block_f32(w), kernels.f32_linear_op()
+        runs = {"fp32": (lambda: kernels.packed_linear(x, packed, None), n * k * 4),
+                "f32_kernel": (lambda: f32(x, blocked, None, n), n * k * 4)}
         for mode in ("int8", "int4", "bf16"):
             qw = quant.quantize(w, mode, 32)
             runs[mode] = ((lambda qw=qw: quant.linear(x, qw)), qw.nbytes())

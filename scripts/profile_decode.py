@@ -5,9 +5,10 @@
 
 Three measurements of 64 greedy tokens after a short chat prompt, in this order:
 1. plain: ms per token, nothing attached;
-2. split: the same with timers around the model's forward and around every linear's matmul, so
-   step - forward = engine work (scheduling, sampling, detokenizing) and forward - linears = everything else in the
-   model (norms, rotary, attention, residuals, Python);
+2. split: the same with timers around the model's forward, around every linear's matmul and around decode_layers
+   (at TP=1 every layer of a decode step is that one call, its linears included; the linears timed apart are then
+   the LM head and prefill's), so step - forward = engine work (scheduling, metadata, sampling, detokenizing) and
+   forward - decode_layers - linears = everything else in the model (embedding, norms, Python);
 3. torch.profiler: self CPU time per op, per token (the profiler adds its own overhead to every op; read the ranking,
    not the absolute numbers).
 Writes results/profile_decode_<precision>.json.
@@ -57,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     llm.generate([ids], params)
     plain = (time.perf_counter() - t0) / TOKENS * 1e3
 
-    spent = {"forward": 0.0, "linears": 0.0}
+    spent = {"forward": 0.0, "linears": 0.0, "layers": 0.0}
     steps: list[float] = []
     model, matmul = llm.runner.model, layers._Linear.matmul
     forward = model.forward
@@ -74,15 +75,28 @@ def main(argv: list[str] | None = None) -> int:
         spent["linears"] += time.perf_counter() - t
         return out
 
+    plan = getattr(model, "_plan", None)
+    run = getattr(plan, "run", None) if plan else None
+
+    def timed_run(*a):  # decode_layers (TP=1): every layer in one call, its linears included
+        t = time.perf_counter()
+        out = run(*a)
+        spent["layers"] += time.perf_counter() - t
+        return out
+
+    if run is not None:
+        plan.run = timed_run
     model.forward, layers._Linear.matmul = timed_forward, timed_matmul
     llm.engine.step_listeners.append(lambda dt, n: steps.append(dt))
     t0 = time.perf_counter()
     llm.generate([ids], params)
     total = (time.perf_counter() - t0) / TOKENS * 1e3
     model.forward, layers._Linear.matmul = forward, matmul
+    if run is not None:
+        plan.run = run
     llm.engine.step_listeners.pop()
     split = dict(total_ms=total, step_ms=sum(steps) / TOKENS * 1e3, forward_ms=spent["forward"] / TOKENS * 1e3,
-                 linears_ms=spent["linears"] / TOKENS * 1e3)
+                 linears_ms=spent["linears"] / TOKENS * 1e3, layers_ms=spent["layers"] / TOKENS * 1e3)
 
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         llm.generate([ids], params)
@@ -94,9 +108,11 @@ def main(argv: list[str] | None = None) -> int:
     name = args.quantization or (args.dtype if args.dtype != "auto" else "float32")
     print(f"CPU: {cpu_name()}, {args.threads} threads, {name}")
     print(f"plain: {plain:.2f} ms/token")
+    rest = split['forward_ms'] - split['linears_ms'] - split['layers_ms']
     print(f"split: {split['total_ms']:.2f} ms/token = engine {split['total_ms'] - split['forward_ms']:.2f} + "
-          f"model forward {split['forward_ms']:.2f} (linears {split['linears_ms']:.2f}, everything else "
-          f"{split['forward_ms'] - split['linears_ms']:.2f})")
+          f"model forward {split['forward_ms']:.2f} ("
+          + (f"decode_layers {split['layers_ms']:.2f}, " if split['layers_ms'] else "")
+          + f"linears {split['linears_ms']:.2f}, everything else {rest:.2f})")
     print(f"{'op (torch.profiler, self CPU)':<40} {'us/token':>9} {'calls/token':>12}")
     for row in top:
         print(f"{row['op'][:40]:<40} {row['self_us_per_token']:9.0f} {row['calls_per_token']:12.1f}")

@@ -1,13 +1,17 @@
-"""CPU linears through oneDNN with weights packed once at load.
+"""CPU linears with weights laid out once at load, and the compiled CPU kernels (sharding/csrc/).
 
-torch's default CPU path for `F.linear` (MKL sgemm/sgemv) streams SmolLM2's 538 MB of fp32 weights in ~47 ms per
-batch-1 step on this 2-core machine (11 GB/s) and is slower still at 2 <= M <= 32 rows. The same products through
-oneDNN with the weight reordered once into its blocked layout take ~29 ms, and 29 ms at M=8 where MKL takes 69
-(scripts/bench_linear.py). The packed copy replaces the plain weight (same size); results equal F.linear to fp32
-rounding (another summation order); in bf16 the bias may be added after rounding (within two bf16 roundings).
+float32 linears run through our own kernel (f32_linear.cpp) over the weight stored in blocks of 32 output columns
+(`block_f32`): at one row it streams SmolLM2's 538 MB at the memory's speed, ~30 % faster than oneDNN's packed
+linear, and it matched oneDNN from 8 rows to 512 (BENCHMARKS.md section 10). Each output is summed in the same order
+whatever the batch, so a row's product does not depend on the rows batched with it.
 
-This is the kernel torch's own inductor uses for frozen CPU linears (`mkldnn._linear_pointwise`); it is used only on
-CPU for float32/bfloat16 when oneDNN is available, and can be turned off with TPSERVE_PREPACK=0.
+bfloat16 linears (`--dtype bfloat16`), and float32 ones where the compiled kernels are not built, go through oneDNN
+with the weight reordered once into its blocked layout: torch's default `F.linear` (MKL sgemm/sgemv) streamed the
+fp32 weights in ~47 ms per batch-1 step (11 GB/s) and was slower still at 2 <= M <= 32 rows; oneDNN took ~29 ms
+(scripts/bench_linear.py). This is the kernel torch's own inductor uses for frozen CPU linears
+(`mkldnn._linear_pointwise`); TPSERVE_PREPACK=0 turns it off. Either copy replaces the plain weight (same size);
+results equal F.linear to fp32 rounding (another summation order); in bf16 the bias may be added after rounding
+(within two bf16 roundings).
 """
 
 from __future__ import annotations

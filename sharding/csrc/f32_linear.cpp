@@ -10,10 +10,11 @@
 // (the microkernel shape of BLAS GEMMs). Over the threads, each one's blocks are one contiguous range, so at one row
 // a thread reads its weights as a single sequential stream, the pattern that reaches this host's memory bandwidth
 // (BENCHMARKS.md). oneDNN's packed linears, used before, stream the same weights ~30 % slower at one row; this
-// kernel matched them from 8 rows to 512 (BENCHMARKS.md section 2c).
+// kernel matched them from 8 rows to 512 (BENCHMARKS.md section 10).
 //
 // Every output is summed the same way whatever the row count or the tile: acc = fma(x[m, k], W[n, k], acc) for
-// k = 0 .. K-1 from zero, then + bias. So a sequence's logits do not depend on what else is in its batch.
+// k = 0 .. K-1 from zero, then + bias. So a row's product does not depend on the rows batched with it (oneDNN picks
+// its kernel by the row count).
 //
 // Other CPUs get the same loops in portable C++ (auto-vectorized). Built by sharding/kernels.py with the others.
 
