@@ -189,14 +189,6 @@ class AttentionMetadata:
         else:
             ones = torch.ones(n_seqs, dtype=torch.int64)
             logits_indices = _logits_indices(torch.arange(1, n_seqs + 1), ones, table[:, 3])
-        decode_mask = None
-        window = sliding_window
-        if (window is not None and decode_len > window) or bool((lens != decode_len).any()):
-            k = np.arange(decode_len)[None, :]
-            mask = k < lens[:, None]
-            if window is not None and decode_len > window:
-                mask &= k >= lens[:, None] - window
-            decode_mask = torch.from_numpy(mask)
         if rotary is None:
             cos = sin = None
         elif n_seqs == 1:
@@ -215,12 +207,11 @@ class AttentionMetadata:
             decode_blocks=None if contiguous else torch.from_numpy(blocks),
             decode_range=(first, first + blocks.size) if contiguous else None,
             decode_len=decode_len,
-            decode_mask=decode_mask,
+            decode_mask=None,
             prefills=[],
             logits_indices=logits_indices,
             all_decode=True,
-            window=window,
-        )
+        ).windowed(sliding_window)  # the decode mask, where lengths differ or a window cuts
 
     def windowed(self, window: int | None) -> "AttentionMetadata":
         """This step's masks with each query limited to the `window` latest keys (itself included), as transformers'

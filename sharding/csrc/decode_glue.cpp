@@ -362,6 +362,14 @@ at::Tensor decode_layers(const c10::intrusive_ptr<DecodeLayers>& plan, at::Tenso
     const auto quantize = [&](const PlanLinear& l, const float* src, tpserve::Int8Rows& rows, int64_t r0, int64_t r1) {
       if (int8_rows && l.kind == 2) tpserve::quantize_rows(src, rows, r0, r1, 0, l.k / 32);
     };
+    // h += delta and out = rms_norm(h), over this thread's rows (which stay a, b for the quantize after it)
+    const auto residual_norm = [&](const float* delta, const at::Tensor& w, double eps) {
+      share(B, a, b);
+      for (int64_t r = a; r < b; ++r) {
+        add_row(hp + r * hidden, delta + r * hidden, hidden);
+        tpserve::rms_norm_rows(hp, w.data_ptr<float>(), static_cast<float>(eps), outp, hidden, r, r + 1);
+      }
+    };
     share(B, a, b);
     quantize(layers[0].qkv, xin, xq_x, a, b);
 #pragma omp barrier
@@ -402,12 +410,7 @@ at::Tensor decode_layers(const c10::intrusive_ptr<DecodeLayers>& plan, at::Tenso
       share(l.o.blocks, a, b);
       linear_range(l.o, attp, &xq_att, B, obp, a, b);
 #pragma omp barrier
-      // residual, post-attention norm
-      share(B, a, b);
-      for (int64_t r = a; r < b; ++r) {
-        add_row(hp + r * hidden, obp + r * hidden, hidden);
-        tpserve::rms_norm_rows(hp, l.post_w.data_ptr<float>(), static_cast<float>(l.post_eps), outp, hidden, r, r + 1);
-      }
+      residual_norm(obp, l.post_w, l.post_eps);  // the post-attention norm
       quantize(l.gate_up, outp, xq_x, a, b);
 #pragma omp barrier
       share(l.gate_up.blocks, a, b);
@@ -421,12 +424,7 @@ at::Tensor decode_layers(const c10::intrusive_ptr<DecodeLayers>& plan, at::Tenso
       share(l.down.blocks, a, b);
       linear_range(l.down, actp, &xq_act, B, ddp, a, b);
 #pragma omp barrier
-      // residual, the next layer's input norm (or the final norm)
-      share(B, a, b);
-      for (int64_t r = a; r < b; ++r) {
-        add_row(hp + r * hidden, ddp + r * hidden, hidden);
-        tpserve::rms_norm_rows(hp, l.next_w.data_ptr<float>(), static_cast<float>(l.next_eps), outp, hidden, r, r + 1);
-      }
+      residual_norm(ddp, l.next_w, l.next_eps);  // the next layer's input norm (or the final norm)
       if (li + 1 < layers.size()) quantize(layers[li + 1].qkv, outp, xq_x, a, b);
       xin = outp;
 #pragma omp barrier

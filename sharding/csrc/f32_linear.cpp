@@ -77,14 +77,6 @@ inline void f32_tile(const float* x, int64_t ldx, const float* w, int64_t K, con
 #endif
 }
 
-template <int MAXR, typename F>
-inline void with_rows(int64_t rows, const F& f) {
-  if constexpr (MAXR > 1) {
-    if (rows < MAXR) return with_rows<MAXR - 1>(rows, f);
-  }
-  f(std::integral_constant<int, MAXR>{});
-}
-
 }  // namespace
 
 namespace tpserve {

@@ -240,16 +240,6 @@ bool has_vnni() {
 #endif
 }
 
-// Calls f(std::integral_constant<int, R>{}) for R = rows (1 <= rows <= MAXR): the row count becomes a compile-time
-// constant, so each block's accumulators stay in registers.
-template <int MAXR, typename F>
-inline void with_rows(int64_t rows, const F& f) {
-  if constexpr (MAXR > 1) {
-    if (rows < MAXR) return with_rows<MAXR - 1>(rows, f);
-  }
-  f(std::integral_constant<int, MAXR>{});
-}
-
 }  // namespace
 
 namespace tpserve {

@@ -8,9 +8,20 @@
 
 #include <cstdint>
 #include <optional>
+#include <type_traits>
 #include <vector>
 
 namespace tpserve {
+
+// Calls f(std::integral_constant<int, R>{}) for R = rows (1 <= rows <= MAXR): the row count becomes a compile-time
+// constant, so a tile's accumulators stay in registers.
+template <int MAXR, typename F>
+inline void with_rows(int64_t rows, const F& f) {
+  if constexpr (MAXR > 1) {
+    if (rows < MAXR) return with_rows<MAXR - 1>(rows, f);
+  }
+  f(std::integral_constant<int, MAXR>{});
+}
 
 // ---- linears: y [M, N] (row stride N) from x [M, K] contiguous, over output blocks [b0, b1) -------------------------
 // quant_linear.cpp: blocks of 4 output rows (int8, int4, bf16 weights as quant.py's pack_rows stores them)
