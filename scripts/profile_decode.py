@@ -2,6 +2,7 @@
 
     python scripts/profile_decode.py                       # float32, default model
     python scripts/profile_decode.py --quantization int8 --rows 20
+    python scripts/profile_decode.py --quantization int4 --batch 32   # a decode step of 32 sequences
 
 Three measurements of 64 greedy tokens after a short chat prompt, in this order:
 1. plain: ms per token, nothing attached;
@@ -39,6 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quantization", choices=["int8", "int4", "bf16"])
     ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     ap.add_argument("--rows", type=int, default=15, help="profiler rows to print")
+    ap.add_argument("--batch", type=int, default=1, help="sequences decoded together (figures are per step)")
     args = ap.parse_args(argv)
     os.environ["TPSERVE_THREADS"] = str(args.threads)
     from torch.profiler import ProfilerActivity, profile
@@ -49,13 +51,14 @@ def main(argv: list[str] | None = None) -> int:
     from sharding import layers
 
     llm = LLM(args.model or str(ensure_default_model()), dtype=args.dtype, quantization=args.quantization,
-              max_num_seqs=1, kv_cache_memory=256 << 20)
+              max_num_seqs=args.batch, kv_cache_memory=256 << 20)
     ids = llm.tokenizer.encode("<|im_start|>user\nTell me a story.<|im_end|>\n<|im_start|>assistant\n")
     params = SamplingParams(max_tokens=TOKENS, temperature=0, ignore_eos=True)
-    llm.generate([ids], params)  # warm-up
+    prompts = [ids] * args.batch
+    llm.generate(prompts, params)  # warm-up
 
     t0 = time.perf_counter()
-    llm.generate([ids], params)
+    llm.generate(prompts, params)
     plain = (time.perf_counter() - t0) / TOKENS * 1e3
 
     spent = {"forward": 0.0, "linears": 0.0, "layers": 0.0}
@@ -89,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     model.forward, layers._Linear.matmul = timed_forward, timed_matmul
     llm.engine.step_listeners.append(lambda dt, n: steps.append(dt))
     t0 = time.perf_counter()
-    llm.generate([ids], params)
+    llm.generate(prompts, params)
     total = (time.perf_counter() - t0) / TOKENS * 1e3
     model.forward, layers._Linear.matmul = forward, matmul
     if run is not None:
@@ -99,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
                  linears_ms=spent["linears"] / TOKENS * 1e3, layers_ms=spent["layers"] / TOKENS * 1e3)
 
     with profile(activities=[ProfilerActivity.CPU]) as prof:
-        llm.generate([ids], params)
+        llm.generate(prompts, params)
     llm.close()
     ops = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
     top = [dict(op=e.key, self_us_per_token=e.self_cpu_time_total / TOKENS, calls_per_token=e.count / TOKENS)
@@ -107,18 +110,20 @@ def main(argv: list[str] | None = None) -> int:
 
     name = args.quantization or (args.dtype if args.dtype != "auto" else "float32")
     print(f"CPU: {cpu_name()}, {args.threads} threads, {name}")
-    print(f"plain: {plain:.2f} ms/token")
+    unit = "token" if args.batch == 1 else f"step of {args.batch}"
+    print(f"plain: {plain:.2f} ms/{unit}" + (f" ({args.batch / plain * 1e3:.1f} tok/s)" if args.batch > 1 else ""))
     rest = split['forward_ms'] - split['linears_ms'] - split['layers_ms']
-    print(f"split: {split['total_ms']:.2f} ms/token = engine {split['total_ms'] - split['forward_ms']:.2f} + "
+    print(f"split: {split['total_ms']:.2f} ms/{unit} = engine {split['total_ms'] - split['forward_ms']:.2f} + "
           f"model forward {split['forward_ms']:.2f} ("
           + (f"decode_layers {split['layers_ms']:.2f}, " if split['layers_ms'] else "")
           + f"linears {split['linears_ms']:.2f}, everything else {rest:.2f})")
-    print(f"{'op (torch.profiler, self CPU)':<40} {'us/token':>9} {'calls/token':>12}")
+    print(f"{'op (torch.profiler, self CPU)':<40} {'us/' + unit[:4]:>9} {'calls/' + unit[:4]:>12}")
     for row in top:
         print(f"{row['op'][:40]:<40} {row['self_us_per_token']:9.0f} {row['calls_per_token']:12.1f}")
-    out = ROOT / "results" / f"profile_decode_{name}.json"
+    out = ROOT / "results" / f"profile_decode_{name}{'' if args.batch == 1 else f'_b{args.batch}'}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(dict(cpu=cpu_name(), threads=args.threads, precision=name, plain_ms=plain, **split,
+    out.write_text(json.dumps(dict(cpu=cpu_name(), threads=args.threads, precision=name, batch=args.batch,
+                                   plain_ms=plain, **split,
                                    top_ops=top), indent=2))
     print(f"saved {out}")
     return 0

@@ -37,6 +37,7 @@ from sharding import kernels
 
 MODES = ("int8", "int4", "bf16")
 INT4_GROUP_SIZES = (32, 128)
+INT8_GROUP = 32  # inputs per int8 scale (Q8_0's block)
 DEQUANT_CHUNK = 1024  # output rows dequantized at a time on the fallback path (bounded transient memory)
 
 
@@ -67,7 +68,7 @@ def unpack_rows(packed: torch.Tensor, r: int, run: int = 16) -> torch.Tensor:
 @dataclass(slots=True)
 class QuantizedWeight:
     """A quantized [out, in] weight: `data` the rows as pack_rows stores them, int8 (int8: a row is `in` bytes) or
-    uint8 (int4: `in / 2` bytes; bf16: `2 * in`); `scale` float32 [out] (int8), empty (bf16), or for int4 float16
+    uint8 (int4: `in / 2` bytes; bf16: `2 * in`); `scale` empty (bf16), or for int8 and int4 float16
     [ceil(out / 4), in / group, 4]: each block of 4 rows' scales, group by group (zeros pad the last block), so that
     the kernel reads a block's scales with its weights (`row_scales` gives [out, in / group])."""
 
@@ -80,7 +81,7 @@ class QuantizedWeight:
     kernel: tuple | None = None  # (op, its arguments after x): see bind
 
     def row_scales(self) -> torch.Tensor:
-        """int4: the scales as [out, in / group]."""
+        """int8, int4: the scales as [out, in / group]."""
         nb, ng, _ = self.scale.shape
         return self.scale.transpose(1, 2).reshape(nb * ROW_BLOCK, ng)[: self.out_features].float()
 
@@ -106,7 +107,8 @@ def group_for(in_features: int, group: int) -> int:
 
 def supported(mode: str, in_features: int, group: int) -> bool:
     """Whether a linear with this many inputs can be quantized (the kernels need whole vectors / groups)."""
-    return in_features % (group_for(in_features, group) if mode == "int4" else 16) == 0
+    need = {"int4": group_for(in_features, group), "int8": INT8_GROUP}.get(mode, 16)
+    return in_features % need == 0
 
 
 def quantize(weight: torch.Tensor, mode: str, group: int = 32) -> QuantizedWeight:
@@ -116,10 +118,12 @@ def quantize(weight: torch.Tensor, mode: str, group: int = 32) -> QuantizedWeigh
         data = w.to(torch.bfloat16).view(torch.int16).view(torch.uint8)  # [out, 2 * in], little-endian values
         return bind(QuantizedWeight(mode, pack_rows(data, RUN[mode]), w.new_zeros(0), in_features, out_features))
     if mode == "int8":
-        scale = w.abs().amax(dim=1) / 127.0
+        g = w.reshape(out_features, in_features // INT8_GROUP, INT8_GROUP)
+        scale = (g.abs().amax(dim=-1) / 127.0).clamp(max=65504).half().float()  # stored as float16
         inv = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
-        q = torch.round(w * inv[:, None]).clamp_(-127, 127).to(torch.int8)
-        return bind(QuantizedWeight(mode, pack_rows(q, RUN[mode]), scale.contiguous(), in_features, out_features))
+        q = torch.round(g * inv[..., None]).clamp_(-127, 127).to(torch.int8).reshape(out_features, in_features)
+        return bind(QuantizedWeight(mode, pack_rows(q, RUN[mode]), block_scales(scale), in_features, out_features,
+                                    INT8_GROUP))
     group = group_for(in_features, group)
     g = w.reshape(out_features, in_features // group, group)
     idx = g.abs().argmax(dim=-1, keepdim=True)
@@ -128,12 +132,17 @@ def quantize(weight: torch.Tensor, mode: str, group: int = 32) -> QuantizedWeigh
     q = (torch.round(g * inv[..., None]).clamp_(-8, 7) + 8).to(torch.uint8)  # [out, in/group, group]
     q = q.reshape(out_features, in_features // 32, 2, 16)  # runs of 32: inputs j and j + 16 share byte j
     packed = q[:, :, 0, :] | (q[:, :, 1, :] << 4)
-    pad = -out_features % ROW_BLOCK
+    return bind(QuantizedWeight(mode, pack_rows(packed.reshape(out_features, in_features // 2), RUN[mode]),
+                                block_scales(scale), in_features, out_features, group))
+
+
+def block_scales(scale: torch.Tensor) -> torch.Tensor:
+    """[out, in / group] -> float16 [ceil(out / 4), in / group, 4]: each block of 4 rows' scales side by side, group
+    by group (zeros pad the last block), read by the kernel with the block's weights."""
+    pad = -scale.shape[0] % ROW_BLOCK
     if pad:
         scale = torch.cat([scale, scale.new_zeros(pad, scale.shape[1])])
-    block_scales = scale.reshape(-1, ROW_BLOCK, scale.shape[1]).transpose(1, 2).half().contiguous()
-    return bind(QuantizedWeight(mode, pack_rows(packed.reshape(out_features, in_features // 2), RUN[mode]),
-                                block_scales, in_features, out_features, group))
+    return scale.reshape(-1, ROW_BLOCK, scale.shape[1]).transpose(1, 2).half().contiguous()
 
 
 def dequantize(qw: QuantizedWeight, start: int = 0, stop: int | None = None) -> torch.Tensor:
@@ -144,9 +153,9 @@ def dequantize(qw: QuantizedWeight, start: int = 0, stop: int | None = None) -> 
     data = unpack_rows(blocks, qw.row_bytes, RUN[qw.mode])[: stop - start]
     if qw.mode == "bf16":
         return data.contiguous().view(torch.bfloat16).float()
-    if qw.mode == "int8":
-        return data.float() * qw.scale[start:stop, None]
     scale = qw.row_scales()[start:stop]
+    if qw.mode == "int8":
+        return data.float() * scale.repeat_interleave(INT8_GROUP, dim=1)
     n = data.shape[0]
     b = data.reshape(n, qw.in_features // 32, 16)
     q = torch.stack([b & 0x0F, b >> 4], dim=2).reshape(n, qw.in_features // qw.group, qw.group)
@@ -164,7 +173,7 @@ def bind(qw: QuantizedWeight) -> QuantizedWeight:
     if ops is None:
         qw.kernel = None
     elif qw.mode == "int8":
-        qw.kernel = (ops[0], (qw.data, qw.scale))
+        qw.kernel = (ops[0], (qw.data, qw.scale, qw.out_features))
     elif qw.mode == "int4":
         qw.kernel = (ops[1], (qw.data, qw.scale, qw.group, qw.out_features))
     else:

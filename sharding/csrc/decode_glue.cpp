@@ -224,9 +224,10 @@ struct DecodeLayers : torch::CustomClassHolder {
                   "DecodeLayers.add_linear: packed weights [ceil(n/4), 4 row bytes]");
       if (kind == 1) {
         k = w.size(1) / 4;
-        TORCH_CHECK(w.scalar_type() == at::kChar && scale.scalar_type() == at::kFloat && scale.numel() == n &&
-                        scale.is_contiguous() && k % 16 == 0,
-                    "DecodeLayers.add_linear: int8 weights with float32 scales [n]");
+        TORCH_CHECK(w.scalar_type() == at::kChar && scale.scalar_type() == at::kHalf && k % 32 == 0 &&
+                        scale.dim() == 3 && scale.size(0) == blocks && scale.size(1) == k / 32 &&
+                        scale.size(2) == 4 && scale.is_contiguous(),
+                    "DecodeLayers.add_linear: int8 weights with float16 scales [ceil(n/4), K/32, 4]");
       } else if (kind == 2) {
         k = w.size(1) / 2;
         TORCH_CHECK(w.scalar_type() == at::kByte && scale.scalar_type() == at::kHalf && group > 0 && group % 32 == 0 &&
@@ -270,7 +271,10 @@ struct DecodeLayers : torch::CustomClassHolder {
   int64_t size() const { return static_cast<int64_t>(layers.size()); }
 };
 
-// y[:, output blocks b0..b1) of linear l over the M rows of x (xq: x quantized, for int4 through VNNI)
+// whether linear l multiplies its input quantized to int8 (int8 and int4 weights on CPUs with AVX-512 VNNI)
+bool takes_rows(const PlanLinear& l) { return (l.kind == 1 || l.kind == 2) && tpserve::uses_int8_rows(l.k); }
+
+// y[:, output blocks b0..b1) of linear l over the M rows of x (xq: x quantized, see takes_rows)
 void linear_range(const PlanLinear& l, const float* x, const tpserve::Int8Rows* xq, int64_t M, float* y, int64_t b0,
                   int64_t b1) {
   const float* bias = l.bias.has_value() ? l.bias->data_ptr<float>() : nullptr;
@@ -279,7 +283,7 @@ void linear_range(const PlanLinear& l, const float* x, const tpserve::Int8Rows* 
       tpserve::f32_range(x, M, l.k, l.w.data_ptr<float>(), bias, l.n, y, b0, b1);
       break;
     case 1:
-      tpserve::int8_range(x, M, l.k, l.w.data_ptr<int8_t>(), l.scale.data_ptr<float>(), bias, l.n, y, b0, b1);
+      tpserve::int8_range(x, xq, M, l.k, l.w.data_ptr<int8_t>(), l.scale.data_ptr<at::Half>(), bias, l.n, y, b0, b1);
       break;
     case 2:
       tpserve::int4_range(x, xq, M, l.k, l.w.data_ptr<uint8_t>(), l.scale.data_ptr<at::Half>(), l.group, bias, l.n, y,
@@ -322,15 +326,14 @@ at::Tensor decode_layers(const c10::intrusive_ptr<DecodeLayers>& plan, at::Tenso
     for (int64_t i = 0; i < (lp[b] + BS - 1) / BS; ++i)
       TORCH_CHECK(tp[b * MAXB + i] >= 0 && tp[b * MAXB + i] < NB, "decode_layers: block out of range");
   }
-  bool int4 = false;
+  bool int8_rows = false;  // whether any linear takes its input quantized to int8 (VNNI)
   for (const PlanLayer& l : layers) {
     TORCH_CHECK(l.pool.size(2) == NB && l.pool.size(3) == BS && l.pool.size(4) == D,
                 "decode_layers: every layer's cache of one geometry");
     TORCH_CHECK(l.qkv.n == layers[0].qkv.n && l.o.k == layers[0].o.k && l.gate_up.n == layers[0].gate_up.n,
                 "decode_layers: layers of one shape");
-    for (const PlanLinear* lin : {&l.qkv, &l.o, &l.gate_up, &l.down}) int4 |= lin->kind == 2;
+    for (const PlanLinear* lin : {&l.qkv, &l.o, &l.gate_up, &l.down}) int8_rows |= takes_rows(*lin);
   }
-  const bool int8_rows = int4 && tpserve::int4_uses_int8_rows();
   const auto opts = h.options();
   at::Tensor qkv = at::empty({B, max_q}, opts), q = at::empty({B, max_att}, opts), att = at::empty({B, max_att}, opts);
   at::Tensor ob = at::empty({B, hidden}, opts), gu = at::empty({B, max_gu}, opts), act = at::empty({B, max_gu / 2}, opts);
@@ -339,7 +342,7 @@ at::Tensor decode_layers(const c10::intrusive_ptr<DecodeLayers>& plan, at::Tenso
   float *obp = ob.data_ptr<float>(), *gup = gu.data_ptr<float>(), *actp = act.data_ptr<float>();
   float *ddp = dd.data_ptr<float>(), *outp = out.data_ptr<float>(), *hp = h.data_ptr<float>();
   const float *cp = cos.data_ptr<float>(), *snp = sin.data_ptr<float>();
-  // int8 copies of each linear's input (int4 through VNNI), one per input kind: x/out (qkv, gate_up), att (o), act
+  // int8 copies of each linear's input (int8 and int4 through VNNI), one per input kind: x/out (qkv, gate_up), att (o), act
   tpserve::Int8Rows xq_x, xq_att, xq_act;
   if (int8_rows) {
     tpserve::resize_rows(xq_x, B, hidden);
@@ -360,7 +363,7 @@ at::Tensor decode_layers(const c10::intrusive_ptr<DecodeLayers>& plan, at::Tenso
     };
     int64_t a, b;
     const auto quantize = [&](const PlanLinear& l, const float* src, tpserve::Int8Rows& rows, int64_t r0, int64_t r1) {
-      if (int8_rows && l.kind == 2) tpserve::quantize_rows(src, rows, r0, r1, 0, l.k / 32);
+      if (takes_rows(l)) tpserve::quantize_rows(src, rows, r0, r1, 0, l.k / 32);
     };
     // h += delta and out = rms_norm(h), over this thread's rows (which stay a, b for the quantize after it)
     const auto residual_norm = [&](const float* delta, const at::Tensor& w, double eps) {
@@ -402,7 +405,7 @@ at::Tensor decode_layers(const c10::intrusive_ptr<DecodeLayers>& plan, at::Tenso
                                       attp + (s * heads + kh * G) * D);
       }
 #pragma omp barrier
-      if (int8_rows && l.o.kind == 2) {
+      if (takes_rows(l.o)) {
         share(B, a, b);
         quantize(l.o, attp, xq_att, a, b);
 #pragma omp barrier

@@ -54,7 +54,7 @@ constexpr int64_t RUN = 16;  // bytes of one row stored together (int8, int4; bf
 
 // w: the block's bytes. Row j's bytes [i, i + 16) are at w + i * NB + j * RUN.
 template <int R>
-inline void int8_block(const float* x, int64_t ldx, const int8_t* w, int64_t K, int64_t nrows, const float* scale,
+inline void int8_block(const float* x, int64_t ldx, const int8_t* w, int64_t K, int64_t nrows, const at::Half* scale,
                        float* y, int64_t ldy) {
   __m512 acc[R][NB];
   for (int r = 0; r < R; ++r)
@@ -63,14 +63,16 @@ inline void int8_block(const float* x, int64_t ldx, const int8_t* w, int64_t K, 
     const int8_t* c = w + k * NB;
     __m512 wf[NB];
     for (int j = 0; j < NB; ++j)
-      wf[j] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c + j * RUN))));
+      wf[j] = _mm512_mul_ps(
+          _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c + j * RUN)))),
+          _mm512_set1_ps(static_cast<float>(scale[(k / 32) * NB + j])));
     for (int r = 0; r < R; ++r) {
       const __m512 xv = _mm512_loadu_ps(x + r * ldx + k);
       for (int j = 0; j < NB; ++j) acc[r][j] = _mm512_fmadd_ps(xv, wf[j], acc[r][j]);
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int j = 0; j < nrows; ++j) y[r * ldy + j] = _mm512_reduce_add_ps(acc[r][j]) * scale[j];
+    for (int j = 0; j < nrows; ++j) y[r * ldy + j] = _mm512_reduce_add_ps(acc[r][j]);
 }
 
 template <int R>
@@ -128,18 +130,22 @@ inline void bf16_block(const float* x, int64_t ldx, const uint16_t* w, int64_t K
 #else  // portable loops
 
 template <int R>
-inline void int8_block(const float* x, int64_t ldx, const int8_t* w, int64_t K, int64_t nrows, const float* scale,
+inline void int8_block(const float* x, int64_t ldx, const int8_t* w, int64_t K, int64_t nrows, const at::Half* scale,
                        float* y, int64_t ldy) {
   for (int r = 0; r < R; ++r)
     for (int64_t j = 0; j < nrows; ++j) {
       const float* xr = x + r * ldx;
       float acc = 0.f;
-      for (int64_t k = 0; k < K; k += 16) {
-        const int8_t* wr = w + k * NB + j * RUN;
-#pragma omp simd reduction(+ : acc)
-        for (int64_t i = 0; i < 16; ++i) acc += xr[k + i] * static_cast<float>(wr[i]);
+      for (int64_t k = 0; k < K; k += 32) {
+        float part = 0.f;
+        for (int64_t h = 0; h < 32; h += 16) {
+          const int8_t* wr = w + (k + h) * NB + j * RUN;
+#pragma omp simd reduction(+ : part)
+          for (int64_t i = 0; i < 16; ++i) part += xr[k + h + i] * static_cast<float>(wr[i]);
+        }
+        acc += part * static_cast<float>(scale[(k / 32) * NB + j]);
       }
-      y[r * ldy + j] = acc * scale[j];
+      y[r * ldy + j] = acc;
     }
 }
 
@@ -232,6 +238,47 @@ inline void int4_vnni_block(const tpserve::Int8Rows& xq, int64_t m0, const uint8
 }
 #endif
 
+#ifdef TPSERVE_VNNI
+// R activation rows against one block of 4 int8 rows, per run of 32 inputs: the block's two 64-byte lines (inputs
+// 0-15 and 16-31 of its 4 rows) flipped to unsigned (w + 128: vpdpbusd multiplies unsigned by signed bytes), two
+// vpdpbusd with the row's activation bytes broadcast to each weight row, started from the lane's -128 correction;
+// then scaled by the weights' and the activations' block scales and summed in float32 (Q8_0 x Q8_0, as llama.cpp).
+template <int R>
+inline void int8_vnni_block(const tpserve::Int8Rows& xq, int64_t m0, const int8_t* w, int64_t K, int64_t nrows,
+                            const at::Half* scale, float* y, int64_t ldy) {
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  const int64_t nb = K / 32;
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  const __m512i spread = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);  // row j -> lanes 4j..4j+3
+  const auto bytes16 = [](const void* p) {  // 16 bytes, repeated for each of the 4 rows
+    return _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  };
+  for (int64_t k = 0; k < K; k += 32) {
+    const __m512i l0 = _mm512_xor_si512(_mm512_loadu_si512(w + k * NB), flip);
+    const __m512i l1 = _mm512_xor_si512(_mm512_loadu_si512(w + (k + 16) * NB), flip);
+    const int64_t b = k / 32;
+    const __m128 s4 = _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(scale + b * NB)));
+    const __m512 sw = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(s4));
+    for (int r = 0; r < R; ++r) {
+      const int64_t row = m0 + r;
+      const int8_t* xr = xq.q.data() + row * K + k;
+      __m512i dot = bytes16(xq.corr8.data() + (row * nb + b) * 4);
+      dot = _mm512_dpbusd_epi32(dot, l0, bytes16(xr));
+      dot = _mm512_dpbusd_epi32(dot, l1, bytes16(xr + 16));
+      const __m512 s = _mm512_mul_ps(sw, _mm512_set1_ps(xq.scale[row * nb + b]));
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), s, acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    alignas(64) float lanes[16];
+    _mm512_store_ps(lanes, acc[r]);
+    for (int j = 0; j < nrows; ++j)
+      y[r * ldy + j] = (lanes[4 * j] + lanes[4 * j + 1]) + (lanes[4 * j + 2] + lanes[4 * j + 3]);
+  }
+}
+#endif
+
 bool has_vnni() {
 #ifdef TPSERVE_VNNI
   return true;
@@ -244,13 +291,14 @@ bool has_vnni() {
 
 namespace tpserve {
 
-bool int4_uses_int8_rows() { return has_vnni(); }
+bool uses_int8_rows(int64_t K) { return has_vnni() && K % 32 == 0; }
 
 void resize_rows(Int8Rows& r, int64_t M, int64_t K) {
   r.M = M, r.K = K;
   r.q.resize(M * K);
   r.scale.resize(M * (K / 32));
   r.corr.resize(M * (K / 32) * 4);
+  r.corr8.resize(M * (K / 32) * 4);
 }
 
 // Activations quantized per row and block of 32 inputs: q = round(x / s), s = max|x| / 127 (llama.cpp's Q8_0).
@@ -268,7 +316,8 @@ void quantize_rows(const float* x, Int8Rows& r, int64_t m0, int64_t m1, int64_t 
       for (int p = 0; p < 4; ++p) {  // lane p of a row meets inputs 4p..4p+3 (low nibbles) and 16+4p.. (high)
         int32_t sum = 0;
         for (int i = 0; i < 4; ++i) sum += qb[4 * p + i] + qb[16 + 4 * p + i];
-        r.corr[(m * nb + b) * 4 + p] = -8 * sum;  // the nibbles are w + 8
+        r.corr[(m * nb + b) * 4 + p] = -8 * sum;     // int4: the nibbles are w + 8
+        r.corr8[(m * nb + b) * 4 + p] = -128 * sum;  // int8: the kernel flips the bytes to w + 128
       }
     }
 }
@@ -284,13 +333,25 @@ inline void add_bias(const float* bias, int64_t M, int64_t n0, int64_t nrows, fl
 
 }  // namespace
 
-void int8_range(const float* x, int64_t M, int64_t K, const int8_t* w, const float* scale, const float* bias, int64_t N,
-                float* y, int64_t b0, int64_t b1) {
+void int8_range(const float* x, const Int8Rows* xq, int64_t M, int64_t K, const int8_t* w, const at::Half* scale,
+                const float* bias, int64_t N, float* y, int64_t b0, int64_t b1) {
   for (int64_t b = b0; b < b1; ++b) {
     const int64_t n0 = b * NB, nrows = std::min<int64_t>(NB, N - n0);
+    const at::Half* sb = scale + b * (K / 32) * NB;
+#ifdef TPSERVE_VNNI
+    if (uses_int8_rows(K)) {
+      for (int64_t m0 = 0; m0 < M; m0 += MB_VNNI)
+        with_rows<MB_VNNI>(std::min<int64_t>(MB_VNNI, M - m0), [&](auto r) {
+          int8_vnni_block<decltype(r)::value>(*xq, m0, w + n0 * K, K, nrows, sb, y + m0 * N + n0, N);
+        });
+      add_bias(bias, M, n0, nrows, y, N);
+      continue;
+    }
+#endif
+    (void)xq;
     for (int64_t m0 = 0; m0 < M; m0 += MB)
       with_rows<MB>(std::min<int64_t>(MB, M - m0), [&](auto r) {
-        int8_block<decltype(r)::value>(x + m0 * K, K, w + n0 * K, K, nrows, scale + n0, y + m0 * N + n0, N);
+        int8_block<decltype(r)::value>(x + m0 * K, K, w + n0 * K, K, nrows, sb, y + m0 * N + n0, N);
       });
     add_bias(bias, M, n0, nrows, y, N);
   }
@@ -331,25 +392,40 @@ void int4_range(const float* x, const Int8Rows* xq, int64_t M, int64_t K, const 
   }
 }
 
+// x quantized for the int8 and int4 kernels where they take int8 activations (else left empty)
+void quantize_all(const float* x, Int8Rows& xq, int64_t M, int64_t K) {
+  if (!uses_int8_rows(K)) return;
+  resize_rows(xq, M, K);
+  at::parallel_for(0, M, std::max<int64_t>(1, 8192 / K), [&](int64_t m0, int64_t m1) {  // threads for prefill only
+    quantize_rows(x, xq, m0, m1, 0, K / 32);
+  });
+}
+
 // The ops: output blocks split over torch's intra-op threads, ~16 blocks per task at least (an even split on few
 // cores without fine-grained scheduling).
 constexpr int64_t GRAIN = 16;
 
-at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale) {
-  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && scale.dim() == 1, "int8_linear: x [M, K], w [N/4, 4K], scale [N]");
-  TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kChar && scale.scalar_type() == at::kFloat,
-              "int8_linear: float32 x, int8 w, float32 scale");
-  const int64_t M = x.size(0), K = x.size(1), N = scale.size(0);
-  TORCH_CHECK(w.size(0) == (N + NB - 1) / NB && w.size(1) == NB * K && K % RUN == 0,
-              "int8_linear: shapes (K % 16 == 0)");
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale, int64_t N) {
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && scale.dim() == 3,
+              "int8_linear: x [M, K], w [N/4, 4K], scale [N/4, K/32, 4]");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kChar && scale.scalar_type() == at::kHalf,
+              "int8_linear: float32 x, int8 w, float16 scale");
+  const int64_t M = x.size(0), K = x.size(1), blocks = (N + NB - 1) / NB;
+  TORCH_CHECK(K % 32 == 0 && w.size(0) == blocks && w.size(1) == NB * K && scale.size(0) == blocks &&
+                  scale.size(1) == K / 32 && scale.size(2) == NB,
+              "int8_linear: shapes (K % 32 == 0)");
   TORCH_CHECK(w.is_contiguous() && scale.is_contiguous(), "int8_linear: contiguous weights");
   const at::Tensor xc = x.contiguous();
   at::Tensor y = at::empty({M, N}, x.options());
   const float* xp = xc.data_ptr<float>();
   const int8_t* wp = w.data_ptr<int8_t>();
-  const float* sp = scale.data_ptr<float>();
+  const at::Half* sp = scale.data_ptr<at::Half>();
   float* yp = y.data_ptr<float>();
-  at::parallel_for(0, w.size(0), GRAIN, [&](int64_t b0, int64_t b1) { int8_range(xp, M, K, wp, sp, nullptr, N, yp, b0, b1); });
+  Int8Rows xq;
+  quantize_all(xp, xq, M, K);
+  at::parallel_for(0, w.size(0), GRAIN, [&](int64_t b0, int64_t b1) {
+    int8_range(xp, &xq, M, K, wp, sp, nullptr, N, yp, b0, b1);
+  });
   return y;
 }
 
@@ -370,12 +446,7 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
   const at::Half* sp = scale.data_ptr<at::Half>();
   float* yp = y.data_ptr<float>();
   Int8Rows xq;
-  if (int4_uses_int8_rows()) {
-    resize_rows(xq, M, K);
-    at::parallel_for(0, M, std::max<int64_t>(1, 8192 / K), [&](int64_t m0, int64_t m1) {  // threads for prefill only
-      quantize_rows(xp, xq, m0, m1, 0, K / 32);
-    });
-  }
+  quantize_all(xp, xq, M, K);
   at::parallel_for(0, blocks, GRAIN, [&](int64_t b0, int64_t b1) {
     int4_range(xp, &xq, M, K, wp, sp, G, nullptr, N, yp, b0, b1);
   });
@@ -401,9 +472,9 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& w, int64_t N) {
 }  // namespace tpserve
 
 TORCH_LIBRARY_FRAGMENT(tpserve, m) {
-  m.def("int8_linear(Tensor x, Tensor w, Tensor scale) -> Tensor");
+  m.def("int8_linear(Tensor x, Tensor w, Tensor scale, int n) -> Tensor");
   m.def("int4_linear(Tensor x, Tensor w, Tensor scale, int group, int n) -> Tensor");
-  m.def("quant_int8_activations() -> bool", &has_vnni);  // int4_linear quantizes its activations (VNNI)
+  m.def("quant_int8_activations() -> bool", &has_vnni);  // int8_linear, int4_linear quantize their activations (VNNI)
   m.def("bf16_linear(Tensor x, Tensor w, int n) -> Tensor");
 }
 

@@ -31,7 +31,7 @@ def path(request, monkeypatch):
 
 
 def int8_rounded(x: torch.Tensor) -> torch.Tensor:
-    """x as int4 linears see it with int8 activations: each block of 32 inputs of a row rounded to a multiple of
+    """x as int8 and int4 linears see it with int8 activations: each block of 32 inputs of a row rounded to a multiple of
     max|block| / 127 (llama.cpp's Q8_0)."""
     blocks = x.reshape(x.shape[0], -1, 32)
     amax = blocks.abs().amax(-1, keepdim=True)
@@ -39,15 +39,16 @@ def int8_rounded(x: torch.Tensor) -> torch.Tensor:
     return (torch.round(blocks * inv) * (amax / 127.0)).reshape(x.shape)
 
 
-def int8_activations(mode: str) -> bool:
-    """Whether tpserve's int4 linears take int8 activations here (the ranks build the kernels at start)."""
-    return mode == "int4" and kernels.build_kernels() and quant.int8_activations()
+def int8_activations(mode: str, k: int) -> bool:
+    """Whether tpserve's int8 or int4 linears of k inputs take int8 activations here (the ranks build the kernels at
+    start)."""
+    return mode in ("int8", "int4") and k % 32 == 0 and kernels.build_kernels() and quant.int8_activations()
 
 
 @pytest.mark.parametrize("mode,group", MODES)
 def test_linear_equals_dequantized_weight(mode, group, path):
-    """Every kernel (and the torch path) against the dequantized weight, at every row-block shape; int4 through the
-    VNNI kernel against the same product of the int8-rounded activations."""
+    """Every kernel (and the torch path) against the dequantized weight, at every row-block shape; int8 and int4
+    through the VNNI kernels against the same product of the int8-rounded activations."""
     torch.manual_seed(0)
     # row counts that leave the last block of 4 packed rows partial
     for n, k in [(5, 256), (37, 128), (1030, 384), (64, 1536), (9, 96)]:
@@ -58,7 +59,7 @@ def test_linear_equals_dequantized_weight(mode, group, path):
         for m in (1, 2, 3, 4, 5, 6, 7, 9, 16, 17, 40):  # the kernels' row blocks (4, 6 and 8) and their tails
             x = torch.randn(m, k)
             got = quant.linear(x, qw, bias)
-            xr = int8_rounded(x) if int8_activations(mode) and path == "kernel" else x
+            xr = int8_rounded(x) if int8_activations(mode, k) and path == "kernel" else x
             want = (xr.double() @ ref_w.T + bias.double()).float()
             assert got.shape == (m, n)
             torch.testing.assert_close(got, want, atol=2e-4, rtol=1e-4)
@@ -75,8 +76,15 @@ def test_round_trip_error_is_half_a_step(mode, group):
     err = (quant.dequantize(qw) - w).abs()
     assert torch.isfinite(err).all() and err[3].max() == 0
     if mode == "int8":
-        assert qw.data.dtype == torch.int8 and qw.data.shape == (12, 4 * 256) and qw.scale.shape == (48,)
-        assert (err <= qw.scale[:, None] / 2 * (1 + 1e-5) + 1e-12).all()
+        # one float16 scale per block of 32 inputs, as Q8_0's
+        assert qw.data.dtype == torch.int8 and qw.data.shape == (12, 4 * 256) and qw.scale.shape == (12, 8, 4)
+        assert qw.scale.dtype == torch.float16
+        step = qw.row_scales().repeat_interleave(32, dim=1)
+        assert (err <= step / 2 * (1 + 1e-5) + 1e-12).all()
+        # each block's largest magnitude maps to +-127 (within the float16 rounding of its scale)
+        grouped = w.reshape(48, -1, 32)
+        q = (quant.dequantize(qw).reshape(48, -1, 32) / qw.row_scales()[..., None]).round()
+        assert (q.abs().amax(-1) == 127)[grouped.abs().amax(-1) > 0].all()
     elif mode == "bf16":  # the weight rounded to bfloat16, stored as its two bytes
         assert qw.data.dtype == torch.uint8 and qw.data.shape == (12, 4 * 512) and qw.scale.numel() == 0
         assert torch.equal(quant.dequantize(qw), w.to(torch.bfloat16).float())
@@ -98,7 +106,7 @@ def test_round_trip_error_is_half_a_step(mode, group):
 def fake_quantized_greedy(folder, mode: str, group: int, tp: int, prompt: list[int], max_new_tokens: int):
     """transformers' greedy tokens and logprobs with every linear (and the LM head, in int8) replaced by the round trip
     of the shard each rank quantizes: row-parallel layers (o_proj, down_proj) are split by input columns over `tp`.
-    Where int4 linears take int8 activations (VNNI), their inputs are rounded the same way, shard by shard."""
+    Where int8 and int4 linears take int8 activations (VNNI), their inputs are rounded the same way, shard by shard."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
@@ -111,7 +119,7 @@ def fake_quantized_greedy(folder, mode: str, group: int, tp: int, prompt: list[i
                 # the LM head is int8 under both integer modes
                 how = "int8" if name == "lm_head" and mode in ("int8", "int4") else mode
                 mod.weight.copy_(torch.cat([quant.dequantize(quant.quantize(p, how, group)) for p in parts], 1))
-                if int8_activations(how):
+                if int8_activations(how, parts[0].shape[1]):
                     mod.register_forward_pre_hook(
                         lambda _m, args, tp=len(parts): (torch.cat([int8_rounded(c.reshape(-1, c.shape[-1]))
                                                                     for c in args[0].chunk(tp, dim=-1)], -1)
