@@ -44,25 +44,26 @@ DEQUANT_CHUNK = 1024  # output rows dequantized at a time on the fallback path (
 ROW_BLOCK = 4  # output rows stored (and computed) together
 RUN = {"int8": 16, "int4": 16, "bf16": 32}  # bytes of one row stored together: the 16 weights of one kernel vector
 # (32 for int4, two per byte)
+VNNI_ROWS, VNNI_RUN = 16, 4  # int8 and int4 where the kernel multiplies bytes: 16 rows x 4 bytes per 64-byte line
 
 
-def pack_rows(q: torch.Tensor, run: int = 16) -> torch.Tensor:
-    """[N, R] bytes (R % run == 0) -> [ceil(N / 4), 4 * R]: each block of 4 rows (zero rows pad the last block)
-    holds its rows' first `run` bytes in turn, then their next `run` bytes, and so on.
+def pack_rows(q: torch.Tensor, run: int = 16, rows: int = ROW_BLOCK) -> torch.Tensor:
+    """[N, R] bytes (R % run == 0) -> [ceil(N / rows), rows * R]: each block of `rows` rows (zero rows pad the last
+    block) holds its rows' first `run` bytes in turn, then their next `run` bytes, and so on.
 
     Against the plain layout, where the kernel read its 4 rows as 4 short streams side by side, this made SmolLM2's
     int8 linears at one activation row 17 -> 26-32 GB/s (2 threads, Zen 4; BENCHMARKS.md)."""
     n, r = q.shape
-    if n % ROW_BLOCK:
-        q = torch.cat([q, q.new_zeros(ROW_BLOCK - n % ROW_BLOCK, r)])
-    nb = q.shape[0] // ROW_BLOCK
-    return q.reshape(nb, ROW_BLOCK, r // run, run).transpose(1, 2).reshape(nb, ROW_BLOCK * r).contiguous()
+    if n % rows:
+        q = torch.cat([q, q.new_zeros(rows - n % rows, r)])
+    nb = q.shape[0] // rows
+    return q.reshape(nb, rows, r // run, run).transpose(1, 2).reshape(nb, rows * r).contiguous()
 
 
-def unpack_rows(packed: torch.Tensor, r: int, run: int = 16) -> torch.Tensor:
-    """pack_rows' inverse: [B, 4 * R] -> [4 * B, R] (the padding rows included)."""
+def unpack_rows(packed: torch.Tensor, r: int, run: int = 16, rows: int = ROW_BLOCK) -> torch.Tensor:
+    """pack_rows' inverse: [B, rows * R] -> [rows * B, R] (the padding rows included)."""
     nb = packed.shape[0]
-    return packed.reshape(nb, r // run, ROW_BLOCK, run).transpose(1, 2).reshape(nb * ROW_BLOCK, r)
+    return packed.reshape(nb, r // run, rows, run).transpose(1, 2).reshape(nb * rows, r)
 
 
 @dataclass(slots=True)
@@ -78,12 +79,17 @@ class QuantizedWeight:
     in_features: int
     out_features: int
     group: int = 0
+    rows: int = ROW_BLOCK  # rows per block: 4, or VNNI_ROWS (int8, int4 multiplied as bytes)
     kernel: tuple | None = None  # (op, its arguments after x): see bind
 
     def row_scales(self) -> torch.Tensor:
         """int8, int4: the scales as [out, in / group]."""
         nb, ng, _ = self.scale.shape
-        return self.scale.transpose(1, 2).reshape(nb * ROW_BLOCK, ng)[: self.out_features].float()
+        return self.scale.transpose(1, 2).reshape(nb * self.rows, ng)[: self.out_features].float()
+
+    @property
+    def run(self) -> int:
+        return VNNI_RUN if self.rows == VNNI_ROWS else RUN[self.mode]
 
     @property
     def row_bytes(self) -> int:
@@ -111,9 +117,18 @@ def supported(mode: str, in_features: int, group: int) -> bool:
     return in_features % need == 0
 
 
-def quantize(weight: torch.Tensor, mode: str, group: int = 32) -> QuantizedWeight:
+def int_rows(device: torch.device) -> int:
+    """Rows per block of int8 and int4 weights on this device: VNNI_ROWS where the CPU kernel multiplies int8
+    activations (AVX-512 VNNI), else 4."""
+    return VNNI_ROWS if device.type == "cpu" and int8_activations() else ROW_BLOCK
+
+
+def quantize(weight: torch.Tensor, mode: str, group: int = 32, rows: int | None = None) -> QuantizedWeight:
+    """`rows`: the layout's rows per block for int8 and int4 (default: int_rows, what this device's kernel reads)."""
     w = weight.detach().float()
     out_features, in_features = w.shape
+    rows = rows or (int_rows(w.device) if mode != "bf16" else ROW_BLOCK)
+    run = VNNI_RUN if rows == VNNI_ROWS else RUN[mode]
     if mode == "bf16":
         data = w.to(torch.bfloat16).view(torch.int16).view(torch.uint8)  # [out, 2 * in], little-endian values
         return bind(QuantizedWeight(mode, pack_rows(data, RUN[mode]), w.new_zeros(0), in_features, out_features))
@@ -122,42 +137,43 @@ def quantize(weight: torch.Tensor, mode: str, group: int = 32) -> QuantizedWeigh
         scale = (g.abs().amax(dim=-1) / 127.0).clamp(max=65504).half().float()  # stored as float16
         inv = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
         q = torch.round(g * inv[..., None]).clamp_(-127, 127).to(torch.int8).reshape(out_features, in_features)
-        return bind(QuantizedWeight(mode, pack_rows(q, RUN[mode]), block_scales(scale), in_features, out_features,
-                                    INT8_GROUP))
+        return bind(QuantizedWeight(mode, pack_rows(q, run, rows), block_scales(scale, rows), in_features,
+                                    out_features, INT8_GROUP, rows))
     group = group_for(in_features, group)
     g = w.reshape(out_features, in_features // group, group)
     idx = g.abs().argmax(dim=-1, keepdim=True)
     scale = (torch.gather(g, -1, idx) / -8.0).squeeze(-1).clamp(-65504, 65504).half().float()  # stored as float16
     inv = torch.where(scale != 0, 1.0 / scale, torch.zeros_like(scale))
     q = (torch.round(g * inv[..., None]).clamp_(-8, 7) + 8).to(torch.uint8)  # [out, in/group, group]
-    q = q.reshape(out_features, in_features // 32, 2, 16)  # runs of 32: inputs j and j + 16 share byte j
+    span = 2 * run  # inputs per run of bytes: j and j + run share byte j
+    q = q.reshape(out_features, in_features // span, 2, run)
     packed = q[:, :, 0, :] | (q[:, :, 1, :] << 4)
-    return bind(QuantizedWeight(mode, pack_rows(packed.reshape(out_features, in_features // 2), RUN[mode]),
-                                block_scales(scale), in_features, out_features, group))
+    return bind(QuantizedWeight(mode, pack_rows(packed.reshape(out_features, in_features // 2), run, rows),
+                                block_scales(scale, rows), in_features, out_features, group, rows))
 
 
-def block_scales(scale: torch.Tensor) -> torch.Tensor:
-    """[out, in / group] -> float16 [ceil(out / 4), in / group, 4]: each block of 4 rows' scales side by side, group
-    by group (zeros pad the last block), read by the kernel with the block's weights."""
-    pad = -scale.shape[0] % ROW_BLOCK
+def block_scales(scale: torch.Tensor, rows: int = ROW_BLOCK) -> torch.Tensor:
+    """[out, in / group] -> float16 [ceil(out / rows), in / group, rows]: each block of rows' scales side by side,
+    group by group (zeros pad the last block), read by the kernel with the block's weights."""
+    pad = -scale.shape[0] % rows
     if pad:
         scale = torch.cat([scale, scale.new_zeros(pad, scale.shape[1])])
-    return scale.reshape(-1, ROW_BLOCK, scale.shape[1]).transpose(1, 2).half().contiguous()
+    return scale.reshape(-1, rows, scale.shape[1]).transpose(1, 2).half().contiguous()
 
 
 def dequantize(qw: QuantizedWeight, start: int = 0, stop: int | None = None) -> torch.Tensor:
-    """Float32 rows [start, stop) of the weight (start a multiple of 4)."""
+    """Float32 rows [start, stop) of the weight (start a multiple of the layout's rows per block)."""
     stop = qw.out_features if stop is None else min(stop, qw.out_features)
-    assert start % ROW_BLOCK == 0
-    blocks = qw.data[start // ROW_BLOCK : -(-stop // ROW_BLOCK)]
-    data = unpack_rows(blocks, qw.row_bytes, RUN[qw.mode])[: stop - start]
+    assert start % qw.rows == 0
+    blocks = qw.data[start // qw.rows : -(-stop // qw.rows)]
+    data = unpack_rows(blocks, qw.row_bytes, qw.run, qw.rows)[: stop - start]
     if qw.mode == "bf16":
         return data.contiguous().view(torch.bfloat16).float()
     scale = qw.row_scales()[start:stop]
     if qw.mode == "int8":
         return data.float() * scale.repeat_interleave(INT8_GROUP, dim=1)
     n = data.shape[0]
-    b = data.reshape(n, qw.in_features // 32, 16)
+    b = data.reshape(n, qw.in_features // (2 * qw.run), qw.run)
     q = torch.stack([b & 0x0F, b >> 4], dim=2).reshape(n, qw.in_features // qw.group, qw.group)
     return ((q.float() - 8.0) * scale[..., None]).reshape(n, qw.in_features)
 
@@ -170,7 +186,7 @@ def int8_activations() -> bool:
 def bind(qw: QuantizedWeight) -> QuantizedWeight:
     """Resolve, once, at load, the compiled op and its arguments (a decode step makes ~120 of these calls)."""
     ops = kernels.quant_linear_ops() if qw.data.device.type == "cpu" else None
-    if ops is None:
+    if ops is None or (qw.mode != "bf16" and qw.rows != int_rows(qw.data.device)):  # not the kernel's layout
         qw.kernel = None
     elif qw.mode == "int8":
         qw.kernel = (ops[0], (qw.data, qw.scale, qw.out_features))

@@ -220,20 +220,21 @@ struct DecodeLayers : torch::CustomClassHolder {
                   "DecodeLayers.add_linear: float32 weights [ceil(n/32), K, 32]");
       k = w.size(1);
     } else {
-      TORCH_CHECK(w.dim() == 2 && blocks == (n + tpserve::QUANT_BLOCK - 1) / tpserve::QUANT_BLOCK,
-                  "DecodeLayers.add_linear: packed weights [ceil(n/4), 4 row bytes]");
+      const int64_t rb = kind == 3 ? tpserve::QUANT_BLOCK : tpserve::int_rows();  // rows per block
+      TORCH_CHECK(w.dim() == 2 && blocks == (n + rb - 1) / rb,
+                  "DecodeLayers.add_linear: packed weights [ceil(n/rows), rows x row bytes]");
       if (kind == 1) {
-        k = w.size(1) / 4;
+        k = w.size(1) / rb;
         TORCH_CHECK(w.scalar_type() == at::kChar && scale.scalar_type() == at::kHalf && k % 32 == 0 &&
                         scale.dim() == 3 && scale.size(0) == blocks && scale.size(1) == k / 32 &&
-                        scale.size(2) == 4 && scale.is_contiguous(),
-                    "DecodeLayers.add_linear: int8 weights with float16 scales [ceil(n/4), K/32, 4]");
+                        scale.size(2) == rb && scale.is_contiguous(),
+                    "DecodeLayers.add_linear: int8 weights with float16 scales [ceil(n/rows), K/32, rows]");
       } else if (kind == 2) {
-        k = w.size(1) / 2;
+        k = w.size(1) * 2 / rb;
         TORCH_CHECK(w.scalar_type() == at::kByte && scale.scalar_type() == at::kHalf && group > 0 && group % 32 == 0 &&
                         k % group == 0 && scale.dim() == 3 && scale.size(0) == blocks &&
-                        scale.size(1) == k / group && scale.size(2) == 4 && scale.is_contiguous(),
-                    "DecodeLayers.add_linear: int4 weights with float16 scales [ceil(n/4), K/group, 4]");
+                        scale.size(1) == k / group && scale.size(2) == rb && scale.is_contiguous(),
+                    "DecodeLayers.add_linear: int4 weights with float16 scales [ceil(n/rows), K/group, rows]");
       } else {
         TORCH_CHECK(kind == 3 && w.scalar_type() == at::kByte, "DecodeLayers.add_linear: kind 0-3");
         k = w.size(1) / 8;
@@ -272,7 +273,7 @@ struct DecodeLayers : torch::CustomClassHolder {
 };
 
 // whether linear l multiplies its input quantized to int8 (int8 and int4 weights on CPUs with AVX-512 VNNI)
-bool takes_rows(const PlanLinear& l) { return (l.kind == 1 || l.kind == 2) && tpserve::uses_int8_rows(l.k); }
+bool takes_rows(const PlanLinear& l) { return (l.kind == 1 || l.kind == 2) && tpserve::vnni_layout(); }
 
 // y[:, output blocks b0..b1) of linear l over the M rows of x (xq: x quantized, see takes_rows)
 void linear_range(const PlanLinear& l, const float* x, const tpserve::Int8Rows* xq, int64_t M, float* y, int64_t b0,

@@ -195,54 +195,27 @@ inline void bf16_block(const float* x, int64_t ldx, const uint16_t* w, int64_t K
 
 #if defined(TPSERVE_AVX512) && defined(__AVX512VNNI__)
 #define TPSERVE_VNNI 1
-constexpr int64_t MB_VNNI = 8;  // activation rows per pass: one accumulator each (the 4 weight rows share it)
+constexpr int64_t NV = tpserve::VNNI_BLOCK;  // output rows per block: one int32 lane each
+constexpr int64_t MB_VNNI = 8;  // activation rows per pass: one accumulator each (the block's 16 rows share it)
 
-// R activation rows against one block of 4 int4 rows. Per run of 32 inputs: the block's 64 bytes hold 4 rows x 16
-// bytes; their low nibbles are inputs 0-15 and their high nibbles inputs 16-31 of each row, so two vpdpbusd with the
-// row's activation bytes broadcast to the 4 rows leave, in each int32 lane, 8 products of one row (4 lanes per row),
-// started from the lane's -8 correction. Each run is then scaled by the weights' group scale and the activations'
-// block scale and summed in float32.
-template <int R>
-inline void int4_vnni_block(const tpserve::Int8Rows& xq, int64_t m0, const uint8_t* w, int64_t K, int64_t nrows,
-                            const at::Half* scale, int64_t G, float* y, int64_t ldy) {
-  __m512 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-  const int64_t nb = K / 32;
-  const __m512i low = _mm512_set1_epi8(0x0F);
-  const __m512i spread = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);  // row j -> lanes 4j..4j+3
-  for (int64_t k = 0; k < K; k += 32) {
-    const __m512i line = _mm512_loadu_si512(w + (k / 2) * NB);
-    const __m512i lo = _mm512_and_si512(line, low);
-    const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(line, 4), low);
-    const __m128 s4 = _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(scale + (k / G) * NB)));
-    const __m512 sw = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(s4));
-    for (int r = 0; r < R; ++r) {
-      const int64_t row = m0 + r, b = k / 32;
-      const int8_t* xr = xq.q.data() + row * K + k;
-      const auto bytes16 = [](const void* p) {  // 16 bytes, repeated for each of the 4 rows
-        return _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-      };
-      __m512i dot = bytes16(xq.corr.data() + (row * nb + b) * 4);
-      dot = _mm512_dpbusd_epi32(dot, lo, bytes16(xr));
-      dot = _mm512_dpbusd_epi32(dot, hi, bytes16(xr + 16));
-      const __m512 s = _mm512_mul_ps(sw, _mm512_set1_ps(xq.scale[row * nb + b]));
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), s, acc[r]);
-    }
-  }
-  for (int r = 0; r < R; ++r) {
-    alignas(64) float lanes[16];
-    _mm512_store_ps(lanes, acc[r]);
-    for (int j = 0; j < nrows; ++j)
-      y[r * ldy + j] = (lanes[4 * j] + lanes[4 * j + 1]) + (lanes[4 * j + 2] + lanes[4 * j + 3]);
-  }
+// The VNNI kernels: R activation rows (int8, per row and block of 32 inputs) against one block of 16 weight rows
+// stored as quant.py's pack_rows(rows=16, run=4) lays them out: per 4 inputs (int8) or 8 inputs (int4), the block's
+// 16 rows' 4 bytes side by side, one 64-byte line. vpdpbusd multiplies a line (unsigned bytes) by 4 activation bytes
+// broadcast to every lane (signed), so each int32 lane accumulates one output row, with no reduction across lanes at
+// the end. Per block of 32 inputs and activation row: 8 vpdpbusd started from the block's correction (the weights
+// are stored or flipped to unsigned: w + 8, w + 128), then one conversion to float32 and one FMA by the weights'
+// scales (a vector: one per row) times the activations' block scale. The weight lines are loaded (and unpacked) once
+// per block and used by every activation row.
+
+inline __m512 row_scales16(const at::Half* s) {  // the block's 16 float16 scales of one group
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s)));
 }
-#endif
 
-#ifdef TPSERVE_VNNI
-// R activation rows against one block of 4 int8 rows, per run of 32 inputs: the block's two 64-byte lines (inputs
-// 0-15 and 16-31 of its 4 rows) flipped to unsigned (w + 128: vpdpbusd multiplies unsigned by signed bytes), two
-// vpdpbusd with the row's activation bytes broadcast to each weight row, started from the lane's -128 correction;
-// then scaled by the weights' and the activations' block scales and summed in float32 (Q8_0 x Q8_0, as llama.cpp).
+inline void store_rows16(const __m512* acc, int R, float* y, int64_t ldy, int64_t nrows) {
+  const __mmask16 m = nrows >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << nrows) - 1);
+  for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(y + r * ldy, m, acc[r]);
+}
+
 template <int R>
 inline void int8_vnni_block(const tpserve::Int8Rows& xq, int64_t m0, const int8_t* w, int64_t K, int64_t nrows,
                             const at::Half* scale, float* y, int64_t ldy) {
@@ -250,32 +223,48 @@ inline void int8_vnni_block(const tpserve::Int8Rows& xq, int64_t m0, const int8_
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   const int64_t nb = K / 32;
   const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
-  const __m512i spread = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);  // row j -> lanes 4j..4j+3
-  const auto bytes16 = [](const void* p) {  // 16 bytes, repeated for each of the 4 rows
-    return _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  };
-  for (int64_t k = 0; k < K; k += 32) {
-    const __m512i l0 = _mm512_xor_si512(_mm512_loadu_si512(w + k * NB), flip);
-    const __m512i l1 = _mm512_xor_si512(_mm512_loadu_si512(w + (k + 16) * NB), flip);
-    const int64_t b = k / 32;
-    const __m128 s4 = _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(scale + b * NB)));
-    const __m512 sw = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(s4));
+  for (int64_t b = 0; b < nb; ++b) {
+    __m512i line[8];
+    for (int i = 0; i < 8; ++i) line[i] = _mm512_xor_si512(_mm512_loadu_si512(w + (b * 8 + i) * 64), flip);
+    const __m512 sw = row_scales16(scale + b * NV);
     for (int r = 0; r < R; ++r) {
       const int64_t row = m0 + r;
-      const int8_t* xr = xq.q.data() + row * K + k;
-      __m512i dot = bytes16(xq.corr8.data() + (row * nb + b) * 4);
-      dot = _mm512_dpbusd_epi32(dot, l0, bytes16(xr));
-      dot = _mm512_dpbusd_epi32(dot, l1, bytes16(xr + 16));
-      const __m512 s = _mm512_mul_ps(sw, _mm512_set1_ps(xq.scale[row * nb + b]));
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), s, acc[r]);
+      const int32_t* xr = reinterpret_cast<const int32_t*>(xq.q.data() + row * K + b * 32);
+      __m512i dot = _mm512_set1_epi32(xq.corr8[row * nb + b]);
+      for (int i = 0; i < 8; ++i) dot = _mm512_dpbusd_epi32(dot, line[i], _mm512_set1_epi32(xr[i]));
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(sw, _mm512_set1_ps(xq.scale[row * nb + b])),
+                               acc[r]);
     }
   }
-  for (int r = 0; r < R; ++r) {
-    alignas(64) float lanes[16];
-    _mm512_store_ps(lanes, acc[r]);
-    for (int j = 0; j < nrows; ++j)
-      y[r * ldy + j] = (lanes[4 * j] + lanes[4 * j + 1]) + (lanes[4 * j + 2] + lanes[4 * j + 3]);
+  store_rows16(acc, R, y, ldy, nrows);
+}
+
+// int4: a row's byte i of each run of 8 inputs holds input i (low nibble) and input i + 4 (high nibble)
+template <int R>
+inline void int4_vnni_block(const tpserve::Int8Rows& xq, int64_t m0, const uint8_t* w, int64_t K, int64_t nrows,
+                            const at::Half* scale, int64_t G, float* y, int64_t ldy) {
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  const int64_t nb = K / 32;
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  for (int64_t b = 0; b < nb; ++b) {
+    __m512i half[8];  // inputs 8i..8i+3 (low nibbles), 8i+4..8i+7 (high), i = 0..3
+    for (int i = 0; i < 4; ++i) {
+      const __m512i line = _mm512_loadu_si512(w + (b * 4 + i) * 64);
+      half[2 * i] = _mm512_and_si512(line, low);
+      half[2 * i + 1] = _mm512_and_si512(_mm512_srli_epi16(line, 4), low);
+    }
+    const __m512 sw = row_scales16(scale + (b * 32 / G) * NV);
+    for (int r = 0; r < R; ++r) {
+      const int64_t row = m0 + r;
+      const int32_t* xr = reinterpret_cast<const int32_t*>(xq.q.data() + row * K + b * 32);
+      __m512i dot = _mm512_set1_epi32(xq.corr4[row * nb + b]);
+      for (int i = 0; i < 8; ++i) dot = _mm512_dpbusd_epi32(dot, half[i], _mm512_set1_epi32(xr[i]));
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(sw, _mm512_set1_ps(xq.scale[row * nb + b])),
+                               acc[r]);
+    }
   }
+  store_rows16(acc, R, y, ldy, nrows);
 }
 #endif
 
@@ -291,14 +280,15 @@ bool has_vnni() {
 
 namespace tpserve {
 
-bool uses_int8_rows(int64_t K) { return has_vnni() && K % 32 == 0; }
+bool vnni_layout() { return has_vnni(); }
+int64_t int_rows() { return has_vnni() ? VNNI_BLOCK : QUANT_BLOCK; }
 
 void resize_rows(Int8Rows& r, int64_t M, int64_t K) {
   r.M = M, r.K = K;
   r.q.resize(M * K);
   r.scale.resize(M * (K / 32));
-  r.corr.resize(M * (K / 32) * 4);
-  r.corr8.resize(M * (K / 32) * 4);
+  r.corr4.resize(M * (K / 32));
+  r.corr8.resize(M * (K / 32));
 }
 
 // Activations quantized per row and block of 32 inputs: q = round(x / s), s = max|x| / 127 (llama.cpp's Q8_0).
@@ -313,12 +303,10 @@ void quantize_rows(const float* x, Int8Rows& r, int64_t m0, int64_t m1, int64_t 
       int8_t* qb = r.q.data() + m * K + b * 32;
       for (int i = 0; i < 32; ++i) qb[i] = static_cast<int8_t>(std::nearbyint(xb[i] * inv));
       r.scale[m * nb + b] = amax / 127.f;
-      for (int p = 0; p < 4; ++p) {  // lane p of a row meets inputs 4p..4p+3 (low nibbles) and 16+4p.. (high)
-        int32_t sum = 0;
-        for (int i = 0; i < 4; ++i) sum += qb[4 * p + i] + qb[16 + 4 * p + i];
-        r.corr[(m * nb + b) * 4 + p] = -8 * sum;     // int4: the nibbles are w + 8
-        r.corr8[(m * nb + b) * 4 + p] = -128 * sum;  // int8: the kernel flips the bytes to w + 128
-      }
+      int32_t sum = 0;
+      for (int i = 0; i < 32; ++i) sum += qb[i];
+      r.corr4[m * nb + b] = -8 * sum;    // int4: the nibbles are w + 8
+      r.corr8[m * nb + b] = -128 * sum;  // int8: the kernel flips the bytes to w + 128
     }
 }
 
@@ -335,26 +323,29 @@ inline void add_bias(const float* bias, int64_t M, int64_t n0, int64_t nrows, fl
 
 void int8_range(const float* x, const Int8Rows* xq, int64_t M, int64_t K, const int8_t* w, const at::Half* scale,
                 const float* bias, int64_t N, float* y, int64_t b0, int64_t b1) {
+#ifdef TPSERVE_VNNI
+  (void)x;
+  for (int64_t b = b0; b < b1; ++b) {
+    const int64_t n0 = b * NV, nrows = std::min<int64_t>(NV, N - n0);
+    for (int64_t m0 = 0; m0 < M; m0 += MB_VNNI)
+      with_rows<MB_VNNI>(std::min<int64_t>(MB_VNNI, M - m0), [&](auto r) {
+        int8_vnni_block<decltype(r)::value>(*xq, m0, w + n0 * K, K, nrows, scale + b * (K / 32) * NV,
+                                            y + m0 * N + n0, N);
+      });
+    add_bias(bias, M, n0, nrows, y, N);
+  }
+#else
+  (void)xq;
   for (int64_t b = b0; b < b1; ++b) {
     const int64_t n0 = b * NB, nrows = std::min<int64_t>(NB, N - n0);
     const at::Half* sb = scale + b * (K / 32) * NB;
-#ifdef TPSERVE_VNNI
-    if (uses_int8_rows(K)) {
-      for (int64_t m0 = 0; m0 < M; m0 += MB_VNNI)
-        with_rows<MB_VNNI>(std::min<int64_t>(MB_VNNI, M - m0), [&](auto r) {
-          int8_vnni_block<decltype(r)::value>(*xq, m0, w + n0 * K, K, nrows, sb, y + m0 * N + n0, N);
-        });
-      add_bias(bias, M, n0, nrows, y, N);
-      continue;
-    }
-#endif
-    (void)xq;
     for (int64_t m0 = 0; m0 < M; m0 += MB)
       with_rows<MB>(std::min<int64_t>(MB, M - m0), [&](auto r) {
         int8_block<decltype(r)::value>(x + m0 * K, K, w + n0 * K, K, nrows, sb, y + m0 * N + n0, N);
       });
     add_bias(bias, M, n0, nrows, y, N);
   }
+#endif
 }
 
 void bf16_range(const float* x, int64_t M, int64_t K, const uint16_t* w, const float* bias, int64_t N, float* y,
@@ -372,48 +363,54 @@ void bf16_range(const float* x, int64_t M, int64_t K, const uint16_t* w, const f
 void int4_range(const float* x, const Int8Rows* xq, int64_t M, int64_t K, const uint8_t* w, const at::Half* scale,
                 int64_t G, const float* bias, int64_t N, float* y, int64_t b0, int64_t b1) {
   const int64_t ng = K / G;
-  for (int64_t b = b0; b < b1; ++b) {
-    const int64_t n0 = b * NB, nrows = std::min<int64_t>(NB, N - n0);
 #ifdef TPSERVE_VNNI
-    (void)x;
+  (void)x;
+  for (int64_t b = b0; b < b1; ++b) {
+    const int64_t n0 = b * NV, nrows = std::min<int64_t>(NV, N - n0);
     for (int64_t m0 = 0; m0 < M; m0 += MB_VNNI)
       with_rows<MB_VNNI>(std::min<int64_t>(MB_VNNI, M - m0), [&](auto r) {
         int4_vnni_block<decltype(r)::value>(*xq, m0, w + n0 * (K / 2), K, nrows, scale + n0 * ng, G, y + m0 * N + n0, N);
       });
+    add_bias(bias, M, n0, nrows, y, N);
+  }
 #else
-    (void)xq;
+  (void)xq;
+  for (int64_t b = b0; b < b1; ++b) {
+    const int64_t n0 = b * NB, nrows = std::min<int64_t>(NB, N - n0);
     for (int64_t m0 = 0; m0 < M; m0 += MB)
       with_rows<MB>(std::min<int64_t>(MB, M - m0), [&](auto r) {
         int4_block<decltype(r)::value>(x + m0 * K, K, w + n0 * (K / 2), K, nrows, scale + n0 * ng, G, y + m0 * N + n0,
                                        N);
       });
-#endif
     add_bias(bias, M, n0, nrows, y, N);
   }
+#endif
 }
 
 // x quantized for the int8 and int4 kernels where they take int8 activations (else left empty)
 void quantize_all(const float* x, Int8Rows& xq, int64_t M, int64_t K) {
-  if (!uses_int8_rows(K)) return;
+  if (!vnni_layout()) return;
   resize_rows(xq, M, K);
   at::parallel_for(0, M, std::max<int64_t>(1, 8192 / K), [&](int64_t m0, int64_t m1) {  // threads for prefill only
     quantize_rows(x, xq, m0, m1, 0, K / 32);
   });
 }
 
-// The ops: output blocks split over torch's intra-op threads, ~16 blocks per task at least (an even split on few
+// The ops: output blocks split over torch's intra-op threads, ~64 output rows per task at least (an even split on few
 // cores without fine-grained scheduling).
-constexpr int64_t GRAIN = 16;
+constexpr int64_t GRAIN = 16;  // blocks of 4 rows
+const int64_t INT_GRAIN = 64 / int_rows();  // blocks of the int8 / int4 layout
 
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale, int64_t N) {
+  const int64_t RB = int_rows();
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && scale.dim() == 3,
-              "int8_linear: x [M, K], w [N/4, 4K], scale [N/4, K/32, 4]");
+              "int8_linear: x [M, K], w [N/RB, RB K], scale [N/RB, K/32, RB]");
   TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kChar && scale.scalar_type() == at::kHalf,
               "int8_linear: float32 x, int8 w, float16 scale");
-  const int64_t M = x.size(0), K = x.size(1), blocks = (N + NB - 1) / NB;
-  TORCH_CHECK(K % 32 == 0 && w.size(0) == blocks && w.size(1) == NB * K && scale.size(0) == blocks &&
-                  scale.size(1) == K / 32 && scale.size(2) == NB,
-              "int8_linear: shapes (K % 32 == 0)");
+  const int64_t M = x.size(0), K = x.size(1), blocks = (N + RB - 1) / RB;
+  TORCH_CHECK(K % 32 == 0 && w.size(0) == blocks && w.size(1) == RB * K && scale.size(0) == blocks &&
+                  scale.size(1) == K / 32 && scale.size(2) == RB,
+              "int8_linear: shapes (K % 32 == 0, blocks of ", RB, " rows)");
   TORCH_CHECK(w.is_contiguous() && scale.is_contiguous(), "int8_linear: contiguous weights");
   const at::Tensor xc = x.contiguous();
   at::Tensor y = at::empty({M, N}, x.options());
@@ -423,21 +420,22 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
   float* yp = y.data_ptr<float>();
   Int8Rows xq;
   quantize_all(xp, xq, M, K);
-  at::parallel_for(0, w.size(0), GRAIN, [&](int64_t b0, int64_t b1) {
+  at::parallel_for(0, blocks, INT_GRAIN, [&](int64_t b0, int64_t b1) {
     int8_range(xp, &xq, M, K, wp, sp, nullptr, N, yp, b0, b1);
   });
   return y;
 }
 
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale, int64_t G, int64_t N) {
+  const int64_t RB = int_rows();
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && scale.dim() == 3,
-              "int4_linear: x [M, K], w [N/4, 2K], scale [N/4, K/G, 4]");
+              "int4_linear: x [M, K], w [N/RB, RB K/2], scale [N/RB, K/G, RB]");
   TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kByte && scale.scalar_type() == at::kHalf,
               "int4_linear: float32 x, uint8 w, float16 scale");
-  const int64_t M = x.size(0), K = x.size(1), blocks = (N + NB - 1) / NB;
-  TORCH_CHECK(G % 32 == 0 && K % G == 0 && w.size(0) == blocks && w.size(1) == NB * K / 2 &&
-                  scale.size(0) == blocks && scale.size(1) == K / G && scale.size(2) == NB,
-              "int4_linear: shapes (G % 32 == 0, K % G == 0)");
+  const int64_t M = x.size(0), K = x.size(1), blocks = (N + RB - 1) / RB;
+  TORCH_CHECK(G % 32 == 0 && K % G == 0 && w.size(0) == blocks && w.size(1) == RB * K / 2 &&
+                  scale.size(0) == blocks && scale.size(1) == K / G && scale.size(2) == RB,
+              "int4_linear: shapes (G % 32 == 0, K % G == 0, blocks of ", RB, " rows)");
   TORCH_CHECK(w.is_contiguous() && scale.is_contiguous(), "int4_linear: contiguous weights");
   const at::Tensor xc = x.contiguous();
   at::Tensor y = at::empty({M, N}, x.options());
@@ -447,7 +445,7 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
   float* yp = y.data_ptr<float>();
   Int8Rows xq;
   quantize_all(xp, xq, M, K);
-  at::parallel_for(0, blocks, GRAIN, [&](int64_t b0, int64_t b1) {
+  at::parallel_for(0, blocks, INT_GRAIN, [&](int64_t b0, int64_t b1) {
     int4_range(xp, &xq, M, K, wp, sp, G, nullptr, N, yp, b0, b1);
   });
   return y;
@@ -474,7 +472,8 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& w, int64_t N) {
 TORCH_LIBRARY_FRAGMENT(tpserve, m) {
   m.def("int8_linear(Tensor x, Tensor w, Tensor scale, int n) -> Tensor");
   m.def("int4_linear(Tensor x, Tensor w, Tensor scale, int group, int n) -> Tensor");
-  m.def("quant_int8_activations() -> bool", &has_vnni);  // int8_linear, int4_linear quantize their activations (VNNI)
+  // int8_linear and int4_linear quantize their activations (VNNI), and take weights in blocks of 16 rows
+  m.def("quant_int8_activations() -> bool", &has_vnni);
   m.def("bf16_linear(Tensor x, Tensor w, int n) -> Tensor");
 }
 

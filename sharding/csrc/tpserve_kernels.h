@@ -24,24 +24,27 @@ inline void with_rows(int64_t rows, const F& f) {
 }
 
 // ---- linears: y [M, N] (row stride N) from x [M, K] contiguous, over output blocks [b0, b1) -------------------------
-// quant_linear.cpp: blocks of 4 output rows (int8, int4, bf16 weights as quant.py's pack_rows stores them)
+// quant_linear.cpp: blocks of 4 output rows (int8, int4, bf16 weights as quant.py's pack_rows stores them), or for
+// int8 and int4 on CPUs with AVX-512 VNNI blocks of 16 (int_rows() says which)
 constexpr int64_t QUANT_BLOCK = 4;
+constexpr int64_t VNNI_BLOCK = 16;
 void bf16_range(const float* x, int64_t M, int64_t K, const uint16_t* w, const float* bias, int64_t N, float* y,
                 int64_t b0, int64_t b1);
 
 // int8 and int4 on CPUs with AVX-512 VNNI multiply int8 activations: x quantized per row and block of 32 inputs
 // (Q8_0's scheme), once per input, by quantize_rows (blocks [kb0, kb1) of every row; `rows` sized by resize_rows)
 struct Int8Rows {
-  std::vector<int8_t> q;       // [M, K]
-  std::vector<float> scale;    // [M, K/32]
-  std::vector<int32_t> corr;   // [M, K/32, 4]: -8 * the sums of q that a dot-product lane meets (int4_vnni_block)
-  std::vector<int32_t> corr8;  // the same sums * -128 (int8_vnni_block)
+  std::vector<int8_t> q;        // [M, K]
+  std::vector<float> scale;     // [M, K/32]
+  std::vector<int32_t> corr4;   // [M, K/32]: -8 * the block's sum of q (int4: the nibbles are stored as w + 8)
+  std::vector<int32_t> corr8;   // -128 * the sum (int8: the kernel flips the bytes to w + 128)
   int64_t M = 0, K = 0;
 };
-bool uses_int8_rows(int64_t K);  // whether int8_range and int4_range take x quantized (VNNI, K % 32 == 0)
+bool vnni_layout();  // whether int8_range and int4_range take x quantized and weights in blocks of 16 rows
+int64_t int_rows();  // rows per block of the int8 and int4 layout: 16 with VNNI, else 4
 void resize_rows(Int8Rows& r, int64_t M, int64_t K);
 void quantize_rows(const float* x, Int8Rows& r, int64_t m0, int64_t m1, int64_t kb0, int64_t kb1);
-// xq: the quantized x when uses_int8_rows(K), else unused
+// xq: the quantized x when vnni_layout(), else unused
 void int8_range(const float* x, const Int8Rows* xq, int64_t M, int64_t K, const int8_t* w, const at::Half* scale,
                 const float* bias, int64_t N, float* y, int64_t b0, int64_t b1);
 void int4_range(const float* x, const Int8Rows* xq, int64_t M, int64_t K, const uint8_t* w, const at::Half* scale,

@@ -77,7 +77,8 @@ def test_round_trip_error_is_half_a_step(mode, group):
     assert torch.isfinite(err).all() and err[3].max() == 0
     if mode == "int8":
         # one float16 scale per block of 32 inputs, as Q8_0's
-        assert qw.data.dtype == torch.int8 and qw.data.shape == (12, 4 * 256) and qw.scale.shape == (12, 8, 4)
+        nb, rows = 48 // qw.rows, qw.rows  # blocks of 4 rows, or 16 where the kernel multiplies bytes (VNNI)
+        assert qw.data.dtype == torch.int8 and qw.data.shape == (nb, rows * 256) and qw.scale.shape == (nb, 8, rows)
         assert qw.scale.dtype == torch.float16
         step = qw.row_scales().repeat_interleave(32, dim=1)
         assert (err <= step / 2 * (1 + 1e-5) + 1e-12).all()
@@ -90,7 +91,8 @@ def test_round_trip_error_is_half_a_step(mode, group):
         assert torch.equal(quant.dequantize(qw), w.to(torch.bfloat16).float())
     else:
         g = quant.group_for(256, group)
-        assert qw.data.dtype == torch.uint8 and qw.data.shape == (12, 4 * 128) and qw.scale.shape == (12, 256 // g, 4)
+        nb, rows = 48 // qw.rows, qw.rows
+        assert qw.data.dtype == torch.uint8 and qw.data.shape == (nb, rows * 128) and qw.scale.shape == (nb, 256 // g, rows)
         assert qw.scale.dtype == torch.float16  # as Q4_0's
         step = qw.row_scales().abs().repeat_interleave(g, dim=1)
         # round to nearest, except the largest positive values of a group led by a negative one: 8 clamps to 7
