@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import sys
+import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 
 from fastapi import Request
@@ -44,12 +46,48 @@ class ServerState:
         return self.engine.max_model_len
 
 
+class Outbox:
+    """Engine events bound for one event loop, handed over in batches. The engine thread emits one event per sequence
+    per step; a call_soon_threadsafe each (a write to the loop's wake-up pipe, and often a wake-up of the loop) cost
+    the engine thread ~2.4 % of a 32-stream decode step (py-spy). Here the first event of a batch schedules one
+    delivery, and the events that arrive before it runs ride along."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self._items: list[tuple[asyncio.Queue, tuple]] = []
+        self._lock = threading.Lock()
+
+    def put(self, queue: asyncio.Queue, item: tuple) -> None:  # engine thread
+        with self._lock:
+            self._items.append((queue, item))
+            if len(self._items) > 1:
+                return  # a delivery is already scheduled
+        self.loop.call_soon_threadsafe(self._deliver)
+
+    def _deliver(self) -> None:  # the loop's thread
+        with self._lock:
+            items, self._items = self._items, []
+        for queue, item in items:
+            queue.put_nowait(item)
+
+
+_outboxes: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def outbox_for(loop: asyncio.AbstractEventLoop) -> Outbox:
+    box = _outboxes.get(loop)
+    if box is None:
+        box = _outboxes[loop] = Outbox(loop)
+    return box
+
+
 class PendingRequest:
     """One HTTP request's sequences and the queue their output arrives on."""
 
     def __init__(self, state: ServerState, loop: asyncio.AbstractEventLoop):
         self.state = state
         self.loop = loop
+        self.outbox = outbox_for(loop)
         self.queue: asyncio.Queue = asyncio.Queue()
         self.seqs: list[Sequence] = []
         self.index: dict[int, int] = {}  # seq_id -> choice index
@@ -63,7 +101,7 @@ class PendingRequest:
             if prev is not None:
                 self.state.metrics.itl.observe(t - prev)  # every gap between two tokens of a sequence
             self.token_times[seq.seq_id] = t
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, (seq, text, finished, n))
+        self.outbox.put(self.queue, (seq, text, finished, n))
 
     def add(self, prompt_ids: list[int], params: SamplingParams, choice: int,
             grammar: GrammarState | None = None) -> None:

@@ -117,21 +117,25 @@ def supported(mode: str, in_features: int, group: int) -> bool:
     return in_features % need == 0
 
 
-def int_rows(device: torch.device) -> int:
-    """Rows per block of int8 and int4 weights on this device: VNNI_ROWS where the CPU kernel multiplies int8
-    activations (AVX-512 VNNI), else 4."""
-    return VNNI_ROWS if device.type == "cpu" and int8_activations() else ROW_BLOCK
+def kernel_rows(mode: str, device: torch.device) -> int:
+    """Rows per block of the layout this device's kernel reads: VNNI_ROWS where the CPU kernel multiplies int8
+    activations (int8, int4 on AVX-512 VNNI) or bfloat16 ones (bf16 on AVX-512 BF16), else 4."""
+    if device.type != "cpu":
+        return ROW_BLOCK
+    dot = bf16_activations() if mode == "bf16" else int8_activations()
+    return VNNI_ROWS if dot else ROW_BLOCK
 
 
 def quantize(weight: torch.Tensor, mode: str, group: int = 32, rows: int | None = None) -> QuantizedWeight:
-    """`rows`: the layout's rows per block for int8 and int4 (default: int_rows, what this device's kernel reads)."""
+    """`rows`: the layout's rows per block (default: kernel_rows, what this device's kernel reads)."""
     w = weight.detach().float()
     out_features, in_features = w.shape
-    rows = rows or (int_rows(w.device) if mode != "bf16" else ROW_BLOCK)
+    rows = rows or kernel_rows(mode, w.device)
     run = VNNI_RUN if rows == VNNI_ROWS else RUN[mode]
     if mode == "bf16":
         data = w.to(torch.bfloat16).view(torch.int16).view(torch.uint8)  # [out, 2 * in], little-endian values
-        return bind(QuantizedWeight(mode, pack_rows(data, RUN[mode]), w.new_zeros(0), in_features, out_features))
+        return bind(QuantizedWeight(mode, pack_rows(data, run, rows), w.new_zeros(0), in_features, out_features,
+                                    rows=rows))
     if mode == "int8":
         g = w.reshape(out_features, in_features // INT8_GROUP, INT8_GROUP)
         scale = (g.abs().amax(dim=-1) / 127.0).clamp(max=65504).half().float()  # stored as float16
@@ -179,14 +183,20 @@ def dequantize(qw: QuantizedWeight, start: int = 0, stop: int | None = None) -> 
 
 
 def int8_activations() -> bool:
-    """Whether int4 linears quantize their activations to int8 (the compiled kernel on a CPU with AVX-512 VNNI)."""
+    """Whether int8 and int4 linears quantize their activations to int8 (the compiled kernel on a CPU with AVX-512
+    VNNI)."""
     return kernels.quant_linear_ops() is not None and bool(torch.ops.tpserve.quant_int8_activations())
+
+
+def bf16_activations() -> bool:
+    """Whether bf16 linears round their activations to bfloat16 (the compiled kernel on a CPU with AVX-512 BF16)."""
+    return kernels.quant_linear_ops() is not None and bool(torch.ops.tpserve.quant_bf16_activations())
 
 
 def bind(qw: QuantizedWeight) -> QuantizedWeight:
     """Resolve, once, at load, the compiled op and its arguments (a decode step makes ~120 of these calls)."""
     ops = kernels.quant_linear_ops() if qw.data.device.type == "cpu" else None
-    if ops is None or (qw.mode != "bf16" and qw.rows != int_rows(qw.data.device)):  # not the kernel's layout
+    if ops is None or qw.rows != kernel_rows(qw.mode, qw.data.device):  # not the layout the kernel reads
         qw.kernel = None
     elif qw.mode == "int8":
         qw.kernel = (ops[0], (qw.data, qw.scale, qw.out_features))

@@ -220,7 +220,7 @@ struct DecodeLayers : torch::CustomClassHolder {
                   "DecodeLayers.add_linear: float32 weights [ceil(n/32), K, 32]");
       k = w.size(1);
     } else {
-      const int64_t rb = kind == 3 ? tpserve::QUANT_BLOCK : tpserve::int_rows();  // rows per block
+      const int64_t rb = kind == 3 ? tpserve::bf16_rows() : tpserve::int_rows();  // rows per block
       TORCH_CHECK(w.dim() == 2 && blocks == (n + rb - 1) / rb,
                   "DecodeLayers.add_linear: packed weights [ceil(n/rows), rows x row bytes]");
       if (kind == 1) {
@@ -237,7 +237,7 @@ struct DecodeLayers : torch::CustomClassHolder {
                     "DecodeLayers.add_linear: int4 weights with float16 scales [ceil(n/rows), K/group, rows]");
       } else {
         TORCH_CHECK(kind == 3 && w.scalar_type() == at::kByte, "DecodeLayers.add_linear: kind 0-3");
-        k = w.size(1) / 8;
+        k = w.size(1) / (2 * rb);
         TORCH_CHECK(k % 16 == 0, "DecodeLayers.add_linear: bf16 inputs a multiple of 16");
       }
     }
@@ -273,7 +273,9 @@ struct DecodeLayers : torch::CustomClassHolder {
 };
 
 // whether linear l multiplies its input quantized to int8 (int8 and int4 weights on CPUs with AVX-512 VNNI)
+// whether linear l multiplies its input rounded to bfloat16 (bf16 weights on CPUs with AVX-512 BF16)
 bool takes_rows(const PlanLinear& l) { return (l.kind == 1 || l.kind == 2) && tpserve::vnni_layout(); }
+bool takes_bf16(const PlanLinear& l) { return l.kind == 3 && tpserve::bf16_dot_layout(); }
 
 // y[:, output blocks b0..b1) of linear l over the M rows of x (xq: x quantized, see takes_rows)
 void linear_range(const PlanLinear& l, const float* x, const tpserve::Int8Rows* xq, int64_t M, float* y, int64_t b0,
@@ -291,7 +293,7 @@ void linear_range(const PlanLinear& l, const float* x, const tpserve::Int8Rows* 
                           b0, b1);
       break;
     default:
-      tpserve::bf16_range(x, M, l.k, reinterpret_cast<const uint16_t*>(l.w.data_ptr<uint8_t>()), bias, l.n, y, b0,
+      tpserve::bf16_range(x, xq, M, l.k, reinterpret_cast<const uint16_t*>(l.w.data_ptr<uint8_t>()), bias, l.n, y, b0,
                           b1);
   }
 }
@@ -327,13 +329,16 @@ at::Tensor decode_layers(const c10::intrusive_ptr<DecodeLayers>& plan, at::Tenso
     for (int64_t i = 0; i < (lp[b] + BS - 1) / BS; ++i)
       TORCH_CHECK(tp[b * MAXB + i] >= 0 && tp[b * MAXB + i] < NB, "decode_layers: block out of range");
   }
-  bool int8_rows = false;  // whether any linear takes its input quantized to int8 (VNNI)
+  bool int8_rows = false, bf16_rows = false;  // whether any linear takes its input as int8 (VNNI) or bfloat16
   for (const PlanLayer& l : layers) {
     TORCH_CHECK(l.pool.size(2) == NB && l.pool.size(3) == BS && l.pool.size(4) == D,
                 "decode_layers: every layer's cache of one geometry");
     TORCH_CHECK(l.qkv.n == layers[0].qkv.n && l.o.k == layers[0].o.k && l.gate_up.n == layers[0].gate_up.n,
                 "decode_layers: layers of one shape");
-    for (const PlanLinear* lin : {&l.qkv, &l.o, &l.gate_up, &l.down}) int8_rows |= takes_rows(*lin);
+    for (const PlanLinear* lin : {&l.qkv, &l.o, &l.gate_up, &l.down}) {
+      int8_rows |= takes_rows(*lin);
+      bf16_rows |= takes_bf16(*lin);
+    }
   }
   const auto opts = h.options();
   at::Tensor qkv = at::empty({B, max_q}, opts), q = at::empty({B, max_att}, opts), att = at::empty({B, max_att}, opts);
@@ -343,12 +348,18 @@ at::Tensor decode_layers(const c10::intrusive_ptr<DecodeLayers>& plan, at::Tenso
   float *obp = ob.data_ptr<float>(), *gup = gu.data_ptr<float>(), *actp = act.data_ptr<float>();
   float *ddp = dd.data_ptr<float>(), *outp = out.data_ptr<float>(), *hp = h.data_ptr<float>();
   const float *cp = cos.data_ptr<float>(), *snp = sin.data_ptr<float>();
-  // int8 copies of each linear's input (int8 and int4 through VNNI), one per input kind: x/out (qkv, gate_up), att (o), act
+  // int8 (int8, int4 through VNNI) or bfloat16 (bf16 through AVX-512 BF16) copies of each linear's input, one per
+  // input kind: x/out (qkv, gate_up), att (o), act (down)
   tpserve::Int8Rows xq_x, xq_att, xq_act;
   if (int8_rows) {
     tpserve::resize_rows(xq_x, B, hidden);
     tpserve::resize_rows(xq_att, B, max_att);
     tpserve::resize_rows(xq_act, B, max_gu / 2);
+  }
+  if (bf16_rows) {
+    tpserve::resize_bf16_rows(xq_x, B, hidden);
+    tpserve::resize_bf16_rows(xq_att, B, max_att);
+    tpserve::resize_bf16_rows(xq_act, B, max_gu / 2);
   }
   const int nt = std::max(1, at::get_num_threads());
   std::vector<std::vector<float>> scores(nt);
@@ -365,6 +376,7 @@ at::Tensor decode_layers(const c10::intrusive_ptr<DecodeLayers>& plan, at::Tenso
     int64_t a, b;
     const auto quantize = [&](const PlanLinear& l, const float* src, tpserve::Int8Rows& rows, int64_t r0, int64_t r1) {
       if (takes_rows(l)) tpserve::quantize_rows(src, rows, r0, r1, 0, l.k / 32);
+      if (takes_bf16(l)) tpserve::round_rows_bf16(src, rows, r0, r1);
     };
     // h += delta and out = rms_norm(h), over this thread's rows (which stay a, b for the quantize after it)
     const auto residual_norm = [&](const float* delta, const at::Tensor& w, double eps) {
@@ -406,7 +418,7 @@ at::Tensor decode_layers(const c10::intrusive_ptr<DecodeLayers>& plan, at::Tenso
                                       attp + (s * heads + kh * G) * D);
       }
 #pragma omp barrier
-      if (takes_rows(l.o)) {
+      if (takes_rows(l.o) || takes_bf16(l.o)) {
         share(B, a, b);
         quantize(l.o, attp, xq_att, a, b);
 #pragma omp barrier

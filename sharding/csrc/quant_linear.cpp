@@ -268,6 +268,38 @@ inline void int4_vnni_block(const tpserve::Int8Rows& xq, int64_t m0, const uint8
 }
 #endif
 
+#if defined(TPSERVE_AVX512) && defined(__AVX512BF16__)
+#define TPSERVE_BF16_DOT 1
+// bf16 weights on CPUs with AVX-512 BF16: the activations rounded to bfloat16 once per input (Int8Rows::h), and
+// vdpbf16ps multiplies a line of the block's 16 rows x 2 inputs by the row's 2 activations broadcast to every lane:
+// 32 products per instruction into one float32 lane per output row (16 per FMA in float32). Weights as pack_rows(
+// rows=16, run=4 bytes) lays them out.
+template <int R>
+inline void bf16_dot_block(const tpserve::Int8Rows& xq, int64_t m0, const uint16_t* w, int64_t K, int64_t nrows,
+                           float* y, int64_t ldy) {
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < K / 2; c += 8) {  // 8 lines: 16 inputs
+    __m512bh line[8];
+    for (int i = 0; i < 8; ++i) line[i] = (__m512bh)_mm512_loadu_si512(w + (c + i) * 32);
+    for (int r = 0; r < R; ++r) {
+      const int32_t* xr = reinterpret_cast<const int32_t*>(xq.h.data() + (m0 + r) * K) + c;
+      for (int i = 0; i < 8; ++i) acc[r] = _mm512_dpbf16_ps(acc[r], line[i], (__m512bh)_mm512_set1_epi32(xr[i]));
+    }
+  }
+  const __mmask16 m = nrows >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << nrows) - 1);
+  for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(y + r * ldy, m, acc[r]);
+}
+#endif
+
+bool has_bf16_dot() {
+#ifdef TPSERVE_BF16_DOT
+  return true;
+#else
+  return false;
+#endif
+}
+
 bool has_vnni() {
 #ifdef TPSERVE_VNNI
   return true;
@@ -282,6 +314,20 @@ namespace tpserve {
 
 bool vnni_layout() { return has_vnni(); }
 int64_t int_rows() { return has_vnni() ? VNNI_BLOCK : QUANT_BLOCK; }
+bool bf16_dot_layout() { return has_bf16_dot(); }
+int64_t bf16_rows() { return has_bf16_dot() ? VNNI_BLOCK : QUANT_BLOCK; }
+
+void round_rows_bf16(const float* x, Int8Rows& r, int64_t m0, int64_t m1) {
+  const int64_t K = r.K;
+#ifdef TPSERVE_BF16_DOT
+  for (int64_t m = m0; m < m1; ++m)
+    for (int64_t k = 0; k < K; k += 16)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(r.h.data() + m * K + k),
+                          (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x + m * K + k)));
+#else
+  (void)x, (void)r, (void)m0, (void)m1, (void)K;
+#endif
+}
 
 void resize_rows(Int8Rows& r, int64_t M, int64_t K) {
   r.M = M, r.K = K;
@@ -289,6 +335,11 @@ void resize_rows(Int8Rows& r, int64_t M, int64_t K) {
   r.scale.resize(M * (K / 32));
   r.corr4.resize(M * (K / 32));
   r.corr8.resize(M * (K / 32));
+}
+
+void resize_bf16_rows(Int8Rows& r, int64_t M, int64_t K) {
+  r.M = M, r.K = K;
+  r.h.resize(M * K);
 }
 
 // Activations quantized per row and block of 32 inputs: q = round(x / s), s = max|x| / 127 (llama.cpp's Q8_0).
@@ -348,8 +399,21 @@ void int8_range(const float* x, const Int8Rows* xq, int64_t M, int64_t K, const 
 #endif
 }
 
-void bf16_range(const float* x, int64_t M, int64_t K, const uint16_t* w, const float* bias, int64_t N, float* y,
-                int64_t b0, int64_t b1) {
+void bf16_range(const float* x, const Int8Rows* xq, int64_t M, int64_t K, const uint16_t* w, const float* bias,
+                int64_t N, float* y, int64_t b0, int64_t b1) {
+#ifdef TPSERVE_BF16_DOT
+  (void)x;
+  for (int64_t b = b0; b < b1; ++b) {
+    const int64_t n0 = b * NV, nrows = std::min<int64_t>(NV, N - n0);
+    for (int64_t m0 = 0; m0 < M; m0 += MB_VNNI)
+      with_rows<MB_VNNI>(std::min<int64_t>(MB_VNNI, M - m0), [&](auto r) {
+        bf16_dot_block<decltype(r)::value>(*xq, m0, w + n0 * K, K, nrows, y + m0 * N + n0, N);
+      });
+    add_bias(bias, M, n0, nrows, y, N);
+  }
+  return;
+#endif
+  (void)xq;
   for (int64_t b = b0; b < b1; ++b) {
     const int64_t n0 = b * NB, nrows = std::min<int64_t>(NB, N - n0);
     for (int64_t m0 = 0; m0 < M; m0 += MB)
@@ -452,18 +516,28 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
 }
 
 at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& w, int64_t N) {
-  TORCH_CHECK(x.dim() == 2 && w.dim() == 2, "bf16_linear: x [M, K], w [N/4, 8K] bytes");
+  const int64_t RB = bf16_rows();
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2, "bf16_linear: x [M, K], w [N/RB, 2 RB K] bytes");
   TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kByte, "bf16_linear: float32 x, uint8 w");
-  const int64_t M = x.size(0), K = x.size(1);
-  TORCH_CHECK(w.size(0) == (N + NB - 1) / NB && w.size(1) == NB * K * 2 && K % 16 == 0,
-              "bf16_linear: shapes (K % 16 == 0)");
+  const int64_t M = x.size(0), K = x.size(1), blocks = (N + RB - 1) / RB;
+  TORCH_CHECK(w.size(0) == blocks && w.size(1) == RB * K * 2 && K % 16 == 0,
+              "bf16_linear: shapes (K % 16 == 0, blocks of ", RB, " rows)");
   TORCH_CHECK(w.is_contiguous(), "bf16_linear: contiguous weights");
   const at::Tensor xc = x.contiguous();
   at::Tensor y = at::empty({M, N}, x.options());
   const float* xp = xc.data_ptr<float>();
   const uint16_t* wp = reinterpret_cast<const uint16_t*>(w.data_ptr<uint8_t>());
   float* yp = y.data_ptr<float>();
-  at::parallel_for(0, w.size(0), GRAIN, [&](int64_t b0, int64_t b1) { bf16_range(xp, M, K, wp, nullptr, N, yp, b0, b1); });
+  Int8Rows xq;
+  if (bf16_dot_layout()) {
+    resize_bf16_rows(xq, M, K);
+    at::parallel_for(0, M, std::max<int64_t>(1, 8192 / K), [&](int64_t m0, int64_t m1) {
+      round_rows_bf16(xp, xq, m0, m1);
+    });
+  }
+  at::parallel_for(0, blocks, 64 / RB, [&](int64_t b0, int64_t b1) {
+    bf16_range(xp, &xq, M, K, wp, nullptr, N, yp, b0, b1);
+  });
   return y;
 }
 
@@ -475,6 +549,8 @@ TORCH_LIBRARY_FRAGMENT(tpserve, m) {
   // int8_linear and int4_linear quantize their activations (VNNI), and take weights in blocks of 16 rows
   m.def("quant_int8_activations() -> bool", &has_vnni);
   m.def("bf16_linear(Tensor x, Tensor w, int n) -> Tensor");
+  // bf16_linear rounds its activations to bfloat16 (AVX-512 BF16), and takes weights in blocks of 16 rows
+  m.def("quant_bf16_activations() -> bool", &has_bf16_dot);
 }
 
 TORCH_LIBRARY_IMPL(tpserve, CPU, m) {

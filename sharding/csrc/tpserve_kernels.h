@@ -28,8 +28,6 @@ inline void with_rows(int64_t rows, const F& f) {
 // int8 and int4 on CPUs with AVX-512 VNNI blocks of 16 (int_rows() says which)
 constexpr int64_t QUANT_BLOCK = 4;
 constexpr int64_t VNNI_BLOCK = 16;
-void bf16_range(const float* x, int64_t M, int64_t K, const uint16_t* w, const float* bias, int64_t N, float* y,
-                int64_t b0, int64_t b1);
 
 // int8 and int4 on CPUs with AVX-512 VNNI multiply int8 activations: x quantized per row and block of 32 inputs
 // (Q8_0's scheme), once per input, by quantize_rows (blocks [kb0, kb1) of every row; `rows` sized by resize_rows)
@@ -38,12 +36,21 @@ struct Int8Rows {
   std::vector<float> scale;     // [M, K/32]
   std::vector<int32_t> corr4;   // [M, K/32]: -8 * the block's sum of q (int4: the nibbles are stored as w + 8)
   std::vector<int32_t> corr8;   // -128 * the sum (int8: the kernel flips the bytes to w + 128)
+  std::vector<uint16_t> h;      // [M, K]: x rounded to bfloat16, for bf16 weights (round_rows_bf16)
   int64_t M = 0, K = 0;
 };
 bool vnni_layout();  // whether int8_range and int4_range take x quantized and weights in blocks of 16 rows
 int64_t int_rows();  // rows per block of the int8 and int4 layout: 16 with VNNI, else 4
 void resize_rows(Int8Rows& r, int64_t M, int64_t K);
 void quantize_rows(const float* x, Int8Rows& r, int64_t m0, int64_t m1, int64_t kb0, int64_t kb1);
+// bf16 weights on CPUs with AVX-512 BF16: x rounded to bfloat16 (xq->h, sized by resize_bf16_rows) and weights in
+// blocks of 16 rows
+bool bf16_dot_layout();
+int64_t bf16_rows();
+void resize_bf16_rows(Int8Rows& r, int64_t M, int64_t K);
+void round_rows_bf16(const float* x, Int8Rows& r, int64_t m0, int64_t m1);
+void bf16_range(const float* x, const Int8Rows* xq, int64_t M, int64_t K, const uint16_t* w, const float* bias,
+                int64_t N, float* y, int64_t b0, int64_t b1);
 // xq: the quantized x when vnni_layout(), else unused
 void int8_range(const float* x, const Int8Rows* xq, int64_t M, int64_t K, const int8_t* w, const at::Half* scale,
                 const float* bias, int64_t N, float* y, int64_t b0, int64_t b1);

@@ -45,10 +45,21 @@ def int8_activations(mode: str, k: int) -> bool:
     return mode in ("int8", "int4") and k % 32 == 0 and kernels.build_kernels() and quant.int8_activations()
 
 
+def as_kernel_sees(x: torch.Tensor, mode: str) -> torch.Tensor:
+    """x [M, K] as the compiled kernel of `mode` multiplies it here: rounded to int8 per block of 32 (int8, int4 on
+    AVX-512 VNNI), to bfloat16 (bf16 on AVX-512 BF16), or as it is."""
+    if int8_activations(mode, x.shape[-1]):
+        return int8_rounded(x)
+    if mode == "bf16" and kernels.build_kernels() and quant.bf16_activations():
+        return x.bfloat16().float()
+    return x
+
+
 @pytest.mark.parametrize("mode,group", MODES)
 def test_linear_equals_dequantized_weight(mode, group, path):
     """Every kernel (and the torch path) against the dequantized weight, at every row-block shape; int8 and int4
-    through the VNNI kernels against the same product of the int8-rounded activations."""
+    through the VNNI kernels against the same product of the int8-rounded activations, bf16 through vdpbf16ps
+    against that of the bfloat16-rounded ones."""
     torch.manual_seed(0)
     # row counts that leave the last block of 4 packed rows partial
     for n, k in [(5, 256), (37, 128), (1030, 384), (64, 1536), (9, 96)]:
@@ -59,7 +70,7 @@ def test_linear_equals_dequantized_weight(mode, group, path):
         for m in (1, 2, 3, 4, 5, 6, 7, 9, 16, 17, 40):  # the kernels' row blocks (4, 6 and 8) and their tails
             x = torch.randn(m, k)
             got = quant.linear(x, qw, bias)
-            xr = int8_rounded(x) if int8_activations(mode, k) and path == "kernel" else x
+            xr = as_kernel_sees(x, mode) if path == "kernel" else x
             want = (xr.double() @ ref_w.T + bias.double()).float()
             assert got.shape == (m, n)
             torch.testing.assert_close(got, want, atol=2e-4, rtol=1e-4)
@@ -87,7 +98,8 @@ def test_round_trip_error_is_half_a_step(mode, group):
         q = (quant.dequantize(qw).reshape(48, -1, 32) / qw.row_scales()[..., None]).round()
         assert (q.abs().amax(-1) == 127)[grouped.abs().amax(-1) > 0].all()
     elif mode == "bf16":  # the weight rounded to bfloat16, stored as its two bytes
-        assert qw.data.dtype == torch.uint8 and qw.data.shape == (12, 4 * 512) and qw.scale.numel() == 0
+        nb, rows = 48 // qw.rows, qw.rows  # blocks of 4 rows, or 16 where the kernel multiplies bfloat16 (AVX-512 BF16)
+        assert qw.data.dtype == torch.uint8 and qw.data.shape == (nb, rows * 512) and qw.scale.numel() == 0
         assert torch.equal(quant.dequantize(qw), w.to(torch.bfloat16).float())
     else:
         g = quant.group_for(256, group)
@@ -108,7 +120,8 @@ def test_round_trip_error_is_half_a_step(mode, group):
 def fake_quantized_greedy(folder, mode: str, group: int, tp: int, prompt: list[int], max_new_tokens: int):
     """transformers' greedy tokens and logprobs with every linear (and the LM head, in int8) replaced by the round trip
     of the shard each rank quantizes: row-parallel layers (o_proj, down_proj) are split by input columns over `tp`.
-    Where int8 and int4 linears take int8 activations (VNNI), their inputs are rounded the same way, shard by shard."""
+    Where int8 and int4 linears take int8 activations (VNNI) or bf16 ones bfloat16 (AVX-512 BF16), their inputs are
+    rounded the same way, shard by shard."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
@@ -121,11 +134,10 @@ def fake_quantized_greedy(folder, mode: str, group: int, tp: int, prompt: list[i
                 # the LM head is int8 under both integer modes
                 how = "int8" if name == "lm_head" and mode in ("int8", "int4") else mode
                 mod.weight.copy_(torch.cat([quant.dequantize(quant.quantize(p, how, group)) for p in parts], 1))
-                if int8_activations(how, parts[0].shape[1]):
-                    mod.register_forward_pre_hook(
-                        lambda _m, args, tp=len(parts): (torch.cat([int8_rounded(c.reshape(-1, c.shape[-1]))
-                                                                    for c in args[0].chunk(tp, dim=-1)], -1)
-                                                         .reshape(args[0].shape),))
+                mod.register_forward_pre_hook(
+                    lambda _m, args, tp=len(parts), how=how: (torch.cat([as_kernel_sees(c.reshape(-1, c.shape[-1]), how)
+                                                                          for c in args[0].chunk(tp, dim=-1)], -1)
+                                                               .reshape(args[0].shape),))
         out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False,
                              output_logits=True, return_dict_in_generate=True, pad_token_id=0,
                              attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
@@ -144,19 +156,24 @@ PROMPTS = [[5, 6, 7, 8, 9, 10], list(range(30, 50))]
 
 @pytest.mark.parametrize("tp", [1, 2])
 def test_ranks_equal_transformers_with_the_same_quantized_weights(quant_model, tp):
-    """Float32 activations (the default; pinned here), so the products are exactly those of the round-tripped
-    weights."""
+    """The products are those of the round-tripped weights (and of the activations rounded as the kernel rounds
+    them). Where the kernel rounds activations (int8 blocks, bfloat16), a value that lands within float32 rounding of
+    a rounding boundary can go one way here and the other in transformers (their float32 sums differ in order), and
+    the difference of one rounding step then carries on: a few 1e-3 in a logprob, measured (a wrong scale, a
+    shuffled layout or a dropped block is off by whole units). Exact float32 activations must agree to 1e-4."""
     jobs = [{"model": str(quant_model), "prompts": PROMPTS, "max_tokens": 24, "logprobs": 5,
              "llm": {"quantization": mode, "quantization_group_size": group}} for mode, group in MODES]
     results = run_llm(tp, jobs, timeout=300)
+    x = torch.randn(1, 64)
     for (mode, group), result in zip(MODES, results):
         assert "error" not in result, result
+        rounded = not torch.equal(as_kernel_sees(x, mode), x)
         for prompt, out in zip(PROMPTS, result["outputs"]):
             tokens, logprobs = fake_quantized_greedy(quant_model, mode, group, tp, prompt, 24)
             assert out["token_ids"] == tokens, (mode, group, tp)
             worst = max(abs(float(logprobs[i, t]) - v) for i, step in enumerate(out["top_logprobs"])
                         for t, v in step)
-            assert worst < 1e-4, (mode, group, tp, worst)
+            assert worst < (2e-2 if rounded else 1e-4), (mode, group, tp, worst)
 
 
 def test_default_model_agreement():
