@@ -13,10 +13,14 @@ def test_default_model_answers_paris_at_tp3(server_factory):
 
 
 def test_default_model_int8_served_at_tp2(server_factory):
-    """`-q int8` end to end: the flag reaches both ranks, each quantizes its own shard, and the answer survives."""
+    """`-q int8` end to end: the flag reaches both ranks, each quantizes its own shard, and the answer survives.
+
+    Not the France question: float32 SmolLM2 opens its answer with "The" at 15.2 % against "L" at 14.0 %, and 8-bit
+    activations (int8 on CPUs with AVX-512 VNNI, as llama.cpp's Q8_0) tip it to "L'Étoile, la Cité, la France",
+    the answer llama-server gives with the Q8_0 file too. The Germany question has a clear first token."""
     s = server_factory(None, 2, "-q", "int8", "--max-model-len", "256", "--max-num-seqs", "4", ready_timeout=600)
     client = openai.OpenAI(base_url=s.v1, api_key="x", max_retries=0, timeout=300)
     r = client.chat.completions.create(model=s.model_name, temperature=0, max_tokens=20,
-                                       messages=[{"role": "user", "content": "What is the capital of France?"}])
-    assert r.choices[0].message.content == "The capital of France is Paris."
+                                       messages=[{"role": "user", "content": "What is the capital of Germany?"}])
+    assert r.choices[0].message.content == "The capital of Germany is Berlin."
     assert r.choices[0].finish_reason == "stop"
