@@ -274,24 +274,21 @@ inline void int4_vnni_block(const tpserve::Int8Rows& xq, int64_t m0, const uint8
 // vdpbf16ps multiplies a line of the block's 16 rows x 2 inputs by the row's 2 activations broadcast to every lane:
 // 32 products per instruction into one float32 lane per output row (16 per FMA in float32). Weights as pack_rows(
 // rows=16, run=4 bytes) lays them out.
-// Two accumulators per row (even and odd lines, added at the end), at every row count: at one row a single chain of
-// dependent vdpbf16ps ran at the instruction's latency, slower than memory delivers the weights.
 template <int R>
 inline void bf16_dot_block(const tpserve::Int8Rows& xq, int64_t m0, const uint16_t* w, int64_t K, int64_t nrows,
                            float* y, int64_t ldy) {
-  __m512 acc[R][2];
-  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t c = 0; c < K / 2; c += 8) {  // 8 lines: 16 inputs
     __m512bh line[8];
     for (int i = 0; i < 8; ++i) line[i] = (__m512bh)_mm512_loadu_si512(w + (c + i) * 32);
     for (int r = 0; r < R; ++r) {
       const int32_t* xr = reinterpret_cast<const int32_t*>(xq.h.data() + (m0 + r) * K) + c;
-      for (int i = 0; i < 8; ++i)
-        acc[r][i & 1] = _mm512_dpbf16_ps(acc[r][i & 1], line[i], (__m512bh)_mm512_set1_epi32(xr[i]));
+      for (int i = 0; i < 8; ++i) acc[r] = _mm512_dpbf16_ps(acc[r], line[i], (__m512bh)_mm512_set1_epi32(xr[i]));
     }
   }
   const __mmask16 m = nrows >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << nrows) - 1);
-  for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(y + r * ldy, m, _mm512_add_ps(acc[r][0], acc[r][1]));
+  for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(y + r * ldy, m, acc[r]);
 }
 #endif
 
