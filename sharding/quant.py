@@ -1,29 +1,34 @@
-"""Weight-only quantization of the linears (`--quantization int8|int4|bf16`).
+"""Quantization of the linears (`--quantization int8|int4|bf16`).
 
 Each rank quantizes its own shard right after reading it, so it never holds more than one layer's weight in the
-checkpoint's precision next to the quantized model. Activations stay in the model's dtype; the products are computed
-in float32 (int4 on CPUs with AVX-512 VNNI: in int8, see below).
+checkpoint's precision next to the quantized model. What the products multiply depends on the CPU, as in llama.cpp:
+with AVX-512 VNNI, int8 and int4 weights multiply activations quantized to int8 per row and block of 32 inputs
+(scale max|x| / 127, Q8_0's); with AVX-512 BF16, bf16 weights multiply activations rounded to bfloat16; elsewhere the
+activations stay float32 (`int8_activations()`, `bf16_activations()` say which). Norms, attention and the residual
+stream stay in the model's dtype.
 
-- int8: symmetric, one float32 scale per output channel: W[n, k] ~= q[n, k] * scale[n], q in [-127, 127].
+- int8: symmetric, one float16 scale per block of 32 inputs, as llama.cpp's Q8_0: W[n, k] ~= q[n, k] * s[n, k / 32],
+  s = max|block| / 127, q in [-127, 127].
 - bf16: the weight rounded to bfloat16 (half of float32's bytes; no scale), for float32 checkpoints served at the
-  speed of 16-bit weights with float32 activations (llama.cpp's F16 files are the same idea). Unlike --dtype bfloat16,
-  nothing else is rounded: norms, attention and the residual stream stay in float32.
+  speed of 16-bit weights (llama.cpp's F16 files are the same idea). Unlike --dtype bfloat16, norms, attention and
+  the residual stream stay in float32.
 - int4: symmetric, one float16 scale per group of `group` (32 or 128; 32 where the input size is not a multiple of
   128) inputs, as llama.cpp's Q4_0: the input of largest magnitude m in a group maps to -8, so scale = m / -8
-  (rounded to float16) and q = round(W / scale) clamped to [-8, 7]; stored as q + 8 in a nibble, two per byte. Within each run of 32 inputs, byte j holds input j (low nibble) and input
-  j + 16 (high nibble), the layout the kernel unpacks with one AND and one shift.
+  (rounded to float16) and q = round(W / scale) clamped to [-8, 7]; stored as q + 8 in a nibble, two per byte.
 
-All are stored in blocks of 4 output rows, interleaved in runs of 16 bytes (32 for bf16: 16 weights, a vector of the
-kernel; pack_rows), so that the kernel, which computes 4 output rows at a time, reads its weights as one sequential
-stream.
+Layout (pack_rows), chosen at load by what this machine's kernel reads (kernel_rows):
+- where the kernel multiplies bytes or bfloat16 pairs: blocks of 16 output rows, each 64-byte line holding 4 bytes of
+  each row (4 int8 inputs; 8 int4 inputs, byte i holding input i low and i + 4 high; 2 bf16 inputs), so one
+  vpdpbusd / vdpbf16ps feeds one int32 / float32 lane per output row;
+- elsewhere: blocks of 4 output rows interleaved in runs of 16 bytes (32 for bf16: 16 weights, a vector of the
+  float32 kernel; int4: byte j of a run of 32 inputs holds inputs j and j + 16), so that the kernel, which computes 4
+  output rows at a time, reads its weights as one sequential stream.
+Scales are stored beside, [blocks, in / group, rows per block], so a block's scales of a group are one load.
 
-Kernels: on CPU, sharding/csrc/quant_linear.cpp (`torch.ops.tpserve.int8_linear/int4_linear/bf16_linear`) for
-every step: it streams the quantized bytes once and converts them to float32 in registers, 4 weight rows x 6
-activation rows at a time; int4 on CPUs with AVX-512 VNNI instead quantizes the activations to int8 per block of 32,
-as llama.cpp's Q4_0 does, and multiplies bytes (`int8_activations()` says which). The kernel beat dequantizing to
-float32 for `F.linear` at every batch size measured (1 to 512 rows; scripts/bench_quant.py --linears). Without it
-(no compiler, another device: CUDA included) the weight is dequantized in chunks of output rows for `F.linear`:
-correct, not fast. The float paths compute the same products up to float32 summation order.
+Kernels: on CPU, sharding/csrc/quant_linear.cpp (`torch.ops.tpserve.int8_linear/int4_linear/bf16_linear`) for every
+step, decode and prefill: they beat dequantizing to float32 for `F.linear` at every batch size measured (1 to 512
+rows; scripts/bench_quant.py --linears). Without them (no compiler, another device: CUDA included) the weight is
+dequantized in chunks of output rows for `F.linear`: correct, not fast.
 """
 
 from __future__ import annotations
