@@ -35,9 +35,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="weights and activations dtype (auto: the checkpoint's)")
     p.add_argument("--quantization", "-q", default=None, choices=["int8", "int4", "bf16"],
-                   help="weight-only quantization of the linears and the LM head, done by each rank on its own shard "
-                        "at load: int8 per output channel, int4 per group of inputs, bf16 (16-bit weights, float32 "
-                        "activations) (default: none)")
+                   help="quantization of the linears and the LM head, done by each rank on its own shard at load: "
+                        "int8 per block of 32 inputs (llama.cpp's Q8_0), int4 per group of inputs (Q4_0), bf16 "
+                        "(16-bit weights); with AVX-512 VNNI / BF16 the linears' inputs are rounded to int8 / "
+                        "bfloat16 as llama.cpp does (default: none)")
     p.add_argument("--quantization-group-size", type=int, default=32, choices=[32, 128],
                    help="int4: inputs per scale (default 32, as llama.cpp's Q4_0; 32 for layers whose input size is "
                         "not a multiple of 128)")

@@ -1,30 +1,31 @@
-// Weight-only quantized linears for CPU decode: y = x @ dequant(W)^T, float32 activations, int8, int4 or bf16 weights.
-// Decode is bound by streaming the weights, so the kernel reads each weight byte once per call and converts it to
-// float32 in registers; the activations (a few rows) stay in L1.
+// Quantized linears for CPU: y = x @ dequant(W)^T, x float32 [M, K], int8, int4 or bf16 weights, decode and prefill.
 //
-//   int8_linear(x [M, K] f32, w, scale [N] f32)                 per output channel: W[n,k] = w[n,k] * scale[n]
-//   int4_linear(x [M, K] f32, w, scale, G, N)                    per group of G inputs (G % 32 == 0):
-//       within each run of 32 inputs, byte j holds input j in its low nibble and input j+16 in its high nibble;
-//       W[n,k] = (nibble - 8) * s[n, k/G]   (llama.cpp's Q4_0 scheme); scale [ceil(N/4), K/G, 4] float16 holds s
-//       for each block of 4 rows, group by group, the 4 rows' scales side by side (read with the block's weights;
-//       16-bit as Q4_0's: float32 scales were 11 % more bytes to stream than the nibbles' own 4 bits)
-//   bf16_linear(x [M, K] f32, w, N)                             W[n,k] = w[n,k], a bfloat16
+//   int8_linear(x, w, scale [blocks, K/32, rows] f16, N)         W[n,k] = q[n,k] * s[n, k/32]    (llama.cpp's Q8_0)
+//   int4_linear(x, w, scale [blocks, K/G, rows] f16, G, N)       W[n,k] = (nibble - 8) * s[n, k/G] (Q4_0; G % 32 == 0)
+//   bf16_linear(x, w, N)                                         W[n,k] = w[n,k], a bfloat16
 //
-// A row has R bytes (K for int8, K/2 for int4, 2K for bf16). The weight w [ceil(N/4), 4R] is stored in blocks of 4
-// output rows (zero rows pad the last), as quant.py's pack_rows lays them out: the 4 rows' first RUN bytes in turn,
-// then their next RUN, and so on, RUN = 16 bytes (32 for bf16): the 16 weights of one vector (32 for int4). The
-// kernel computes a block's 4 rows together, so it reads its weights as one sequential stream, where the 4 rows of the
-// plain layout were 4 short streams side by side (2 threads, SmolLM2's int8 linears at one activation row: 17 -> 26-32
-// GB/s; BENCHMARKS.md section 9).
+// Two layouts of w (quant.py's pack_rows; int_rows() / bf16_rows() say which this build reads):
 //
-// Output rows are split over torch's intra-op threads in blocks of 4; each block keeps up to 6 rows of x x 4 output
-// rows of float32 accumulators in registers (AVX-512), so every converted weight vector feeds up to 6 FMAs. Other CPUs
-// get the same loops in portable C++ (auto-vectorized). Built by sharding/kernels.py with the other CPU kernels.
+// With AVX-512 VNNI (int8, int4) and AVX-512 BF16 (bf16), the kernels multiply small types, as llama.cpp does: the
+// activations are quantized once per input to int8 per row and block of 32 inputs (scale max|x| / 127, Q8_0's;
+// quantize_rows) or rounded to bfloat16 (round_rows_bf16). Weights are in blocks of 16 output rows; each 64-byte line
+// holds 4 bytes of each of the 16 rows (4 int8 inputs, 8 int4 inputs, 2 bf16 inputs), so one vpdpbusd (vdpbf16ps)
+// multiplies a line by 4 activation bytes (2 bfloat16) broadcast to every lane and each lane accumulates one output
+// row: no reduction across lanes at the end. Per block of 32 inputs and activation row, int8 and int4 take 8
+// vpdpbusd started from the block's correction (weights stored or flipped to unsigned: nibble = w + 8, w ^ 0x80 =
+// w + 128), one conversion to float32 and one FMA by the weights' scales (a vector, one per row) times the
+// activation's block scale. The lines are loaded (and unpacked) once per block and used by up to 8 activation rows.
+// SmolLM2's int8 gate_up at 32 rows: 669 us with float32 activations (BENCHMARKS.md section 10), 365-408 us with
+// int8 ones in the 4-row layout, 210-251 us in this one; at one row it still reads the weights (in cache) at
+// ~100 GB/s, faster than memory delivers them (section 11).
 //
-// int4 on CPUs with AVX-512 VNNI multiplies bytes instead, as llama.cpp's Q4_0 does: the activations are quantized
-// to int8 per row and block of 32 inputs (scale max|x| / 127, as Q8_0), and vpdpbusd multiplies 64 nibbles of a
-// block's 4 rows by 16 activation bytes broadcast to each row at once. Converting every nibble to float32 had made
-// int4 compute-bound even at one row; this reads the weights at memory speed and multiplies batches ~4x cheaper.
+// Elsewhere, float32 activations: weights in blocks of 4 output rows, interleaved in runs of 16 bytes (32 for bf16),
+// the block's 4 rows computed together so that they are read as one sequential stream (2 threads, SmolLM2's int8
+// linears at one row: 17 -> 26-32 GB/s against 4 plain rows side by side); each converted weight vector feeds up to
+// 6 activation rows x 4 output rows of float32 accumulators (AVX-512), or the same loops in portable C++.
+//
+// Either way each output is one fixed sum, the same whatever the rows batched with it. Output blocks are split over
+// torch's intra-op threads (the ops) or over decode_layers' team (decode_glue.cpp). Built by sharding/kernels.py.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>

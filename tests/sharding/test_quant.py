@@ -180,11 +180,11 @@ def test_default_model_agreement():
     """SmolLM2-135M over 1,024 tokens of real text (two 512-token windows of scripts/data/eval_text.txt, every
     position scored): the share of positions whose most likely next token equals float32's.
 
-    Measured (scripts/bench_quant_accuracy.py, 2,560 positions): int8 96.2 %, int4 75.0 % (int8 activations through
-    VNNI; 75.5 % in float32), and llama.cpp's Q8_0 and Q4_0 of the same weights 96.8 % and 74.1 %; here, 96.6 % for
-    int8. The thresholds sit ~3 standard errors of a
-    1,022-position sample below (0.6 and 1.4 points) with room for another CPU's rounding, and fail a broken kernel,
-    a wrong scale or a shuffled nibble, which drop agreement to a few percent."""
+    Measured (scripts/bench_quant_accuracy.py, 2,560 positions): int8 96.9 %, int4 74.9 % (both with int8
+    activations through VNNI), and llama.cpp's Q8_0 and Q4_0 of the same weights 96.8 % and 74.1 %; here, 97.4 % and
+    72.8 % (Zen 4, 2026-11-25). The thresholds sit ~3 standard errors of a 1,022-position sample below (0.6 and 1.4
+    points) with room for another CPU's rounding, and fail a broken kernel, a wrong scale or a shuffled nibble, which
+    drop agreement to a few percent."""
     from pathlib import Path
 
     from loaders.default_model import ensure_default_model
