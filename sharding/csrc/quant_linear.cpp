@@ -194,10 +194,14 @@ inline void bf16_block(const float* x, int64_t ldx, const uint16_t* w, int64_t K
 
 #endif
 
+#ifdef TPSERVE_AVX512
+// the 16-row layout's kernels (VNNI, BF16)
+constexpr int64_t NV = tpserve::VNNI_BLOCK;  // output rows per block: one 32-bit lane each
+constexpr int64_t MB_VNNI = 8;  // activation rows per pass: one accumulator each (the block's 16 rows share it)
+#endif
+
 #if defined(TPSERVE_AVX512) && defined(__AVX512VNNI__)
 #define TPSERVE_VNNI 1
-constexpr int64_t NV = tpserve::VNNI_BLOCK;  // output rows per block: one int32 lane each
-constexpr int64_t MB_VNNI = 8;  // activation rows per pass: one accumulator each (the block's 16 rows share it)
 
 // The VNNI kernels: R activation rows (int8, per row and block of 32 inputs) against one block of 16 weight rows
 // stored as quant.py's pack_rows(rows=16, run=4) lays them out: per 4 inputs (int8) or 8 inputs (int4), the block's
@@ -412,8 +416,7 @@ void bf16_range(const float* x, const Int8Rows* xq, int64_t M, int64_t K, const 
       });
     add_bias(bias, M, n0, nrows, y, N);
   }
-  return;
-#endif
+#else
   (void)xq;
   for (int64_t b = b0; b < b1; ++b) {
     const int64_t n0 = b * NB, nrows = std::min<int64_t>(NB, N - n0);
@@ -423,6 +426,7 @@ void bf16_range(const float* x, const Int8Rows* xq, int64_t M, int64_t K, const 
       });
     add_bias(bias, M, n0, nrows, y, N);
   }
+#endif
 }
 
 void int4_range(const float* x, const Int8Rows* xq, int64_t M, int64_t K, const uint8_t* w, const at::Half* scale,
