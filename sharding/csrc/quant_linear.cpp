@@ -221,6 +221,22 @@ inline void store_rows16(const __m512* acc, int R, float* y, int64_t ldy, int64_
   for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(y + r * ldy, m, acc[r]);
 }
 
+// One block b of 32 inputs for R activation rows: 8 vpdpbusd of the block's unsigned weight lines (w + offset) by each
+// row's activation bytes, started from -offset * the row's block sum, then scaled and added in float32.
+template <int R>
+inline void dot_rows(const tpserve::Int8Rows& xq, int64_t m0, int64_t b, const __m512i* lines, __m512 sw,
+                     int32_t offset, __m512* acc) {
+  const int64_t K = xq.K, nb = K / 32;
+  for (int r = 0; r < R; ++r) {
+    const int64_t row = m0 + r;
+    const int32_t* xr = reinterpret_cast<const int32_t*>(xq.q.data() + row * K + b * 32);
+    __m512i dot = _mm512_set1_epi32(-offset * xq.sum[row * nb + b]);
+    for (int i = 0; i < 8; ++i) dot = _mm512_dpbusd_epi32(dot, lines[i], _mm512_set1_epi32(xr[i]));
+    acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(sw, _mm512_set1_ps(xq.scale[row * nb + b])),
+                             acc[r]);
+  }
+}
+
 template <int R>
 inline void int8_vnni_block(const tpserve::Int8Rows& xq, int64_t m0, const int8_t* w, int64_t K, int64_t nrows,
                             const at::Half* scale, float* y, int64_t ldy) {
@@ -231,15 +247,7 @@ inline void int8_vnni_block(const tpserve::Int8Rows& xq, int64_t m0, const int8_
   for (int64_t b = 0; b < nb; ++b) {
     __m512i line[8];
     for (int i = 0; i < 8; ++i) line[i] = _mm512_xor_si512(_mm512_loadu_si512(w + (b * 8 + i) * 64), flip);
-    const __m512 sw = row_scales16(scale + b * NV);
-    for (int r = 0; r < R; ++r) {
-      const int64_t row = m0 + r;
-      const int32_t* xr = reinterpret_cast<const int32_t*>(xq.q.data() + row * K + b * 32);
-      __m512i dot = _mm512_set1_epi32(xq.corr8[row * nb + b]);
-      for (int i = 0; i < 8; ++i) dot = _mm512_dpbusd_epi32(dot, line[i], _mm512_set1_epi32(xr[i]));
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(sw, _mm512_set1_ps(xq.scale[row * nb + b])),
-                               acc[r]);
-    }
+    dot_rows<R>(xq, m0, b, line, row_scales16(scale + b * NV), 128, acc);  // the bytes flipped to w + 128
   }
   store_rows16(acc, R, y, ldy, nrows);
 }
@@ -259,15 +267,7 @@ inline void int4_vnni_block(const tpserve::Int8Rows& xq, int64_t m0, const uint8
       half[2 * i] = _mm512_and_si512(line, low);
       half[2 * i + 1] = _mm512_and_si512(_mm512_srli_epi16(line, 4), low);
     }
-    const __m512 sw = row_scales16(scale + (b * 32 / G) * NV);
-    for (int r = 0; r < R; ++r) {
-      const int64_t row = m0 + r;
-      const int32_t* xr = reinterpret_cast<const int32_t*>(xq.q.data() + row * K + b * 32);
-      __m512i dot = _mm512_set1_epi32(xq.corr4[row * nb + b]);
-      for (int i = 0; i < 8; ++i) dot = _mm512_dpbusd_epi32(dot, half[i], _mm512_set1_epi32(xr[i]));
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(sw, _mm512_set1_ps(xq.scale[row * nb + b])),
-                               acc[r]);
-    }
+    dot_rows<R>(xq, m0, b, half, row_scales16(scale + (b * 32 / G) * NV), 8, acc);  // the nibbles are w + 8
   }
   store_rows16(acc, R, y, ldy, nrows);
 }
@@ -338,8 +338,7 @@ void resize_rows(Int8Rows& r, int64_t M, int64_t K) {
   r.M = M, r.K = K;
   r.q.resize(M * K);
   r.scale.resize(M * (K / 32));
-  r.corr4.resize(M * (K / 32));
-  r.corr8.resize(M * (K / 32));
+  r.sum.resize(M * (K / 32));
 }
 
 void resize_bf16_rows(Int8Rows& r, int64_t M, int64_t K) {
@@ -361,8 +360,7 @@ void quantize_rows(const float* x, Int8Rows& r, int64_t m0, int64_t m1, int64_t 
       r.scale[m * nb + b] = amax / 127.f;
       int32_t sum = 0;
       for (int i = 0; i < 32; ++i) sum += qb[i];
-      r.corr4[m * nb + b] = -8 * sum;    // int4: the nibbles are w + 8
-      r.corr8[m * nb + b] = -128 * sum;  // int8: the kernel flips the bytes to w + 128
+      r.sum[m * nb + b] = sum;
     }
 }
 

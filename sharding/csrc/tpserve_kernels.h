@@ -34,8 +34,7 @@ constexpr int64_t VNNI_BLOCK = 16;
 struct Int8Rows {
   std::vector<int8_t> q;        // [M, K]
   std::vector<float> scale;     // [M, K/32]
-  std::vector<int32_t> corr4;   // [M, K/32]: -8 * the block's sum of q (int4: the nibbles are stored as w + 8)
-  std::vector<int32_t> corr8;   // -128 * the sum (int8: the kernel flips the bytes to w + 128)
+  std::vector<int32_t> sum;     // [M, K/32]: each block's sum of q (the kernels' weights are unsigned: w + offset)
   std::vector<uint16_t> h;      // [M, K]: x rounded to bfloat16, for bf16 weights (round_rows_bf16)
   int64_t M = 0, K = 0;
 };
