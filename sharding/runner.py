@@ -22,7 +22,7 @@ from tqdm import tqdm
 
 from loaders.checkpoint import Checkpoint, CheckpointError
 from loaders.config import load_config
-from sharding import kernels
+from sharding import hugepages, kernels
 from sharding.attention import AttentionMetadata, PagedKVCache, RotaryTable
 from sharding.dist import Dist, Layout
 from sharding.layers import ParallelLMHead
@@ -172,6 +172,8 @@ class ModelRunner:
             quantize(m)  # what the loop could not do yet (an LM head tied to an embedding loaded after it)
             if hasattr(m, "prepack"):
                 m.prepack()  # CPU: linears through oneDNN with packed weights (sharding/kernels.py)
+        if dist.device.type == "cpu":
+            hugepages.move_weights(self.model)  # the streamed weights in 2 MiB pages (sharding/hugepages.py)
         self.model.eval()
         self.max_model_len = resolve_max_model_len(self.model, self.config, cfg.max_model_len)
         uses_rope = getattr(self.model, "uses_rotary", True)

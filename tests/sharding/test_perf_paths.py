@@ -250,3 +250,56 @@ def test_argmax_op_equals_torch_argmax():
         if trial % 13 == 0 and v > 3:
             x[0, 2] = x[0, v - 1] = float("inf")
         assert torch.equal(op(x), x.argmax(dim=-1)), trial
+
+
+def _mapping(addr: int) -> dict:
+    """The /proc/self/smaps fields of the mapping holding addr."""
+    fields, inside = {}, False
+    for line in open("/proc/self/smaps").read().splitlines():
+        head = line.split()[0]
+        if "-" in head and ":" not in head:
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            if inside:
+                break
+            inside = lo <= addr < hi
+        elif inside:
+            key, _, value = line.partition(":")
+            fields[key] = value.strip()
+    return fields
+
+
+@pytest.mark.parametrize("quantization", [None, "int8"])
+def test_weights_move_into_one_huge_page_mapping(checkpoints, quantization, monkeypatch):
+    """Every streamed weight (float32 blocks; quantized bytes and scales) ends up a view of one mapping that the
+    kernel may back with huge pages (advised: VmFlags `hg`), the compiled kernels are bound to the moved
+    tensors, and the answer is bit for bit the one from weights left where they were (TPSERVE_HUGE_PAGES=0)."""
+    from server.llm import LLM
+    from server.sampling import SamplingParams
+    from sharding import hugepages
+
+    if not hugepages.enabled():
+        pytest.skip(f"transparent huge pages are {hugepages.thp_mode() or 'absent'} here")
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=0)
+    prompts = [[5, 6, 7, 8, 9, 10], [3, 4]]
+    answers = []
+    for move in ("0", "1"):
+        monkeypatch.setenv("TPSERVE_HUGE_PAGES", move)
+        llm = LLM(str(checkpoints("qwen2")), max_num_seqs=2, kv_cache_memory=8 << 20, quantization=quantization)
+        try:
+            slots, quantized = hugepages._slots(llm.runner.model)
+            tensors = [getattr(owner, attr) for owner, attr in slots]
+            assert len(tensors) >= 4 * len(llm.runner.model.layers)
+            maps = {tuple(sorted(_mapping(t.data_ptr()).items())) for t in tensors}
+            if move == "1":
+                assert len(maps) == 1
+                fields = dict(next(iter(maps)))
+                assert "hg" in fields["VmFlags"].split()
+                for qw in quantized:
+                    assert qw.kernel[1][0] is qw.data  # bound again after the move
+            else:
+                assert not any("hg" in dict(m).get("VmFlags", "").split() for m in maps)
+            answers.append(llm.generate(prompts, params))
+        finally:
+            llm.close()
+    for a, b in zip(*answers):
+        assert a.token_ids == b.token_ids and a.logprobs == b.logprobs
