@@ -3,6 +3,7 @@
     scripts/build_llama_cpp.sh                      # once: llama-bench, llama-quantize (no binary downloads here)
     python scripts/bench_quant.py --rounds 3        # decode, interleaved rounds, JSON to results/quant.json
     python scripts/bench_quant.py --rounds 3 --served   # and `tpserve serve` streaming the same completion
+    python scripts/bench_quant.py --rounds 3 --served --pairs 5 --no-llama   # served over offline, 5 pairs a round
     python scripts/bench_quant.py --linears         # the GEMVs alone: SmolLM2's linear shapes at M=1
 
 Pairs: tpserve float32 / bfloat16 (--dtype) / bf16 (weights only, --quantization) / int8 / int4 (group 32) against
@@ -11,6 +12,12 @@ llama-quantize). tpserve generates 128 greedy tokens after a 22-token chat promp
 (wall - time to first token) / 127. llama.cpp is measured by its own benchmark, `llama-bench -p 0 -n 128 -d 22` (128
 tokens after a 22-token context, no sampling), in a fresh process per round. Same threads for both (default: all cores). Every round runs every pair once, so a slow spell of a shared
 host hits all alike; medians over rounds are reported, and each ratio is taken within one round.
+
+--served: `tpserve serve` at the same precision streams the same completion, timed as a streaming client sees it.
+Offline and served alternate --pairs times per round and precision (served over offline is the median of the pairs'
+ratios: on a host whose speed drifts, a ratio of runs seconds apart). The client is lean (http.client, one
+timestamp per SSE line, JSON parsed only to check the text), since it shares the cores with the server; its CPU
+per token is reported, and so is the server's event-loop thread's (from /proc), the work serving adds per token.
 
 --linears times each weight-only kernel and tpserve's float32 kernel (f32_linear, what it runs unquantized) against
 oneDNN's packed float32 linear (what it ran before; and int8 dequantized to float32 for F.linear, the path without
@@ -72,19 +79,30 @@ class Served:
             raise
 
     def measure(self) -> float:
-        import httpx
+        import http.client
 
         body = dict(model=self.model, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True, stream=True)
         times = []
-        with httpx.stream("POST", f"http://127.0.0.1:{self.port}/v1/completions", json=body, timeout=120) as r:
-            for line in r.iter_lines():
-                if line.startswith("data: {") and json.loads(line[6:])["choices"][0].get("text"):
-                    times.append(time.perf_counter())
-                elif line.startswith("{"):  # an error body
-                    raise RuntimeError(line)
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=120)
+        try:
+            conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+            resp = conn.getresponse()
+            if resp.status != 200:
+                raise RuntimeError(f"{resp.status}: {resp.read()[:500]!r}")
+            while line := resp.readline():
+                t = time.perf_counter()
+                if line.startswith(b"data: {") and json.loads(line[6:])["choices"][0].get("text"):
+                    times.append(t)
+        finally:
+            conn.close()
         if len(times) < MAX_TOKENS // 2:
             raise RuntimeError(f"the server streamed {len(times)} tokens")
         return (times[-1] - times[0]) / (len(times) - 1) * 1e3
+
+    def event_loop_cpu(self) -> float:
+        """CPU seconds so far of the server's main thread (uvicorn's event loop: HTTP, JSON, SSE)."""
+        fields = Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
     def close(self) -> None:
         self.proc.terminate()
@@ -115,6 +133,28 @@ class Tpserve:
 
     def close(self) -> None:
         self.llm.close()
+
+
+def interleaved(offline: "Tpserve", served: Served, pairs: int) -> dict:
+    """Offline and served decode alternated `pairs` times: medians, the median of the pairs' served/offline - 1,
+    and the CPU per streamed token of the server's event loop and of this (client) process."""
+    import resource
+
+    def own_cpu() -> float:
+        ru = resource.getrusage(resource.RUSAGE_SELF)
+        return ru.ru_utime + ru.ru_stime
+
+    off, on, loop_cpu, client_cpu = [], [], 0.0, 0.0
+    for _ in range(pairs):
+        off.append(offline.measure())
+        loop0, client0 = served.event_loop_cpu(), own_cpu()
+        on.append(served.measure())
+        loop_cpu += served.event_loop_cpu() - loop0
+        client_cpu += own_cpu() - client0
+    tokens = pairs * MAX_TOKENS
+    return dict(tpserve_ms=statistics.median(off), served_ms=statistics.median(on),
+                served_overhead=statistics.median(b / a - 1 for a, b in zip(off, on)), offline_runs=off,
+                served_runs=on, event_loop_cpu_ms=loop_cpu / tokens * 1e3, client_cpu_ms=client_cpu / tokens * 1e3)
 
 
 def llama_gguf(f32: Path, kind: str, threads: int) -> Path:
@@ -190,6 +230,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--linears", action="store_true", help="time the GEMVs alone instead")
     ap.add_argument("--served", action="store_true",
                     help="also measure `tpserve serve` at each precision (a streamed completion, same prompt)")
+    ap.add_argument("--pairs", type=int, default=1, help="--served: offline/served alternations per round")
+    ap.add_argument("--no-llama", action="store_true", help="leave llama-bench out (served over offline only)")
     ap.add_argument("--iters", type=int, default=200)
     ap.add_argument("--rows", default="1", help="--linears: activation row counts, e.g. 1,8,32,512")
     ap.add_argument("--gguf", default="results/SmolLM2-135M-Instruct-F32.gguf")
@@ -209,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
     model = args.model or str(ensure_default_model())
     f32 = f32_gguf(Path(args.gguf))
     pairs = [p for p in PAIRS if not args.only or precision(p[0], p[1]) in args.only]
-    have_llama = llama_bin("llama-bench").exists()
+    have_llama = llama_bin("llama-bench").exists() and not args.no_llama
     if not have_llama:
         print("llama.cpp skipped: run scripts/build_llama_cpp.sh first", flush=True)
     engines = {precision(d, q): Tpserve(model, d, q) for d, q, _ in pairs}
@@ -219,16 +261,18 @@ def main(argv: list[str] | None = None) -> int:
     for r in range(args.rounds):
         for dtype, q, kind in pairs:
             name = precision(dtype, q)
-            row = dict(round=r, precision=name, tpserve_ms=engines[name].measure(), load=load_avg())
             if served:
-                row["served_ms"] = served[name].measure()
-                row["served_overhead"] = row["served_ms"] / row["tpserve_ms"] - 1
+                row = dict(round=r, precision=name, **interleaved(engines[name], served[name], args.pairs),
+                           load=load_avg())
+            else:
+                row = dict(round=r, precision=name, tpserve_ms=engines[name].measure(), load=load_avg())
             if have_llama:
                 row.update(llama=kind, llama_ms=llama_bench(ggufs[kind], args.threads))
                 row["ratio"] = row["llama_ms"] / row["tpserve_ms"]  # > 1: tpserve is faster
             rows.append(row)
             print(f"[round {r}] {name:<8} tpserve {row['tpserve_ms']:6.2f} ms/token"
-                  + (f" (served {row['served_ms']:6.2f}, {row['served_overhead'] * 100:+.1f} %)" if served else "")
+                  + (f" (served {row['served_ms']:6.2f}, {row['served_overhead'] * 100:+.1f} %; CPU per token: event "
+                     f"loop {row['event_loop_cpu_ms']:.3f} ms, client {row['client_cpu_ms']:.3f} ms)" if served else "")
                   + (f" | llama.cpp {kind:<5} {row['llama_ms']:6.2f} ms/token | tpserve speed / llama.cpp "
                      f"{row['ratio']:.2f}x" if have_llama else "") + f"  (load {row['load']})", flush=True)
     for e in [*engines.values(), *served.values()]:
@@ -241,13 +285,16 @@ def main(argv: list[str] | None = None) -> int:
         s = dict(precision=name, tpserve_ms=statistics.median(r["tpserve_ms"] for r in mine))
         if served:
             s.update(served_ms=statistics.median(r["served_ms"] for r in mine),
-                     served_overhead=statistics.median(r["served_overhead"] for r in mine))
+                     served_overhead=statistics.median(r["served_overhead"] for r in mine),
+                     served_overheads=[r["served_overhead"] for r in mine],
+                     event_loop_cpu_ms=statistics.median(r["event_loop_cpu_ms"] for r in mine))
         if have_llama:
             s.update(llama=kind, llama_ms=statistics.median(r["llama_ms"] for r in mine),
                      ratio=statistics.median(r["ratio"] for r in mine), ratios=[r["ratio"] for r in mine])
         summary.append(s)
         print(f"  {name:<8} tpserve {s['tpserve_ms']:6.2f} ({1e3 / s['tpserve_ms']:5.1f} tok/s)"
-              + (f" served {s['served_ms']:6.2f} ({s['served_overhead'] * 100:+.1f} %)" if served else "")
+              + (f" served {s['served_ms']:6.2f} ({s['served_overhead'] * 100:+.1f} %, rounds "
+                 + " ".join(f"{o * 100:+.1f}" for o in s["served_overheads"]) + ")" if served else "")
               + (f" | llama.cpp {kind:<5} {s['llama_ms']:6.2f} ({1e3 / s['llama_ms']:5.1f} tok/s) | "
                  f"{s['ratio']:.2f}x" if have_llama else ""))
     out = Path(args.output or "results/quant.json")
