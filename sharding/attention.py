@@ -21,7 +21,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from sharding import kernels
+from sharding import hugepages, kernels
 from sharding.step import LOGITS_ALL, LOGITS_LAST, Step
 def rope_inv_freq(config) -> tuple[torch.Tensor, float]:
     """Inverse frequencies and attention scaling, as transformers computes them for this config."""
@@ -260,7 +260,7 @@ class PagedKVCache:
     def __init__(self, num_blocks: int, block_size: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
                  device: torch.device):
         self.num_blocks, self.block_size, self.kv_heads, self.head_dim = num_blocks, block_size, kv_heads, head_dim
-        self.pool = torch.zeros(2, kv_heads, num_blocks, block_size, head_dim, dtype=dtype, device=device)
+        self.pool = hugepages.zeros((2, kv_heads, num_blocks, block_size, head_dim), dtype, device)
 
     @staticmethod
     def bytes_per_block(block_size: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:

@@ -271,7 +271,7 @@ def _mapping(addr: int) -> dict:
 @pytest.mark.parametrize("quantization", [None, "int8"])
 def test_weights_move_into_one_huge_page_mapping(checkpoints, quantization, monkeypatch):
     """Every streamed weight (float32 blocks; quantized bytes and scales) ends up a view of one mapping that the
-    kernel may back with huge pages (advised: VmFlags `hg`), the compiled kernels are bound to the moved
+    kernel may back with huge pages (advised: VmFlags `hg`), the KV cache's pools are advised too (and zero), the compiled kernels are bound to the moved
     tensors, and the answer is bit for bit the one from weights left where they were (TPSERVE_HUGE_PAGES=0)."""
     from server.llm import LLM
     from server.sampling import SamplingParams
@@ -296,6 +296,8 @@ def test_weights_move_into_one_huge_page_mapping(checkpoints, quantization, monk
                 assert "hg" in fields["VmFlags"].split()
                 for qw in quantized:
                     assert qw.kernel[1][0] is qw.data  # bound again after the move
+                pool = llm.runner.model.attention_layers[0].cache.pool
+                assert "hg" in _mapping(pool.data_ptr())["VmFlags"].split() and not pool.any()
             else:
                 assert not any("hg" in dict(m).get("VmFlags", "").split() for m in maps)
             answers.append(llm.generate(prompts, params))
