@@ -204,7 +204,8 @@ def serve(args) -> int:
     layout = (f"tensor parallel size {args.tensor_parallel_size}" + (
         f", pipeline parallel size {args.pipeline_parallel_size}" if args.pipeline_parallel_size > 1 else "") + (
         f", data parallel size {args.data_parallel_size}" if args.data_parallel_size > 1 else "") + (
-        f", {args.quantization} weights" if args.quantization else ""))
+        f", {runner.cfg.quantization} weights" if runner.cfg.quantization else "") + (
+        f", {runner.dtype} activations" if str(runner.dtype) != f"torch.{args.dtype}" else ""))
     print(f"tpserve: serving {name} on http://{args.host}:{args.port} ({layout})", flush=True)
     try:
         server.run()

@@ -15,7 +15,7 @@ import os
 import signal
 import threading
 import time
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 import torch
 from tqdm import tqdm
@@ -128,6 +128,22 @@ def check_plan(model: torch.nn.Module, ckpt: Checkpoint, whole: bool = True) -> 
                               + " | ".join(problems))
 
 
+def cpu_precision(cfg: EngineConfig, ckpt: Checkpoint, device: torch.device) -> EngineConfig:
+    """What `--dtype auto` means on a CPU for a 16-bit checkpoint: float32 activations, the dtype of the CPU kernels
+    and of the compiled decode step (torch's bfloat16 linears, through oneDNN, ran SmolLM2 at a third of llama.cpp's
+    F16 speed per token; BENCHMARKS.md section 12). A bfloat16 checkpoint keeps its linears' weights in bfloat16 as
+    stored (`bf16` weight-only, unless --quantization asks for another): the same numbers, at 16-bit size and speed.
+    A float16 checkpoint's become float32 (exact; bfloat16 would round them). An explicit --dtype is kept."""
+    if device.type != "cpu" or cfg.dtype != "auto":
+        return cfg
+    stored = ckpt.checkpoint_dtype()
+    if stored == torch.bfloat16:
+        return replace(cfg, dtype="float32", quantization=cfg.quantization or "bf16")
+    if stored == torch.float16:
+        return replace(cfg, dtype="float32")
+    return cfg
+
+
 def build_model(cfg: EngineConfig, dist: Dist, ckpt: Checkpoint | None = None):
     """Construct this rank's model (parameters allocated, not yet loaded) and check it against the checkpoint."""
     ckpt = ckpt or Checkpoint(cfg.model)
@@ -159,8 +175,9 @@ class ModelRunner:
         t0 = time.perf_counter()
         if dist.device.type == "cpu":
             kernels.build_kernels()  # paged decode attention, quantized linears, norm, rotary (sharding/kernels.py)
-        quantize = self._quantizer()
         with Checkpoint(cfg.model) as ckpt:
+            self.cfg = cfg = cpu_precision(cfg, ckpt, dist.device)
+            quantize = self._quantizer()
             self.model, self.config, self.dtype = build_model(cfg, dist, ckpt)
             loaders = [m for m in self.model.modules() if hasattr(m, "expected")]
             for m in tqdm(loaders, desc="loading weights", unit="tensor", disable=not dist.is_driver or None,

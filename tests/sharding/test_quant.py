@@ -207,3 +207,31 @@ def test_default_model_agreement():
 
     assert agreement(int8) >= 0.93
     assert agreement(int4) >= 0.68
+
+
+def test_auto_dtype_on_cpu_keeps_a_bfloat16_checkpoints_weights(tmp_path):
+    """`--dtype auto` over a bfloat16 checkpoint on CPU computes in float32 with the linears' weights in bfloat16 as
+    stored: the answer, bit for bit, of an explicit `--dtype float32 --quantization bf16` (tested against
+    transformers above), not of torch's bfloat16 path, which an explicit `--dtype bfloat16` still takes."""
+    from server.llm import LLM
+    from server.sampling import SamplingParams
+
+    folder = make_checkpoint(tmp_path / "bf16", "llama", dtype=torch.bfloat16, intermediate_size=128)
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=0)
+    answers = {}
+    for dtype, q in (("auto", None), ("float32", "bf16"), ("bfloat16", None)):
+        llm = LLM(str(folder), dtype=dtype, quantization=q, max_num_seqs=2, kv_cache_memory=8 << 20)
+        try:
+            runner = llm.runner
+            linears = [m for m in runner.model.modules() if hasattr(m, "qweight") and hasattr(m, "prepack")]
+            if dtype == "bfloat16":
+                assert runner.dtype == torch.bfloat16 and runner.cfg.quantization is None
+                assert all(m.qweight is None for m in linears)
+            else:
+                assert runner.dtype == torch.float32 and runner.cfg.quantization == "bf16"
+                assert linears and all(m.qweight is not None and m.qweight.mode == "bf16" for m in linears)
+            answers[dtype] = llm.generate(PROMPTS, params)
+        finally:
+            llm.close()
+    for a, b in zip(answers["auto"], answers["float32"]):
+        assert a.token_ids == b.token_ids and a.logprobs == b.logprobs
