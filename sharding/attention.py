@@ -21,7 +21,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from sharding import hugepages, kernels
+from sharding import kernels
 from sharding.step import LOGITS_ALL, LOGITS_LAST, Step
 def rope_inv_freq(config) -> tuple[torch.Tensor, float]:
     """Inverse frequencies and attention scaling, as transformers computes them for this config."""
@@ -258,9 +258,19 @@ class PagedKVCache:
     """K and V of one layer for every block: [2, kv_heads, num_blocks, block_size, head_dim], allocated once."""
 
     def __init__(self, num_blocks: int, block_size: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
-                 device: torch.device):
+                 device: torch.device, pool: torch.Tensor | None = None):
+        """`pool`: zeroed memory of `shape(...)` to use (the runner gives every layer a part of one huge-page
+        mapping, sharding/hugepages.py), else a new torch.zeros."""
         self.num_blocks, self.block_size, self.kv_heads, self.head_dim = num_blocks, block_size, kv_heads, head_dim
-        self.pool = hugepages.zeros((2, kv_heads, num_blocks, block_size, head_dim), dtype, device)
+        shape = self.shape(num_blocks, block_size, kv_heads, head_dim)
+        if pool is None:
+            pool = torch.zeros(shape, dtype=dtype, device=device)
+        assert pool.shape == shape and pool.dtype == dtype
+        self.pool = pool
+
+    @staticmethod
+    def shape(num_blocks: int, block_size: int, kv_heads: int, head_dim: int) -> tuple[int, ...]:
+        return (2, kv_heads, num_blocks, block_size, head_dim)
 
     @staticmethod
     def bytes_per_block(block_size: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:

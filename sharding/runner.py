@@ -254,9 +254,12 @@ class ModelRunner:
                 f"{self.block_size} tokens ({per_block / 2**20:.3f} MiB each), fewer than the {blocks_per_seq} one "
                 f"sequence of --max-model-len {self.max_model_len} needs: raise --kv-cache-memory to at least "
                 f"{blocks_per_seq * per_block / 2**20:.1f} MiB or lower --max-model-len")
-        for attn in self.model.attention_layers:
+        layers = self.model.attention_layers
+        shapes = [PagedKVCache.shape(num_blocks, self.block_size, a.num_kv_heads, a.head_dim) for a in layers]
+        pools = hugepages.zeros(shapes, self.dtype, self.dist.device)  # one mapping in huge pages on CPU
+        for attn, pool in zip(layers, pools):
             attn.cache = PagedKVCache(num_blocks, self.block_size, attn.num_kv_heads, attn.head_dim, self.dtype,
-                                      self.dist.device)
+                                      self.dist.device, pool)
         self.num_blocks = num_blocks
         # a row per sequence of every batch that may be in flight at once (server/engine.py: one per stage)
         rows = self.cfg.max_num_seqs * self.cfg.pipeline_parallel_size
