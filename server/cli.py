@@ -205,7 +205,7 @@ def serve(args) -> int:
         f", pipeline parallel size {args.pipeline_parallel_size}" if args.pipeline_parallel_size > 1 else "") + (
         f", data parallel size {args.data_parallel_size}" if args.data_parallel_size > 1 else "") + (
         f", {runner.cfg.quantization} weights" if runner.cfg.quantization else "") + (
-        f", {runner.dtype} activations" if str(runner.dtype) != f"torch.{args.dtype}" else ""))
+        f", {runner.cfg.dtype} activations" if runner.cfg.dtype != args.dtype else ""))  # see cpu_precision
     print(f"tpserve: serving {name} on http://{args.host}:{args.port} ({layout})", flush=True)
     try:
         server.run()

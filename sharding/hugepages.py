@@ -9,9 +9,9 @@ So after load, `move_weights` copies every linear's weight in its kernel layout 
 weight's bytes and scales) into one anonymous mapping advised `MADV_HUGEPAGE` before it is first touched, and points
 the modules at it. Measured on a 2-vCPU Zen 4 (SmolLM2 float32, TP=1): 17.6-18.4 -> 16.7-17.2 ms per token
 (BENCHMARKS.md section 12). Peak memory grows by about one tensor (each old copy is freed after its move, and the
-heap's free pages go back to the OS every 32 MiB moved); a host
-with huge pages off (`never`) or without the sysfs switch keeps the weights where they are, as does
-`TPSERVE_HUGE_PAGES=0`.
+heap's free pages go back to the OS every 32 MiB moved); loading takes ~1 s more per GB (the kernel zeroes and
+compacts 2 MiB pages). A host with huge pages off (`never`) or without the sysfs switch keeps the weights where they
+are, as does `TPSERVE_HUGE_PAGES=0`.
 
 The KV cache's pools are one such mapping too (`zeros`): decode attention reads every sequence's blocks each step,
 a 4 KiB page per head and block of 16 float32 keys of 64; over 30 layers' pools, 3-9 % less time than in 4 KiB
@@ -59,8 +59,9 @@ def huge_empty(nbytes: int) -> torch.Tensor:
     """nbytes of zeroed uint8 memory, aligned to a huge page, advised MADV_HUGEPAGE before its first touch. The
     tensor keeps the mapping alive (torch.frombuffer holds it); the mapping is unmapped when the last view is gone."""
     page = huge_page_size()
-    mm = mmap.mmap(-1, (-(-nbytes // page) + 1) * page, flags=mmap.MAP_PRIVATE)  # anonymous (private: shared memory is shmem,
-    # which huge pages treat apart): zero-filled, populated on first touch
+    # anonymous and private (a shared mapping is shmem, which huge pages treat apart): zero-filled, populated on first
+    # touch; one page more than needed, to start on a huge-page boundary
+    mm = mmap.mmap(-1, (-(-nbytes // page) + 1) * page, flags=mmap.MAP_PRIVATE)
     mm.madvise(mmap.MADV_HUGEPAGE)
     buf = torch.frombuffer(mm, dtype=torch.uint8)
     start = -buf.data_ptr() % page
