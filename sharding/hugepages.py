@@ -62,7 +62,10 @@ def huge_empty(nbytes: int) -> torch.Tensor:
     # anonymous and private (a shared mapping is shmem, which huge pages treat apart): zero-filled, populated on first
     # touch; one page more than needed, to start on a huge-page boundary
     mm = mmap.mmap(-1, (-(-nbytes // page) + 1) * page, flags=mmap.MAP_PRIVATE)
-    mm.madvise(mmap.MADV_HUGEPAGE)
+    try:
+        mm.madvise(mmap.MADV_HUGEPAGE)
+    except OSError:  # a kernel that refuses the advice: plain pages, still correct memory
+        pass
     buf = torch.frombuffer(mm, dtype=torch.uint8)
     start = -buf.data_ptr() % page
     return buf[start : start + nbytes]
