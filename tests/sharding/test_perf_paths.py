@@ -271,8 +271,9 @@ def _mapping(addr: int) -> dict:
 @pytest.mark.parametrize("quantization", [None, "int8"])
 def test_weights_move_into_one_huge_page_mapping(checkpoints, quantization, monkeypatch):
     """Every streamed weight (float32 blocks; quantized bytes and scales) ends up a view of one mapping that the
-    kernel may back with huge pages (advised: VmFlags `hg`), the KV cache's pools are advised too (and zero), the compiled kernels are bound to the moved
-    tensors, and the answer is bit for bit the one from weights left where they were (TPSERVE_HUGE_PAGES=0)."""
+    kernel may back with huge pages (advised: VmFlags `hg`), the KV cache's pools are advised too (and zero), the
+    compiled kernels are bound to the moved tensors, and the answer is bit for bit the one from weights left where
+    they were (TPSERVE_HUGE_PAGES=0)."""
     from server.llm import LLM
     from server.sampling import SamplingParams
     from sharding import hugepages
