@@ -7,8 +7,8 @@ malloc (torch's CPU allocator) stays in 4 KiB pages unless the program asks for 
 
 So after load, `move_weights` copies every linear's weight in its kernel layout (`blocked` float32, or a quantized
 weight's bytes and scales) into one anonymous mapping advised `MADV_HUGEPAGE` before it is first touched, and points
-the modules at it. Measured on a 2-vCPU Zen 4 (SmolLM2 float32, TP=1): 17.6-18.4 -> 16.7-17.2 ms per token
-(BENCHMARKS.md section 12). Peak memory grows by about one tensor (each old copy is freed after its move, and the
+the modules at it. Measured on a 2-vCPU Zen 4 (SmolLM2 float32, TP=1, processes alternating): 11.6 / 12.6 ->
+10.8 / 10.8 ms per token (BENCHMARKS.md section 12). Peak memory grows by about one tensor (each old copy is freed after its move, and the
 heap's free pages go back to the OS every 32 MiB moved); loading takes ~1 s more per GB (the kernel zeroes and
 compacts 2 MiB pages). A host with huge pages off (`never`) or without the sysfs switch keeps the weights where they
 are, as does `TPSERVE_HUGE_PAGES=0`.
