@@ -8,10 +8,10 @@ malloc (torch's CPU allocator) stays in 4 KiB pages unless the program asks for 
 So after load, `move_weights` copies every linear's weight in its kernel layout (`blocked` float32, or a quantized
 weight's bytes and scales) into one anonymous mapping advised `MADV_HUGEPAGE` before it is first touched, and points
 the modules at it. Measured on a 2-vCPU Zen 4 (SmolLM2 float32, TP=1, processes alternating): 11.6 / 12.6 ->
-10.8 / 10.8 ms per token (BENCHMARKS.md section 12). Peak memory grows by about one tensor (each old copy is freed after its move, and the
-heap's free pages go back to the OS every 32 MiB moved); loading takes ~1 s more per GB (the kernel zeroes and
-compacts 2 MiB pages). A host with huge pages off (`never`) or without the sysfs switch keeps the weights where they
-are, as does `TPSERVE_HUGE_PAGES=0`.
+10.8 / 10.8 ms per token (BENCHMARKS.md section 12). Peak memory grows by about one tensor (each old copy is freed
+after its move, and the heap's free pages go back to the OS every 32 MiB moved); loading takes ~1 s more per GB (the
+kernel zeroes and compacts 2 MiB pages). A host with huge pages off (`never`) or without the sysfs switch keeps the
+weights where they are, as does `TPSERVE_HUGE_PAGES=0`.
 
 The KV cache's pools are one such mapping too (`zeros`): decode attention reads every sequence's blocks each step,
 a 4 KiB page per head and block of 16 float32 keys of 64; over 30 layers' pools, 3-9 % less time than in 4 KiB
@@ -27,6 +27,8 @@ import os
 from pathlib import Path
 
 import torch
+
+from sharding import quant
 
 logger = logging.getLogger("tpserve")
 
@@ -71,20 +73,26 @@ def huge_empty(nbytes: int) -> torch.Tensor:
     return buf[start : start + nbytes]
 
 
+def _views(specs: list[tuple[tuple[int, ...], torch.dtype]]) -> list[torch.Tensor]:
+    """A tensor of each (shape, dtype), consecutive parts of one huge-page mapping (64-byte aligned), untouched."""
+    sizes = [math.prod(shape) * dtype.itemsize for shape, dtype in specs]
+    arena = huge_empty(sum(-(-n // ALIGN) * ALIGN for n in sizes))
+    out, offset = [], 0
+    for (shape, dtype), n in zip(specs, sizes):
+        out.append(arena[offset : offset + n].view(dtype).view(shape))
+        offset += -(-n // ALIGN) * ALIGN
+    return out
+
+
 def zeros(shapes: list[tuple[int, ...]], dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
     """A zeroed tensor of each shape: on a CPU where the OS allows, parts of one mapping in huge pages (the KV
     cache's pools: decode attention reads every sequence's blocks each step), written once so that they are resident
     from the start as torch.zeros' are; else torch.zeros each."""
     if device.type != "cpu" or not enabled():
         return [torch.zeros(shape, dtype=dtype, device=device) for shape in shapes]
-    sizes = [math.prod(shape) * dtype.itemsize for shape in shapes]
-    padded = [-(-n // ALIGN) * ALIGN for n in sizes]
-    arena = huge_empty(sum(padded))
-    arena.zero_()  # the pages are zero already; this makes them resident
-    out, offset = [], 0
-    for shape, n, step in zip(shapes, sizes, padded):
-        out.append(arena[offset : offset + n].view(dtype).view(shape))
-        offset += step
+    out = _views([(shape, dtype) for shape in shapes])
+    for t in out:
+        t.zero_()  # the pages are zero already; this makes them resident
     return out
 
 
@@ -121,8 +129,8 @@ def _slots(model: torch.nn.Module) -> tuple[list[tuple[object, str]], list[objec
         if qw is not None:
             slots += [(qw, "data"), (qw, "scale")]
             quantized.append(qw)
-    slots = [(o, a) for o, a in slots
-             if getattr(o, a).device.type == "cpu" and getattr(o, a).is_contiguous() and getattr(o, a).numel()]
+    movable = lambda t: t.device.type == "cpu" and t.is_contiguous() and t.numel() > 0  # noqa: E731
+    slots = [(o, a) for o, a in slots if movable(getattr(o, a))]
     return slots, quantized
 
 
@@ -132,40 +140,22 @@ def move_weights(model: torch.nn.Module) -> int:
     if not enabled():
         return 0
     slots, quantized = _slots(model)
-    sizes = [-(-getattr(o, a).nbytes // ALIGN) * ALIGN for o, a in slots]
-    total = sum(sizes)
-    if not total:
+    if not slots:
         return 0
     for qw in quantized:
         qw.kernel = None  # its arguments hold the old tensors; bound again below
-    arena, offset, unreturned = huge_empty(total), 0, 0
-    for (owner, attr), size in zip(slots, sizes):
-        t = getattr(owner, attr)
-        moved = arena[offset : offset + t.nbytes].view(t.dtype).view(t.shape)
-        moved.copy_(t)
-        setattr(owner, attr, moved)
-        offset += size
-        unreturned += size
-        del t
+    targets = _views([(getattr(o, a).shape, getattr(o, a).dtype) for o, a in slots])
+    total = unreturned = 0
+    for (owner, attr), moved in zip(slots, targets):
+        moved.copy_(getattr(owner, attr))
+        setattr(owner, attr, moved)  # the old copy is freed here
+        total += moved.nbytes
+        unreturned += moved.nbytes
         if unreturned >= TRIM_EVERY:
             _trim()
             unreturned = 0
-    if quantized:
-        from sharding import quant
-
-        for qw in quantized:
-            quant.bind(qw)  # the compiled op's arguments point at the moved tensors
+    for qw in quantized:
+        quant.bind(qw)  # the compiled op's arguments point at the moved tensors
     _trim()
     logger.debug("%.1f MiB of weights in huge pages", total / 2**20)
     return total
-
-
-def anon_huge_bytes() -> int:
-    """Bytes of this process's memory in anonymous huge pages (for tests and benchmarks; 0 where unknown)."""
-    try:
-        for line in Path("/proc/self/smaps_rollup").read_text().splitlines():
-            if line.startswith("AnonHugePages:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
