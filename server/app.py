@@ -25,7 +25,7 @@ from server.pending import PendingRequest, ServerState, admit, gather
 from server.prepare import (check_length, check_model, decode_prompt, logit_bias, output_constraint, render_chat,
                             sampling_params, tokenize_prompts, with_seed)
 from server.protocol import APIError, ChatCompletionRequest, CompletionRequest
-from server.responses import chat_response, completion_response, sse, stream_chat, stream_completion
+from server.responses import EventStream, chat_response, completion_response, stream_chat, stream_completion
 
 logger = logging.getLogger(__name__)
 
@@ -159,7 +159,7 @@ def build_app(state: ServerState) -> FastAPI:
             check_length(state, ids, max_tokens)
         constraint, _ = output_constraint(state, body)
         compiled = await state.engine.grammars.compile(constraint) if constraint else None
-        req = PendingRequest(state, asyncio.get_running_loop())
+        req = PendingRequest(state, asyncio.get_running_loop(), body.stream)
         for p_i, ids in enumerate(prompts):
             for c in range(body.n):
                 req.add(ids, with_seed(params, c), p_i * body.n + c, Grammars.state(compiled) if compiled else None)
@@ -167,7 +167,7 @@ def build_app(state: ServerState) -> FastAPI:
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         echo_text = [decode_prompt(state, ids) if body.echo else "" for ids in prompts]
         if body.stream:
-            return sse(stream_completion(req, request, body, rid, created, echo_text, prompts))
+            return EventStream(req, stream_completion(req, body, rid, created, echo_text, prompts))
         await gather(req, request)
         return completion_response(state, req, body, rid, created, echo_text, prompts)
 
@@ -184,13 +184,13 @@ def build_app(state: ServerState) -> FastAPI:
         params = sampling_params(body, max_tokens, (top or 0) if body.logprobs else None, logit_bias(state, body))
         check_length(state, ids, max_tokens)
         compiled = await state.engine.grammars.compile(constraint) if constraint else None
-        req = PendingRequest(state, asyncio.get_running_loop())
+        req = PendingRequest(state, asyncio.get_running_loop(), body.stream)
         for c in range(body.n):
             req.add(ids, with_seed(params, c), c, Grammars.state(compiled) if compiled else None)
         admit(state, req)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         if body.stream:
-            return sse(stream_chat(req, request, body, rid, created, ids, parse_tools))
+            return EventStream(req, stream_chat(req, body, rid, created, ids, parse_tools))
         await gather(req, request)
         return chat_response(state, req, body, rid, created, ids, parse_tools)
 

@@ -3,6 +3,10 @@
 Each HTTP request becomes one engine Sequence per (prompt, choice). The engine thread hands each step's new text to
 `PendingRequest.emit`, which moves it onto the request's asyncio queue; the route gathers it (`gather`) or streams it
 (`stream_events`), and a client that goes away has its sequences aborted, which frees their KV-cache blocks.
+
+The event loop shares the machine (and, through the GIL, the engine thread's Python) with the decode, so the work
+per token is kept small: a gathered request is woken only when a sequence finishes, and a streamed one waits on its
+queue with no timer (its response watches for the client going away instead; server/responses.py, EventStream).
 """
 
 from __future__ import annotations
@@ -84,9 +88,10 @@ def outbox_for(loop: asyncio.AbstractEventLoop) -> Outbox:
 class PendingRequest:
     """One HTTP request's sequences and the queue their output arrives on."""
 
-    def __init__(self, state: ServerState, loop: asyncio.AbstractEventLoop):
+    def __init__(self, state: ServerState, loop: asyncio.AbstractEventLoop, stream: bool = False):
         self.state = state
         self.loop = loop
+        self.stream = stream  # every step's text is wanted; otherwise only the end of each sequence
         self.outbox = outbox_for(loop)
         self.queue: asyncio.Queue = asyncio.Queue()
         self.seqs: list[Sequence] = []
@@ -101,7 +106,13 @@ class PendingRequest:
             if prev is not None:
                 self.state.metrics.itl.observe(t - prev)  # every gap between two tokens of a sequence
             self.token_times[seq.seq_id] = t
-        self.outbox.put(self.queue, (seq, text, finished, n))
+        if self.stream or finished:
+            self.outbox.put(self.queue, (seq, text, finished, n))
+
+    def close(self) -> None:
+        """The client went away: abort the sequences and end the stream without waiting for the engine."""
+        self.abort()
+        self.queue.put_nowait(None)
 
     def add(self, prompt_ids: list[int], params: SamplingParams, choice: int,
             grammar: GrammarState | None = None) -> None:
@@ -149,8 +160,8 @@ else:  # pragma: no cover - Python 3.10
 
 
 async def next_event(req: PendingRequest, request: Request):
-    """The next engine event; aborts the request's sequences if the client has gone away meanwhile. Called once per
-    streamed token: events already queued are taken without a timer."""
+    """The next engine event (a gathered request gets one per sequence, when it finishes); every DISCONNECT_POLL_S
+    without one, a client that has gone away has the request's sequences aborted."""
     while True:
         if not req.queue.empty():
             return req.queue.get_nowait()
@@ -179,12 +190,17 @@ async def gather(req: PendingRequest, request: Request) -> list[Sequence]:
     return req.seqs
 
 
-async def stream_events(req: PendingRequest, request: Request):
-    """(seq, new text, finished, first token index, end token index) for every engine event, until all finish."""
+async def stream_events(req: PendingRequest):
+    """(seq, new text, finished, first token index, end token index) for every engine event, until all finish or the
+    client goes away (`PendingRequest.close`, called by the response that watches the connection)."""
     pending = len(req.seqs)
+    queue = req.queue
     try:
         while pending:
-            seq, text, finished, n = await next_event(req, request)
+            event = queue.get_nowait() if not queue.empty() else await queue.get()
+            if event is None:
+                return
+            seq, text, finished, n = event
             a = req.emitted_tokens[seq.seq_id]
             req.emitted_tokens[seq.seq_id] = n
             if finished:

@@ -7,11 +7,11 @@ entry (id, type and name first, then the arguments), the way OpenAI sends them.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import AsyncIterator
 
-from fastapi import Request
-from fastapi.responses import StreamingResponse
+from fastapi.responses import Response
 
 from server.pending import PendingRequest, ServerState, stream_events
 from server.protocol import APIError, ChatCompletionRequest, CompletionRequest
@@ -77,14 +77,44 @@ def chat_logprobs(state: ServerState, seq: Sequence, a: int, b: int) -> dict:
     return {"content": content}
 
 
-def sse(gen: AsyncIterator[dict]) -> StreamingResponse:
-    async def body():
-        async for chunk in gen:
-            yield f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
-        yield "data: [DONE]\n\n"
+class EventStream(Response):
+    """A streamed answer as server-sent events, sent by a plain ASGI loop: one JSON encoding and one `send` per chunk.
 
-    return StreamingResponse(body(), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    Starlette's StreamingResponse would relay the chunks through a generator and an anyio task group, and the route
+    used to wait on its queue with a timer per token to notice a client that had gone away; on a CPU whose cores run
+    the decode, each token's event-loop work lands on the decode's critical path (BENCHMARKS.md, section 13). Here a
+    second task waits for the client to go away (`receive()` returns http.disconnect) and closes the request: its
+    sequences are aborted, which frees their KV-cache blocks, and the stream ends."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, req: PendingRequest, chunks: AsyncIterator[dict]):
+        self.req, self.chunks = req, chunks
+        self.status_code = 200
+        self.background = None
+        self.init_headers({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    async def __call__(self, scope, receive, send) -> None:
+        req = self.req
+
+        async def watch() -> None:
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            req.close()  # a no-op for finished sequences (uvicorn reports a disconnect after the last body too)
+
+        watcher = asyncio.get_running_loop().create_task(watch())
+        dumps = json.dumps
+        try:
+            await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+            async for chunk in self.chunks:
+                data = f"data: {dumps(chunk, ensure_ascii=False)}\n\n".encode()
+                await send({"type": "http.response.body", "body": data, "more_body": True})
+            await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
+        finally:
+            watcher.cancel()
+            await self.chunks.aclose()
+        if self.background is not None:
+            await self.background()
 
 
 def error_chunk(state: ServerState) -> dict:
@@ -92,8 +122,8 @@ def error_chunk(state: ServerState) -> dict:
                     "service_unavailable", code="engine_failed").body()
 
 
-async def stream_completion(req: PendingRequest, request: Request, body: CompletionRequest, rid: str, created: int,
-                            echo_text: list[str], prompts: list[list[int]]):
+async def stream_completion(req: PendingRequest, body: CompletionRequest, rid: str, created: int, echo_text: list[str],
+                            prompts: list[list[int]]):
     state = req.state
 
     def chunk(i: int, text: str, finish: str | None, logprobs=None) -> dict:
@@ -107,7 +137,7 @@ async def stream_completion(req: PendingRequest, request: Request, body: Complet
                 yield chunk(i, echo_text[i // body.n], None)
             else:
                 echo_later.add(i)
-    async for seq, text, finished, a, b in stream_events(req, request):
+    async for seq, text, finished, a, b in stream_events(req):
         if seq.finish_reason == "error":
             yield error_chunk(state)
             return
@@ -164,8 +194,8 @@ def chat_response(state: ServerState, req: PendingRequest, body: ChatCompletionR
             "choices": choices, "usage": usage([prompt_ids], req.seqs)}
 
 
-async def stream_chat(req: PendingRequest, request: Request, body: ChatCompletionRequest, rid: str, created: int,
-                      prompt_ids: list[int], parse_tools: bool):
+async def stream_chat(req: PendingRequest, body: ChatCompletionRequest, rid: str, created: int, prompt_ids: list[int],
+                      parse_tools: bool):
     state = req.state
 
     def chunk(i: int, delta: dict, finish: str | None, logprobs=None) -> dict:
@@ -175,7 +205,7 @@ async def stream_chat(req: PendingRequest, request: Request, body: ChatCompletio
     parsers = {seq.seq_id: ToolCallParser() for seq in req.seqs} if parse_tools else {}
     for i in range(len(req.seqs)):
         yield chunk(i, {"role": "assistant", "content": ""}, None)
-    async for seq, text, finished, a, b in stream_events(req, request):
+    async for seq, text, finished, a, b in stream_events(req):
         if seq.finish_reason == "error":
             yield error_chunk(state)
             return

@@ -1,6 +1,7 @@
 """The OpenAI API through the official `openai` client against a real `tpserve serve` at TP 1 and 2."""
 
 import asyncio
+import time
 
 import httpx
 import openai
@@ -184,6 +185,31 @@ def test_metrics_count_tokens_and_every_inter_token_gap(srv, client):
     after = [sample(n) for n in names]
     assert [a - b for a, b in zip(after, before)] == [8, 9, 1]  # 9 tokens: 8 gaps, one first token
 
+
+def test_a_stream_whose_client_leaves_is_aborted(srv):
+    """Hanging up mid-stream stops its sequence: the engine makes far fewer than the tokens asked for (each token is
+    one inter-token gap in /metrics, counted on the engine thread), and nothing is left running."""
+    def metric(name: str) -> float:
+        for line in httpx.get(srv.url + "/metrics").text.splitlines():
+            if line.startswith(name + " "):
+                return float(line.split()[1])
+        raise AssertionError(f"{name} not in /metrics")
+
+    gaps = "tpserve_inter_token_latency_seconds_count"
+    before = metric(gaps)
+    with httpx.Client(base_url=srv.url, timeout=60) as http:
+        with http.stream("POST", "/v1/completions", json={"prompt": PROMPT, "max_tokens": 200, "stream": True,
+                                                          "ignore_eos": True}) as r:
+            events = 0
+            for line in r.iter_lines():
+                events += line.startswith("data: {")
+                if events == 3:
+                    break  # leaving the block closes the connection
+    deadline = time.monotonic() + 30
+    while metric("tpserve_requests_running") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert metric("tpserve_requests_running") == 0
+    assert 3 <= metric(gaps) - before < 100, metric(gaps) - before
 
 def test_echo_logprobs_score_the_prompt_like_transformers(srv, client):
     """echo + logprobs (how lm-evaluation-harness scores text): every prompt token's logprob under the model."""

@@ -24,7 +24,8 @@ def rank_of(pid: int) -> int:
 
 def test_two_replicas_serve_and_balance(server_factory, checkpoints):
     s = server_factory(checkpoints("llama"), 1, "-dp", "2", "--max-model-len", "256", "--max-num-seqs", "8")
-    body = {"model": s.model_name, "max_tokens": 40, "temperature": 0, "ignore_eos": True}
+    # long enough for /metrics to see both replicas busy: 8 requests of 40 tokens could finish within one poll
+    body = {"model": s.model_name, "max_tokens": 160, "temperature": 0, "ignore_eos": True}
     prompts = [f"request {i} says" for i in range(8)]
 
     async def run():
@@ -39,12 +40,12 @@ def test_two_replicas_serve_and_balance(server_factory, checkpoints):
                     if line.startswith("tpserve_replica_requests_running{"):
                         replica = int(line.split('replica="')[1].split('"')[0])
                         peak[replica] = max(peak[replica], float(line.rsplit(" ", 1)[1]))
-                await asyncio.sleep(0.05)
+                await asyncio.sleep(0.02)
             return alone, [(await t).json() for t in tasks], peak
 
     alone, together, peak = asyncio.run(run())
     assert [a["choices"][0]["text"] for a in alone] == [t["choices"][0]["text"] for t in together[:2]]
-    assert all(t["usage"]["completion_tokens"] == 40 for t in together)
+    assert all(t["usage"]["completion_tokens"] == body["max_tokens"] for t in together)
     assert peak[0] >= 1 and peak[1] >= 1, peak
     assert httpx.get(s.url + "/health").status_code == 200
 
