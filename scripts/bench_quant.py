@@ -15,9 +15,9 @@ host hits all alike; medians over rounds are reported, and each ratio is taken w
 
 --served: `tpserve serve` at the same precision streams the same completion, timed as a streaming client sees it.
 Offline and served alternate --pairs times per round and precision (served over offline is the median of the pairs'
-ratios: on a host whose speed drifts, a ratio of runs seconds apart). The client is lean (http.client, one
-timestamp per SSE line, JSON parsed only to check the text), since it shares the cores with the server; its CPU
-per token is reported, and so is the server's event-loop thread's (from /proc), the work serving adds per token.
+ratios: on a host whose speed drifts, a ratio of runs seconds apart). The client is lean (a raw socket, one recv()
+per arrival, the events read after the stream ends), since it shares the cores with the server; its CPU per token
+is reported, and so is the server's event-loop thread's (from /proc), the work serving adds per token.
 
 --linears times each weight-only kernel and tpserve's float32 kernel (f32_linear, what it runs unquantized) against
 oneDNN's packed float32 linear (what it ran before; and int8 dequantized to float32 for F.linear, the path without
@@ -79,22 +79,27 @@ class Served:
             raise
 
     def measure(self) -> float:
-        import http.client
+        """One streamed completion. The client shares the machine's cores with the server, so it does one recv() per
+        arrival while the tokens stream and reads the events only after the last byte (each token's time is that
+        of the arrival that completed its line)."""
+        import socket
 
-        body = dict(model=self.model, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True, stream=True)
-        times = []
-        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=120)
-        try:
-            conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
-            resp = conn.getresponse()
-            if resp.status != 200:
-                raise RuntimeError(f"{resp.status}: {resp.read()[:500]!r}")
-            while line := resp.readline():
-                t = time.perf_counter()
-                if line.startswith(b"data: {") and json.loads(line[6:])["choices"][0].get("text"):
-                    times.append(t)
-        finally:
-            conn.close()
+        body = json.dumps(dict(model=self.model, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0,
+                               ignore_eos=True, stream=True)).encode()
+        head = (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode()
+        arrivals = []
+        with socket.create_connection(("127.0.0.1", self.port), timeout=120) as sock:
+            sock.sendall(head + body)
+            while data := sock.recv(1 << 16):
+                arrivals.append((time.perf_counter(), data))
+        if not arrivals or not arrivals[0][1].startswith(b"HTTP/1.1 200"):
+            raise RuntimeError(f"the server answered {b''.join(d for _, d in arrivals)[:500]!r}")
+        times, pending = [], b""
+        for t, data in arrivals:
+            *lines, pending = (pending + data).split(b"\n")
+            times += [t for line in lines
+                      if line.startswith(b"data: {") and json.loads(line[6:])["choices"][0].get("text")]
         if len(times) < MAX_TOKENS // 2:
             raise RuntimeError(f"the server streamed {len(times)} tokens")
         return (times[-1] - times[0]) / (len(times) - 1) * 1e3
