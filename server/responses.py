@@ -80,11 +80,11 @@ def chat_logprobs(state: ServerState, seq: Sequence, a: int, b: int) -> dict:
 class EventStream(Response):
     """A streamed answer as server-sent events, sent by a plain ASGI loop: one JSON encoding and one `send` per chunk.
 
-    Starlette's StreamingResponse would relay the chunks through a generator and an anyio task group, and the route
-    used to wait on its queue with a timer per token to notice a client that had gone away; on a CPU whose cores run
-    the decode, each token's event-loop work lands on the decode's critical path (BENCHMARKS.md, section 13). Here a
-    second task waits for the client to go away (`receive()` returns http.disconnect) and closes the request: its
-    sequences are aborted, which frees their KV-cache blocks, and the stream ends."""
+    Starlette's StreamingResponse would relay each chunk through one more generator and an anyio task group, and the
+    route used to wait on its queue with a timer per token to notice a client that had gone away. Here a second task
+    waits for the client to go away (`receive()` returns http.disconnect) and closes the request: its sequences are
+    aborted, which frees their KV-cache blocks, and the stream ends. (What the served path costs per token, and where
+    its floor is on a CPU whose cores run the decode: BENCHMARKS.md, section 13.)"""
 
     media_type = "text/event-stream"
 
