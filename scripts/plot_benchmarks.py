@@ -1,6 +1,10 @@
 """docs/img/bench_summary.png from the JSON the benchmark scripts wrote into results/.
 
     python scripts/plot_benchmarks.py    # after bench_baseline (fp32 and bf16), bench_serving, bench_servers, bench_tp
+    python scripts/plot_benchmarks.py --results /tmp/plot   # from a folder of copies (names as below)
+
+Inputs in --results: baseline_fp32.json, baseline_bf16.json (bench_baseline), serving/*_summary.json (bench_serving),
+servers.json (bench_servers), tp_0.9b.json (bench_tp).
 
 Panels: offline output tok/s by batch (tpserve, transformers, llama.cpp), served tok/s by concurrency against the
 transformers baselines and llama.cpp's own server (bench_servers), and TP decode ms/step at batch 1 against the
@@ -51,13 +55,10 @@ def main() -> None:
         rows = load(path)
         ax.plot([r["concurrency"] for r in rows], [r["output_tok_s"] for r in rows], "o-", label=f"tpserve {path.stem[:-8]}")
     side = load(res / "servers.json")  # bench_servers: tpserve and llama.cpp's server in alternating rounds
-    for server in ("tpserve", "llama.cpp"):
-        rows = sorted((r for r in (side["summary"] if side else []) if r["server"] == server),
-                      key=lambda r: r["concurrency"])
-        if rows:
-            ax.plot([r["concurrency"] for r in rows], [r["output_tok_s"] for r in rows],
-                    "D--" if server == "tpserve" else "^:", markersize=8,
-                    label=f"{server} {'server ' if server != 'tpserve' else ''}(side-by-side run)")
+    for server in dict.fromkeys(r["server"] for r in (side["summary"] if side else [])):  # tpserve, llama-server
+        rows = sorted((r for r in side["summary"] if r["server"] == server), key=lambda r: r["concurrency"])
+        ax.plot([r["concurrency"] for r in rows], [r["output_tok_s"] for r in rows],
+                "D--" if server == "tpserve" else "^:", markersize=8, label=f"{server} (side-by-side run)")
     base = load(res / "baseline_fp32.json")
     for r in _group(base["summary"] if base else []).get(("transformers", "float32"), []):
         ax.axhline(r["tok_s"], ls="--", lw=0.8, color="gray")
@@ -73,14 +74,16 @@ def main() -> None:
         runs = tp["summary"]["runs"]
         labels = [f"TP={k.split('x')[0]} x {k.split('x')[1]}t" for k in runs]
         ax.bar(labels, [r.get("decode_ms_b1", 0) for r in runs.values()], color="tab:blue", label="decode, batch 1")
+        # bench_tp's "floors" time oneDNN's packed linears and F.linear, which tpserve's own float32 kernel in huge
+        # pages now beats (BENCHMARKS.md section 12): drawn as reference passes, not as a floor
         colors = {"1x1": "tab:red", "1x2": "tab:orange", "2x1": "tab:green"}
         for key, ms in tp["summary"]["floor"].items():
             kernel, shape = key.split()
             if kernel == "packed":
                 procs, threads = shape.split("x")
                 ax.axhline(ms, ls="--", color=colors.get(shape, "gray"),
-                           label=f"floor: {procs} process(es) x {threads} thread(s)")
-        ax.set(ylabel="ms per decode step", title="~0.9B Llama fp32: decode vs weight-streaming floor")
+                           label=f"one pass of oneDNN's packed linears: {procs} process(es) x {threads} thread(s)")
+        ax.set(ylabel="ms per decode step", title="~0.9B Llama fp32: decode at batch 1 by layout")
         ax.legend(fontsize=7)
     fig.tight_layout()
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
