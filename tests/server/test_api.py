@@ -187,8 +187,8 @@ def test_metrics_count_tokens_and_every_inter_token_gap(srv, client):
 
 
 def test_a_stream_whose_client_leaves_is_aborted(srv):
-    """Hanging up mid-stream stops its sequence: the engine makes far fewer than the tokens asked for (each token is
-    one inter-token gap in /metrics, counted on the engine thread), and nothing is left running."""
+    """Hanging up mid-stream stops its sequence: the engine makes far fewer than the tokens asked for (each token after
+    the first is one inter-token gap in /metrics, counted on the engine thread), and nothing is left running."""
     def metric(name: str) -> float:
         for line in httpx.get(srv.url + "/metrics").text.splitlines():
             if line.startswith(name + " "):
@@ -209,7 +209,8 @@ def test_a_stream_whose_client_leaves_is_aborted(srv):
     while metric("tpserve_requests_running") and time.monotonic() < deadline:
         time.sleep(0.05)
     assert metric("tpserve_requests_running") == 0
-    assert 3 <= metric(gaps) - before < 100, metric(gaps) - before
+    assert 2 <= metric(gaps) - before < 100, metric(gaps) - before  # 3 tokens seen: at least 2 gaps
+
 
 def test_echo_logprobs_score_the_prompt_like_transformers(srv, client):
     """echo + logprobs (how lm-evaluation-harness scores text): every prompt token's logprob under the model."""
