@@ -192,20 +192,18 @@ async def gather(req: PendingRequest, request: Request) -> list[Sequence]:
 
 async def stream_events(req: PendingRequest):
     """(seq, new text, finished, first token index, end token index) for every engine event, until all finish or the
-    client goes away (`PendingRequest.close`, called by the response that watches the connection)."""
+    client goes away (`PendingRequest.close`, called by the response that watches the connection). The response
+    aborts whatever is still running when it ends, however it ends (server/responses.py, EventStream)."""
     pending = len(req.seqs)
     queue = req.queue
-    try:
-        while pending:
-            event = queue.get_nowait() if not queue.empty() else await queue.get()
-            if event is None:
-                return
-            seq, text, finished, n = event
-            a = req.emitted_tokens[seq.seq_id]
-            req.emitted_tokens[seq.seq_id] = n
-            if finished:
-                pending -= 1
-                req.observe_finish(seq)
-            yield seq, text, finished, a, n
-    finally:
-        req.abort()  # a no-op for finished sequences; frees the slots of a client that went away
+    while pending:
+        event = queue.get_nowait() if not queue.empty() else await queue.get()
+        if event is None:
+            return
+        seq, text, finished, n = event
+        a = req.emitted_tokens[seq.seq_id]
+        req.emitted_tokens[seq.seq_id] = n
+        if finished:
+            pending -= 1
+            req.observe_finish(seq)
+        yield seq, text, finished, a, n

@@ -112,6 +112,7 @@ class EventStream(Response):
             await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
         finally:
             watcher.cancel()
+            req.abort()  # a no-op for finished sequences; frees the slots of a stream cut short by anything
             await self.chunks.aclose()
         if self.background is not None:
             await self.background()
