@@ -76,12 +76,11 @@ def huge_empty(nbytes: int) -> torch.Tensor:
 def _views(specs: list[tuple[tuple[int, ...], torch.dtype]]) -> list[torch.Tensor]:
     """A tensor of each (shape, dtype), consecutive parts of one huge-page mapping (64-byte aligned), untouched."""
     sizes = [math.prod(shape) * dtype.itemsize for shape, dtype in specs]
-    arena = huge_empty(sum(-(-n // ALIGN) * ALIGN for n in sizes))
-    out, offset = [], 0
-    for (shape, dtype), n in zip(specs, sizes):
-        out.append(arena[offset : offset + n].view(dtype).view(shape))
-        offset += -(-n // ALIGN) * ALIGN
-    return out
+    starts = [0]
+    for n in sizes:
+        starts.append(starts[-1] + -(-n // ALIGN) * ALIGN)
+    arena = huge_empty(starts[-1])
+    return [arena[a : a + n].view(dtype).view(shape) for (shape, dtype), a, n in zip(specs, starts, sizes)]
 
 
 def zeros(shapes: list[tuple[int, ...]], dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
@@ -129,9 +128,12 @@ def _slots(model: torch.nn.Module) -> tuple[list[tuple[object, str]], list[objec
         if qw is not None:
             slots += [(qw, "data"), (qw, "scale")]
             quantized.append(qw)
-    movable = lambda t: t.device.type == "cpu" and t.is_contiguous() and t.numel() > 0  # noqa: E731
-    slots = [(o, a) for o, a in slots if movable(getattr(o, a))]
+    slots = [(o, a) for o, a in slots if _movable(getattr(o, a))]
     return slots, quantized
+
+
+def _movable(t: torch.Tensor) -> bool:
+    return t.device.type == "cpu" and t.is_contiguous() and t.numel() > 0
 
 
 def move_weights(model: torch.nn.Module) -> int:
