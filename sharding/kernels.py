@@ -51,58 +51,80 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
 # sharding/models/llama.py).
 # f32_linear.cpp: float32 linears from weights stored in blocks of 32 output columns (block_f32 below), for every row
 # count: at one row they stream the weights ~30 % faster than oneDNN's packed linears, and match them on prefill.
-# Compiled together once per machine and torch version into $TPSERVE_HOME/kernels (needs a C++ compiler and ninja;
-# `make install` builds it). Without them the torch paths run; TPSERVE_PAGED_KERNEL=0, TPSERVE_QUANT_KERNEL=0,
-# TPSERVE_NORM_KERNEL=0, TPSERVE_ROTARY_KERNEL=0, TPSERVE_GLUE_KERNEL=0 and TPSERVE_F32_KERNEL=0 (float32
-# linears back to oneDNN) turn one kernel off (read once, at the
-# build: the getters below sit on the per-layer path of every step).
+# Which build of them runs (a prebuilt variant for this CPU level, a -march=native build compiled at first start, or
+# none) is decided in sharding/cpu_variants.py; `build_kernels` loads it once per process and `CHOICE` says what
+# runs. TPSERVE_PAGED_KERNEL=0, TPSERVE_QUANT_KERNEL=0, TPSERVE_NORM_KERNEL=0, TPSERVE_ROTARY_KERNEL=0,
+# TPSERVE_GLUE_KERNEL=0 and TPSERVE_F32_KERNEL=0 (float32 linears back to oneDNN) turn one kernel off (read once, at
+# the load: the getters below sit on the per-layer path of every step).
 
-SOURCES = ("paged_attention.cpp", "quant_linear.cpp", "rms_norm.cpp", "rotary.cpp", "decode_glue.cpp",
-           "f32_linear.cpp")
-HEADERS = ("tpserve_kernels.h",)  # shared by the sources: part of the build's hash
 _BUILT: dict[str, bool] = {}
 _OPS: dict[str, object] = {}  # name -> op (or the int8/int4 pair), filled by build_kernels
+CHOICE: dict[str, str] = {}  # "variant": what runs ("x86-64-v4-vnni-bf16", "native", "torch"), "how", "why"
 
 
-def _sources() -> list[str]:
-    return [os.path.join(os.path.dirname(__file__), "csrc", name) for name in SOURCES]
+def _load_library(verbose: bool) -> None:
+    """Load the kernel build TPSERVE_KERNELS asks for (sharding/cpu_variants.py) and fill CHOICE; raise if none can
+    be loaded (CHOICE["why"] then says why)."""
+    from sharding import cpu_variants as cv
 
-
-def _kernel_dir() -> str:
-    import hashlib
-    import platform
-
-    flags = ""
-    try:
-        with open("/proc/cpuinfo") as f:  # -march=native: a build is only valid on the CPU it was made for
-            flags = next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        pass
-    key = hashlib.sha256(flags.encode() + torch.__version__.encode() + platform.machine().encode() + b"-fopenmp")
-    for src in _sources() + [os.path.join(os.path.dirname(__file__), "csrc", name) for name in HEADERS]:
-        with open(src, "rb") as f:
-            key.update(f.read())
-    home = os.environ.get("TPSERVE_HOME") or os.path.join(os.path.expanduser("~"), ".cache", "tpserve")
-    return os.path.join(home, "kernels", "tpserve_kernels-" + key.hexdigest()[:16])
+    want = os.environ.get("TPSERVE_KERNELS", "auto").strip() or "auto"
+    if want in ("none", "0"):
+        CHOICE.update(variant="torch", why="TPSERVE_KERNELS=" + want)
+        raise RuntimeError(CHOICE["why"])
+    flags = cv.cpu_flags()
+    manifest = cv.prebuilt_manifest()
+    usable = manifest is not None and manifest.get("torch") == torch.__version__
+    if want not in ("auto", "native"):
+        v = cv.BY_NAME.get(want)
+        if v is None:
+            raise ValueError(f"TPSERVE_KERNELS={want}: not a kernel variant; use auto, native, none or one of "
+                             f"{', '.join(cv.BY_NAME)}")
+        if cv.missing_flags(v, flags):
+            raise ValueError(f"TPSERVE_KERNELS={want}: this CPU lacks {', '.join(cv.missing_flags(v, flags))}")
+        if usable and want in manifest.get("variants", ()):
+            torch.ops.load_library(cv.prebuilt_library(want))
+            CHOICE.update(variant=want, how="prebuilt")
+        else:
+            cv.compile_and_load(cv.cache_dir(want, v.march), v.march, verbose)
+            CHOICE.update(variant=want, how="compiled for this host")
+        return
+    if want == "auto" and manifest is not None:
+        v = cv.choose(flags, available=manifest.get("variants", ()))
+        if usable and v is not None:
+            torch.ops.load_library(cv.prebuilt_library(v.name))
+            CHOICE.update(variant=v.name, how="prebuilt")
+            return
+        # say why the prebuilt builds were passed over, in case the native build below fails too
+        CHOICE["why"] = (f"the prebuilt kernels are for torch {manifest.get('torch')}, this is torch "
+                         f"{torch.__version__}" if not usable else
+                         f"no prebuilt variant ({', '.join(manifest.get('variants', ())) or 'none'}) runs on this "
+                         "CPU")
+    cv.compile_and_load(cv.cache_dir("native", ("-march=native",)), ("-march=native",), verbose)
+    CHOICE.update(variant="native", how="compiled for this CPU")
+    CHOICE.pop("why", None)
 
 
 def build_kernels(verbose: bool = False) -> bool:
-    """Compile (or load the cached build of) the CPU kernels; False if they cannot be built. Every rank may call it at
-    once: torch's build lock lets one compile while the others wait for it."""
+    """Load the CPU kernels (a prebuilt variant, or compiled at first start: `_load_library`); False if none can be
+    loaded, and the torch paths serve. Called by every rank at start, before any op is used."""
     if "ok" in _BUILT:
         return _BUILT["ok"]
     ok = False
     try:
-        from torch.utils.cpp_extension import load
+        try:
+            _load_library(verbose)
+        except ValueError:
+            raise  # a TPSERVE_KERNELS the user set that cannot be honoured: refuse to start
+        except Exception as e:  # noqa: BLE001 - no compiler, no ninja, a failed build: the torch paths serve
+            CHOICE["variant"] = "torch"
+            first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+            CHOICE["why"] = "; ".join(w for w in (CHOICE.get("why"), None if first == CHOICE.get("why") else
+                                                  "no kernel build for this CPU: " + first) if w)
+            import logging
 
-        build = _kernel_dir()
-        os.makedirs(build, exist_ok=True)
-        load(name="tpserve_kernels", sources=_sources(),
-             # -fopenmp: at::parallel_for is OpenMP in torch's CPU builds; without it the loop runs on one thread
-             # (the libgomp it links is the one torch has loaded already)
-             extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"], extra_ldflags=["-fopenmp"],
-             build_directory=build,
-             is_python_module=False, verbose=verbose)
+            logging.getLogger(__name__).warning("CPU kernels unavailable (%s): every layer runs on torch's own "
+                                                "paths, several times slower", CHOICE["why"])
+            return False
         ok = hasattr(torch.ops.tpserve, "paged_decode_attention")
         ops = torch.ops.tpserve
         for name, env, op in (("paged", "TPSERVE_PAGED_KERNEL", ops.paged_decode_attention),
@@ -118,13 +140,17 @@ def build_kernels(verbose: bool = False) -> bool:
                                (torch.classes.tpserve.DecodeLayers, ops.decode_layers.default))):
             if os.environ.get(env, "1") != "0":
                 _OPS[name] = op
-    except Exception as e:  # noqa: BLE001 - no compiler, no ninja, a failed build: the torch paths serve
-        import logging
-
-        logging.getLogger(__name__).warning("CPU kernels unavailable (%s); decode attention and quantized linears "
-                                            "run in torch instead", str(e).splitlines()[0][:200])
-    _BUILT["ok"] = ok
+    finally:
+        _BUILT["ok"] = ok
     return ok
+
+
+def describe() -> str:
+    """The kernels this process runs, for the startup line: "kernels x86-64-v4-vnni-bf16 (prebuilt)", "kernels native
+    (compiled for this CPU)" or "torch paths, no compiled kernels: <why>"."""
+    if CHOICE.get("variant", "torch") == "torch":
+        return "torch paths, no compiled kernels: " + CHOICE.get("why", "not loaded")
+    return f"kernels {CHOICE['variant']} ({CHOICE['how']})"
 
 
 def paged_decode_attention():
@@ -184,7 +210,9 @@ def decode_glue_ops():
     return _OPS.get("glue")
 
 
-if __name__ == "__main__":  # `python -m sharding.kernels`: build the kernels now (make install does)
+if __name__ == "__main__":  # `python -m sharding.kernels`: load (building if needed) the kernels now (make install)
     import sys
 
-    sys.exit(0 if build_kernels(verbose=True) else 1)
+    ok = build_kernels(verbose=True)
+    print(describe())
+    sys.exit(0 if ok else 1)

@@ -18,11 +18,11 @@ import time
 from dataclasses import dataclass, fields, replace
 
 import torch
-from tqdm import tqdm
 
 from loaders.checkpoint import Checkpoint, CheckpointError
 from loaders.config import load_config
 from sharding import hugepages, kernels
+from sharding.progress import LoadProgress, StartPhases
 from sharding.attention import AttentionMetadata, PagedKVCache, RotaryTable
 from sharding.dist import Dist, Layout
 from sharding.layers import ParallelLMHead
@@ -173,24 +173,40 @@ class ModelRunner:
         self.cfg = cfg
         self.dist = dist
         t0 = time.perf_counter()
+        self.phases = phases = StartPhases()  # the time of each start phase, logged by rank 0 once it serves
         if dist.device.type == "cpu":
-            kernels.build_kernels()  # paged decode attention, quantized linears, norm, rotary (sharding/kernels.py)
+            with phases.phase("kernels"):
+                kernels.build_kernels()  # the compiled CPU kernels: a prebuilt variant or a build for this CPU
         with Checkpoint(cfg.model) as ckpt:
             self.cfg = cfg = cpu_precision(cfg, ckpt, dist.device)
             quantize = self._quantizer()
-            self.model, self.config, self.dtype = build_model(cfg, dist, ckpt)
+            with phases.phase("building the model"):
+                self.model, self.config, self.dtype = build_model(cfg, dist, ckpt)
             loaders = [m for m in self.model.modules() if hasattr(m, "expected")]
-            for m in tqdm(loaders, desc="loading weights", unit="tensor", disable=not dist.is_driver or None,
-                          leave=False):
-                m.load(ckpt)
-                quantize(m, loaded=False)  # right after its read: one layer at a time in the checkpoint's precision
+            itemsize = ckpt.checkpoint_dtype().itemsize
+            to_read = itemsize * sum(p.numel() for m in loaders if not getattr(m, "tied", False)  # (read once)
+                                     for p in m.parameters(recurse=False))
+            progress = LoadProgress(len(loaders), to_read, lambda: ckpt.bytes_read, dist.is_driver, phases)
+            try:
+                for m in loaders:
+                    with phases.phase("reading"):
+                        m.load(ckpt)
+                    with phases.phase("quantizing"):
+                        quantize(m, loaded=False)  # right after its read: one layer at a time in the checkpoint's dtype
+                    progress.advance()
+            finally:
+                progress.close()
             self.bytes_read = ckpt.bytes_read
-        for m in self.model.modules():
-            quantize(m)  # what the loop could not do yet (an LM head tied to an embedding loaded after it)
-            if hasattr(m, "prepack"):
-                m.prepack()  # CPU: linears through oneDNN with packed weights (sharding/kernels.py)
+        with phases.phase("quantizing"):
+            for m in self.model.modules():
+                quantize(m)  # what the loop could not do yet (an LM head tied to an embedding loaded after it)
+        with phases.phase("packing"):
+            for m in self.model.modules():
+                if hasattr(m, "prepack"):
+                    m.prepack()  # CPU: weights laid out for the kernels (sharding/kernels.py)
         if dist.device.type == "cpu":
-            hugepages.move_weights(self.model)  # the streamed weights in 2 MiB pages (sharding/hugepages.py)
+            with phases.phase("huge pages"):
+                hugepages.move_weights(self.model)  # the streamed weights in 2 MiB pages (sharding/hugepages.py)
         self.model.eval()
         self.max_model_len = resolve_max_model_len(self.model, self.config, cfg.max_model_len)
         uses_rope = getattr(self.model, "uses_rotary", True)
@@ -256,7 +272,8 @@ class ModelRunner:
                 f"{blocks_per_seq * per_block / 2**20:.1f} MiB or lower --max-model-len")
         layers = self.model.attention_layers
         shapes = [PagedKVCache.shape(num_blocks, self.block_size, a.num_kv_heads, a.head_dim) for a in layers]
-        pools = hugepages.zeros(shapes, self.dtype, self.dist.device)  # one mapping in huge pages on CPU
+        with self.phases.phase("KV cache"):
+            pools = hugepages.zeros(shapes, self.dtype, self.dist.device)  # one mapping in huge pages on CPU
         for attn, pool in zip(layers, pools):
             attn.cache = PagedKVCache(num_blocks, self.block_size, attn.num_kv_heads, attn.head_dim, self.dtype,
                                       self.dist.device, pool)
