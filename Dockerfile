@@ -62,10 +62,11 @@ RUN apt-get update \
     && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends g++ \
     && rm -rf /var/lib/apt/lists/*
 # TORCH_FIND_LINKS (a folder or URL of wheels, e.g. one served on 127.0.0.1 to a --network host build) replaces
-# TORCH_INDEX_URL for torch alone.
+# TORCH_INDEX_URL for torch itself (its dependencies then come from PyPI).
 RUN python3 -m venv "${VIRTUAL_ENV}" \
     && if [ -n "${TORCH_FIND_LINKS}" ]; then \
-        pip install --no-cache-dir --no-index --find-links "${TORCH_FIND_LINKS}" "torch==${TORCH_VERSION}"; \
+        pip install --no-cache-dir --no-index --no-deps --find-links "${TORCH_FIND_LINKS}" "torch==${TORCH_VERSION}" \
+        && pip install --no-cache-dir --find-links "${TORCH_FIND_LINKS}" "torch==${TORCH_VERSION}"; \
     else \
         pip install --no-cache-dir --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}"; \
     fi \

@@ -22,6 +22,7 @@ set -euo pipefail
 
 REPO=$(git -C "$(dirname "$0")/.." rev-parse --show-toplevel)
 WORK=${WORK:-$(mktemp -d /tmp/tpserve-docker-check.XXXXXX)}
+mkdir -p "$WORK"
 IMAGE=${IMAGE:-tpserve:check}
 ROUNDS=${ROUNDS:-3}
 PORT=${PORT:-18600}

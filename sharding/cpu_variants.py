@@ -157,6 +157,8 @@ def build_prebuilt(out_dir: str, names: list[str], verbose: bool = False) -> dic
     """Compile `names` into out_dir and write its manifest.json (what `prebuilt_manifest` reads back)."""
     import torch
 
+    shutil.rmtree(out_dir, ignore_errors=True)  # an earlier build's variants must not ride along
+    os.makedirs(out_dir)
     for name in names:
         build_variant(name, out_dir, verbose)
     manifest = {"torch": torch.__version__, "machine": platform.machine(), "variants": names,

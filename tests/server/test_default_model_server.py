@@ -1,5 +1,7 @@
 """The embedded default model at TP=3 (9 query heads over 3 ranks) through the official openai client."""
 
+import re
+
 import openai
 
 
@@ -10,6 +12,13 @@ def test_default_model_answers_paris_at_tp3(server_factory):
                                        messages=[{"role": "user", "content": "What is the capital of France?"}])
     assert "Paris" in r.choices[0].message.content
     assert r.choices[0].finish_reason == "stop"
+    # the start speaks in plain lines where stderr is not a terminal (this log file, docker logs): the weights'
+    # progress up to 100 %, the time of each phase, and the kernels that run in the "serving" line
+    log = s.log.read_text()
+    assert re.search(r"loading weights: (\d+)/\1 tensors \(100 %\), ([\d.]+) MB of \2 MB read", log), log[-3000:]
+    assert re.search(r"started in [\d.]+ s: kernels [\d.]+ s, building the model [\d.]+ s, reading [\d.]+ s", log)
+    serving = next(line for line in log.splitlines() if line.startswith("tpserve: serving"))
+    assert re.search(r"kernels (native|x86-64-\S+|armv8-a) \((compiled for this CPU|prebuilt)\)", serving), serving
 
 
 def test_default_model_int8_served_at_tp2(server_factory):
