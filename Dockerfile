@@ -82,9 +82,11 @@ COPY server ./server
 # them. The constraint makes pip fail loudly rather than pull another (CUDA) torch from PyPI for some dependency.
 RUN TPSERVE_BUILD_VARIANTS="${TPSERVE_BUILD_VARIANTS}" \
         pip install --no-cache-dir --no-build-isolation --constraint /tmp/torch-constraint.txt . \
-    && python -m sharding.cpu_variants --show \
     && tpserve --help >/dev/null
+# out of /src, so that `sharding` is the installed package: it must carry the variants
 WORKDIR /
+RUN python -c "from sharding import cpu_variants as cv; m = cv.prebuilt_manifest(); print('prebuilt kernels:', m); \
+assert m or '${TPSERVE_BUILD_VARIANTS}' == 'none', 'no prebuilt kernels in the installed package'"
 ARG PREPARE_DEFAULT_MODEL=1
 RUN if [ "${PREPARE_DEFAULT_MODEL}" = "1" ]; then \
         python -c "from loaders.default_model import ensure_default_model; ensure_default_model()"; \

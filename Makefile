@@ -9,7 +9,7 @@ MODEL ?=
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: install serve test lint clean
+.PHONY: install serve test lint clean docker-check
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -32,5 +32,9 @@ test: install
 	$(VENV)/bin/hadolint Dockerfile
 	$(PY) -m pytest $(PYTEST_ARGS)
 
+# the Docker image built from a clean clone and checked end to end (~15 min; docs/docker.md)
+docker-check:
+	scripts/docker_check.sh
+
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build dist *.egg-info sharding/prebuilt

@@ -1,0 +1,116 @@
+"""The CPU kernel variants: which one a CPU chooses, TPSERVE_KERNELS, and a wheel that carries them into a venv with
+no compiler (sharding/cpu_variants.py, setup.py)."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import pytest
+import torch
+
+from sharding import cpu_variants as cv
+
+ROOT = Path(__file__).resolve().parents[2]
+ZEN4 = set(cv._V4) | {"avx512_vnni", "avx512_bf16", "sse4_2", "avx512vbmi"}
+
+
+@pytest.mark.parametrize("flags, machine, expected", [
+    (ZEN4, "x86_64", "x86-64-v4-vnni-bf16"),
+    (ZEN4 - {"avx512_bf16"}, "x86_64", "x86-64-v4"),           # Ice Lake server: VNNI without BF16
+    (set(cv._V4), "x86_64", "x86-64-v4"),                      # Skylake-X
+    (ZEN4 - {"avx512bw"}, "x86_64", "x86-64-v3"),              # AVX-512F alone is not x86-64-v4
+    (set(cv._V3), "x86_64", "x86-64-v3"),                      # Haswell, Zen 1-3
+    (set(cv._V3) - {"fma"}, "x86_64", None),                   # below x86-64-v3: torch's own paths
+    ({"asimd", "fp"}, "aarch64", "armv8-a"),
+    (ZEN4, "aarch64", None),                                   # x86 flags do not make an ARM variant
+])
+def test_choose_the_best_variant_the_cpu_runs(flags, machine, expected):
+    v = cv.choose(flags, machine)
+    assert (v and v.name) == expected
+
+
+def test_choose_among_what_is_prebuilt():
+    assert cv.choose(ZEN4, "x86_64", available=["x86-64-v3", "x86-64-v4"]).name == "x86-64-v4"
+    assert cv.choose(set(cv._V3), "x86_64", available=["x86-64-v4"]) is None
+
+
+def test_variants_to_build():
+    assert cv.variants_to_build("all", "x86_64") == ["x86-64-v4-vnni-bf16", "x86-64-v4", "x86-64-v3"]
+    assert cv.variants_to_build("all", "aarch64") == ["armv8-a"]
+    assert cv.variants_to_build("none") == []
+    assert cv.variants_to_build("x86-64-v3, x86-64-v4") == ["x86-64-v3", "x86-64-v4"]
+    with pytest.raises(ValueError, match="unknown variant.*avx9"):
+        cv.variants_to_build("avx9")
+
+
+def run_py(code: str, env: dict, python: str = sys.executable, cwd=ROOT) -> subprocess.CompletedProcess:
+    return subprocess.run([python, "-c", code], capture_output=True, text=True, env=env, cwd=cwd, timeout=600)
+
+
+@pytest.mark.parametrize("value, rc, says", [
+    ("none", 0, "torch paths, no compiled kernels: TPSERVE_KERNELS=none"),
+    ("avx9", 1, "TPSERVE_KERNELS=avx9: not a kernel variant"),
+])
+def test_tpserve_kernels_is_honoured_or_refused(value, rc, says):
+    p = run_py("from sharding import kernels\ntry:\n    kernels.build_kernels()\nexcept ValueError as e:\n"
+               "    print(e); raise SystemExit(1)\nprint(kernels.describe())",
+               dict(os.environ, TPSERVE_KERNELS=value))
+    assert p.returncode == rc, p.stderr[-2000:]
+    assert says in p.stdout
+
+
+@pytest.mark.skipif(not shutil.which("c++") or cv.choose(cv.cpu_flags()) is None,
+                    reason="needs a compiler and a CPU some variant runs on")
+def test_wheel_carries_the_kernels_into_a_venv_without_a_compiler(tmp_path):
+    """`pip wheel --no-build-isolation` compiles the variant this CPU runs into the wheel; installed into a new venv
+    whose PATH has no compiler, the kernels load from it (no build at start) and compute what torch computes."""
+    src = tmp_path / "src"
+    src.mkdir()
+    for name in ("pyproject.toml", "setup.py", "README.md"):
+        shutil.copy(ROOT / name, src / name)
+    for pkg in ("loaders", "sharding", "server"):
+        shutil.copytree(ROOT / pkg, src / pkg, ignore=shutil.ignore_patterns("__pycache__", "prebuilt"))
+    env = dict(os.environ, TPSERVE_BUILD_VARIANTS="host")
+    build = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-build-isolation", "--no-deps", "-q", "-w",
+                            str(tmp_path / "dist"), str(src)], capture_output=True, text=True, env=env, timeout=900)
+    assert build.returncode == 0, build.stdout[-2000:] + build.stderr[-3000:]
+    wheel = next((tmp_path / "dist").glob("tpserve-*.whl"))
+    assert "linux" in wheel.name and "-none-any" not in wheel.name  # a platform wheel: compiled code inside
+
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+    vpy = venv / "bin" / "python"
+    site = run_py("import sysconfig; print(sysconfig.get_paths()['purelib'])", {}, str(vpy)).stdout.strip()
+    # the wheel unpacked into the venv (what pip install does for a wheel); torch and the rest from this environment,
+    # appended after the venv's own site-packages, so `sharding` comes from the wheel
+    import zipfile
+
+    zipfile.ZipFile(wheel).extractall(site)
+    Path(site, "deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    home = tmp_path / "home"
+    clean = {"PATH": str(venv / "bin"), "HOME": str(home), "TPSERVE_HOME": str(home / "tpserve")}
+    p = run_py("""
+import json, shutil, torch
+from sharding import kernels, quant
+assert shutil.which("c++") is None and shutil.which("g++") is None and shutil.which("cc") is None
+assert kernels.__file__.startswith(%r), kernels.__file__
+ok = kernels.build_kernels()
+x, w = torch.randn(5, 96), torch.randn(96)
+ref = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w
+lin = torch.randn(64, 96)
+qw = quant.quantize(lin, "int8", 32)
+print(json.dumps({"ok": ok, "describe": kernels.describe(), "norm_err": float((kernels.rms_norm_op()(x, w, 1e-6) - ref).abs().max()),
+                  "int8_kernel": qw.kernel is not None,
+                  "int8_err": float((quant.linear(x, qw) - x @ lin.T).abs().max() / (x @ lin.T).abs().max())}))
+""" % site, clean, str(vpy), cwd=tmp_path)
+    assert p.returncode == 0, p.stderr[-3000:]
+    got = json.loads(p.stdout.strip().splitlines()[-1])
+    host = cv.choose(cv.cpu_flags()).name
+    assert got["ok"] and got["describe"] == f"kernels {host} (prebuilt)"
+    assert got["norm_err"] < 1e-5
+    assert got["int8_kernel"] and got["int8_err"] < 0.05  # 8-bit weights (and activations on VNNI CPUs)
+    assert not (home / "tpserve" / "kernels").exists()  # nothing was compiled at start
