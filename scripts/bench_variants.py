@@ -4,8 +4,9 @@
     python scripts/bench_variants.py --model llama3-8b-shapes --precisions int4,int8 --rounds 5
 
 One child process per kernel build (TPSERVE_KERNELS=native, x86-64-v4-vnni-bf16, x86-64-v4, x86-64-v3: those this
-CPU runs; a variant not prebuilt is compiled into $TPSERVE_HOME/kernels first), each holding the model loaded at
-the precision. In every round each child generates in turn (the order rotates): `--tokens` greedy tokens after a
+CPU runs; a variant not prebuilt is compiled into $TPSERVE_HOME/kernels first; `--refs` adds builds with -march flags
+of their own, e.g. what -march=native would be on a CPU of a lower level), each holding the model loaded at the
+precision. In every round each child generates in turn (the order rotates): `--tokens` greedy tokens after a
 short prompt, EOS ignored, for 1 prompt and for 8 at once; tok/s = generated tokens / wall. Every ratio is a
 variant over native within one round; medians over rounds are reported (this host's speed drifts by tens of percent
 within minutes). `llama3-8b-shapes`: a random bfloat16 checkpoint with Llama-3-8B's layer shapes (hidden 4096, MLP
@@ -76,6 +77,11 @@ def child(model: str | None, precision: str) -> int:
     from server.sampling import SamplingParams
     from sharding import kernels
 
+    if os.environ.get("BENCH_MARCH"):  # a reference build: -march flags of its own, compiled into the cache
+        from sharding import cpu_variants as cv
+
+        name = os.environ["TPSERVE_KERNELS"]
+        cv.BY_NAME[name] = cv.Variant(name, cv.platform.machine(), (), tuple(os.environ["BENCH_MARCH"].split()))
     q = None if precision == "float32" else precision
     llm = LLM(model, quantization=q, max_num_seqs=8, max_model_len=512, kv_cache_memory=256 * 2**20)
     print(json.dumps({"ready": kernels.describe()}), flush=True)
@@ -97,8 +103,10 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=8, help="llama3-8b-shapes: decoder layers")
     ap.add_argument("--precisions", default="float32,int8,int4")
     ap.add_argument("--builds", default=",".join(BUILDS))
+    ap.add_argument("--refs", default="", help='reference builds "name=-march flags;...", e.g. what -march=native '
+                    'is on a CPU of a lower level: "znver3=-march=znver3" (Zen 3: AVX2, no AVX-512)')
     ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--output", default="results/variants.json")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--precision", default="float32", help=argparse.SUPPRESS)
@@ -108,7 +116,9 @@ def main() -> int:
     from sharding import cpu_variants as cv
 
     flags = cv.cpu_flags()
+    refs = dict(r.split("=", 1) for r in args.refs.split(";") if r)
     builds = [b for b in args.builds.split(",") if b == "native" or not cv.missing_flags(cv.BY_NAME[b], flags)]
+    builds += list(refs)
     model = llama3_shapes(args.layers) if args.model == "llama3-8b-shapes" else args.model
     cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
     out = {"cpu": cpu, "model": model or "SmolLM2-135M-Instruct", "tokens": args.tokens, "rounds": args.rounds,
@@ -117,7 +127,8 @@ def main() -> int:
     for precision in args.precisions.split(","):
         procs = {}
         for b in builds:
-            env = dict(os.environ, TPSERVE_KERNELS=b, TPSERVE_THREADS=str(len(os.sched_getaffinity(0))))
+            env = dict(os.environ, TPSERVE_KERNELS=b, TPSERVE_THREADS=str(len(os.sched_getaffinity(0))),
+                       BENCH_MARCH=refs.get(b, ""))
             cmd = [sys.executable, __file__, "--child", "--precision", precision] + (["--model", model] if model
                                                                                      else [])
             p = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)

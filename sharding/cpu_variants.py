@@ -49,13 +49,16 @@ class Variant:
 
 _V3 = ("avx", "avx2", "fma", "f16c", "bmi1", "bmi2", "abm", "movbe")
 _V4 = _V3 + ("avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl")
-# best first: `choose` takes the first one whose flags the CPU has
+# best first: `choose` takes the first one whose flags the CPU has. The AVX-512 levels are tuned for an AVX-512 core:
+# GCC's -mtune=generic made the batched int8 kernel (int8_range, 8 rows) 0.6x as fast on Zen 4 (BENCHMARKS.md
+# section 14), and any AVX-512 core's tuning (icelake-server, sapphirerapids, znver3) gave it back.
 VARIANTS = (
     # Zen 4 / Zen 5, Sapphire Rapids and later: int8/int4 activations in int8 (vpdpbusd), bf16 ones in bfloat16
     Variant("x86-64-v4-vnni-bf16", "x86_64", _V4 + ("avx512_vnni", "avx512_bf16"),
-            ("-march=x86-64-v4", "-mavx512vnni", "-mavx512bf16")),
-    # AVX-512 without VNNI/BF16 (Skylake-X): the AVX-512 float32 paths, float32 activations for int8/int4/bf16
-    Variant("x86-64-v4", "x86_64", _V4, ("-march=x86-64-v4",)),
+            ("-march=x86-64-v4", "-mavx512vnni", "-mavx512bf16", "-mtune=icelake-server")),
+    # AVX-512 without VNNI/BF16 (Skylake-X, Cascade Lake): the AVX-512 float32 paths, float32 activations for
+    # int8/int4/bf16
+    Variant("x86-64-v4", "x86_64", _V4, ("-march=x86-64-v4", "-mtune=skylake-avx512")),
     # AVX2 + FMA (Haswell and later, Zen 1-3): the portable loops, vectorized by the compiler
     Variant("x86-64-v3", "x86_64", _V3, ("-march=x86-64-v3",)),
     # every 64-bit ARM CPU has NEON (the portable loops, vectorized by the compiler)

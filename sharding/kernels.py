@@ -86,7 +86,7 @@ def _load_library(verbose: bool) -> None:
             CHOICE.update(variant=want, how="prebuilt")
         else:
             cv.compile_and_load(cv.cache_dir(want, v.march), v.march, verbose)
-            CHOICE.update(variant=want, how="compiled for this host")
+            CHOICE.update(variant=want, how="compiled on this host")
         return
     if want == "auto" and manifest is not None:
         v = cv.choose(flags, available=manifest.get("variants", ()))
