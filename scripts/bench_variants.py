@@ -46,7 +46,8 @@ def llama3_shapes(layers: int) -> str:
     folder.mkdir(parents=True, exist_ok=True)
     cfg = LlamaConfig(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
                       num_hidden_layers=layers, vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0,
-                      tie_word_embeddings=False, torch_dtype="bfloat16", bos_token_id=1, eos_token_id=2)
+                      tie_word_embeddings=False, torch_dtype="bfloat16", bos_token_id=1, eos_token_id=2,
+                      architectures=["LlamaForCausalLM"])
     cfg.save_pretrained(folder)
     g = torch.Generator().manual_seed(0)
 

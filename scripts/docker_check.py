@@ -117,23 +117,27 @@ def throughput(url: str, concurrency: int, requests: int, max_tokens: int = 128)
 
 
 def compare_throughput(label: str, urls: dict[str, str], rounds: int) -> dict:
-    """Interleaved rounds: per round and level, both servers one after the other (the order alternates)."""
-    levels = {"batch 1": (1, 8), "8 streams": (8, 32)}  # (concurrency, requests): 4-13 s per measurement here
-    out = {lvl: {"bare": [], "docker": []} for lvl in levels}
+    """Interleaved rounds. This host's speed drifts by tens of percent within a minute, so each round measures every
+    level as bare, docker, docker, bare (or the mirror image, alternating), seconds apart: a drift that is linear over
+    the four cancels out of the round's ratio, sum(docker) / sum(bare)."""
+    levels = {"batch 1": (1, 2), "8 streams": (8, 16)}  # (concurrency, requests): 3-5 s per measurement here
+    out = {lvl: {"bare": [], "docker": [], "ratios": []} for lvl in levels}
     for url in urls.values():
         throughput(url, 1, 1, 16)  # warm-up
     for r in range(rounds):
-        order = ["bare", "docker"] if r % 2 == 0 else ["docker", "bare"]
+        order = ["bare", "docker", "docker", "bare"] if r % 2 == 0 else ["docker", "bare", "bare", "docker"]
         for lvl, (conc, num) in levels.items():
+            got = {"bare": [], "docker": []}
             for who in order:
-                out[lvl][who].append(throughput(urls[who], conc, num))
+                got[who].append(throughput(urls[who], conc, num))
+            for who in got:
+                out[lvl][who].append(sum(got[who]) / 2)
+            out[lvl]["ratios"].append(sum(got["docker"]) / sum(got["bare"]))
         print(f"      {label} round {r + 1}: " + ", ".join(
-            f"{lvl} bare {out[lvl]['bare'][-1]:.1f} / docker {out[lvl]['docker'][-1]:.1f} tok/s" for lvl in levels),
-            flush=True)
+            f"{lvl} bare {out[lvl]['bare'][-1]:.1f} / docker {out[lvl]['docker'][-1]:.1f} tok/s "
+            f"({out[lvl]['ratios'][-1]:.3f})" for lvl in levels), flush=True)
     for lvl in levels:
-        ratios = [d / b for d, b in zip(out[lvl]["docker"], out[lvl]["bare"])]
-        out[lvl]["ratios"] = ratios
-        out[lvl]["median_ratio"] = statistics.median(ratios)
+        out[lvl]["median_ratio"] = statistics.median(out[lvl]["ratios"])
     return out
 
 
@@ -179,7 +183,7 @@ def main() -> int:
     ap.add_argument("--image", required=True)
     ap.add_argument("--work", required=True)
     ap.add_argument("--bare", required=True, help="bin folder of the bare install (tpserve, python)")
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--port", type=int, default=18600)
     ap.add_argument("--compose", default="docker compose")
     ap.add_argument("--compose-file", required=True)

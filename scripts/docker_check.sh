@@ -16,7 +16,7 @@
 #
 # Too slow for `make test` (~15 min on 2 cores): run it before every change to the Dockerfile, the kernels or the
 # packaging. Variables: WORK (work folder, default a new one under /tmp; kept), IMAGE (default tpserve:check),
-# ROUNDS (throughput rounds, default 5), PORT (first of the ports it uses, default 18600), KEEP_IMAGE=0 removes the
+# ROUNDS (throughput rounds, default 7), PORT (first of the ports it uses, default 18600), KEEP_IMAGE=0 removes the
 # image at the end. Output: $WORK/docker_check.json and the lines printed here.
 set -euo pipefail
 
@@ -24,7 +24,7 @@ REPO=$(git -C "$(dirname "$0")/.." rev-parse --show-toplevel)
 WORK=${WORK:-$(mktemp -d /tmp/tpserve-docker-check.XXXXXX)}
 mkdir -p "$WORK"
 IMAGE=${IMAGE:-tpserve:check}
-ROUNDS=${ROUNDS:-5}
+ROUNDS=${ROUNDS:-7}
 PORT=${PORT:-18600}
 TORCH_VERSION=${TORCH_VERSION:-2.13.0}
 BASE=local/bookworm-python:ca
