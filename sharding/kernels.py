@@ -62,15 +62,15 @@ _OPS: dict[str, object] = {}  # name -> op (or the int8/int4 pair), filled by bu
 CHOICE: dict[str, str] = {}  # "variant": what runs ("x86-64-v4-vnni-bf16", "native", "torch"), "how", "why"
 
 
-def _load_library(verbose: bool) -> None:
-    """Load the kernel build TPSERVE_KERNELS asks for (sharding/cpu_variants.py) and fill CHOICE; raise if none can
-    be loaded (CHOICE["why"] then says why)."""
+def _load_library(verbose: bool) -> bool:
+    """Load the kernel build TPSERVE_KERNELS asks for (sharding/cpu_variants.py) and fill CHOICE. False: none was
+    asked for; raises if one cannot be loaded (CHOICE["why"] may already say why a prebuilt one was passed over)."""
     from sharding import cpu_variants as cv
 
     want = os.environ.get("TPSERVE_KERNELS", "auto").strip() or "auto"
     if want in ("none", "0"):
         CHOICE.update(variant="torch", why="TPSERVE_KERNELS=" + want)
-        raise RuntimeError(CHOICE["why"])
+        return False
     flags = cv.cpu_flags()
     manifest = cv.prebuilt_manifest()
     usable = manifest is not None and manifest.get("torch") == torch.__version__
@@ -87,13 +87,13 @@ def _load_library(verbose: bool) -> None:
         else:
             cv.compile_and_load(cv.cache_dir(want, v.march), v.march, verbose)
             CHOICE.update(variant=want, how="compiled on this host")
-        return
+        return True
     if want == "auto" and manifest is not None:
         v = cv.choose(flags, available=manifest.get("variants", ()))
         if usable and v is not None:
             torch.ops.load_library(cv.prebuilt_library(v.name))
             CHOICE.update(variant=v.name, how="prebuilt")
-            return
+            return True
         # say why the prebuilt builds were passed over, in case the native build below fails too
         CHOICE["why"] = (f"the prebuilt kernels are for torch {manifest.get('torch')}, this is torch "
                          f"{torch.__version__}" if not usable else
@@ -102,6 +102,7 @@ def _load_library(verbose: bool) -> None:
     cv.compile_and_load(cv.cache_dir("native", ("-march=native",)), ("-march=native",), verbose)
     CHOICE.update(variant="native", how="compiled for this CPU")
     CHOICE.pop("why", None)
+    return True
 
 
 def build_kernels(verbose: bool = False) -> bool:
@@ -112,14 +113,14 @@ def build_kernels(verbose: bool = False) -> bool:
     ok = False
     try:
         try:
-            _load_library(verbose)
+            if not _load_library(verbose):
+                return False  # TPSERVE_KERNELS=none: asked for, so no warning
         except ValueError:
             raise  # a TPSERVE_KERNELS the user set that cannot be honoured: refuse to start
         except Exception as e:  # noqa: BLE001 - no compiler, no ninja, a failed build: the torch paths serve
-            CHOICE["variant"] = "torch"
-            first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
-            CHOICE["why"] = "; ".join(w for w in (CHOICE.get("why"), None if first == CHOICE.get("why") else
-                                                  "no kernel build for this CPU: " + first) if w)
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+            reason = "cannot compile them here: " + first
+            CHOICE.update(variant="torch", why=f"{CHOICE['why']}; {reason}" if CHOICE.get("why") else reason)
             import logging
 
             logging.getLogger(__name__).warning("CPU kernels unavailable (%s): every layer runs on torch's own "

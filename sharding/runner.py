@@ -22,11 +22,11 @@ import torch
 from loaders.checkpoint import Checkpoint, CheckpointError
 from loaders.config import load_config
 from sharding import hugepages, kernels
-from sharding.progress import LoadProgress, StartPhases
 from sharding.attention import AttentionMetadata, PagedKVCache, RotaryTable
 from sharding.dist import Dist, Layout
 from sharding.layers import ParallelLMHead
 from sharding.models import model_class
+from sharding.progress import LoadProgress, StartPhases
 from sharding.step import CMD_NOOP, CMD_SHUTDOWN, CMD_STEP, HEADER, Step
 
 logger = logging.getLogger(__name__)
