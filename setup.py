@@ -30,7 +30,8 @@ def _has_torch() -> bool:
     return True
 
 
-WANTED = os.environ.get("TPSERVE_BUILD_VARIANTS", "all").strip() != "none" and _has_torch()
+HAS_TORCH = _has_torch()
+WANTED = os.environ.get("TPSERVE_BUILD_VARIANTS", "all").strip() != "none" and HAS_TORCH
 
 
 class BuildPyWithKernels(build_py):
@@ -41,7 +42,7 @@ class BuildPyWithKernels(build_py):
         if getattr(self, "editable_mode", False):
             return
         if not WANTED:
-            if not _has_torch():
+            if not HAS_TORCH:
                 print("tpserve: torch is not importable in this build environment, so the wheel carries no prebuilt "
                       "CPU kernels (build with --no-build-isolation beside the torch that will run them)",
                       file=sys.stderr)

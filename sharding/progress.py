@@ -22,24 +22,21 @@ class StartPhases:
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = {}
-        self.current = ""
 
     @contextmanager
     def phase(self, name: str):
-        outer, self.current = self.current, name
         t0 = time.perf_counter()
         try:
             yield
         finally:
             self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t0
-            self.current = outer
 
     def summary(self) -> str:
         return ", ".join(f"{name} {s:.1f} s" for name, s in self.seconds.items())
 
 
 class LoadProgress:
-    """The weights' load on rank 0: `advance` after each tensor's module, `phase(...)` around the work on it."""
+    """The weights' load on rank 0: `advance` after each tensor's module; the work on it is timed in `phases`."""
 
     def __init__(self, total: int, total_bytes: int, bytes_read, enabled: bool, phases: StartPhases,
                  interval: float | None = None) -> None:
@@ -57,9 +54,6 @@ class LoadProgress:
             self.bar = tqdm(total=total, desc="loading weights", unit="tensor", leave=False)
         elif enabled:
             logger.info("loading weights: %d tensors, %s to read", total, _size(total_bytes))
-
-    def phase(self, name: str):
-        return self.phases.phase(name)
 
     def advance(self) -> None:
         self.done += 1

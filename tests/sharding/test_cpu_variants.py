@@ -10,7 +10,6 @@ import sysconfig
 from pathlib import Path
 
 import pytest
-import torch
 
 from sharding import cpu_variants as cv
 
