@@ -31,6 +31,10 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["ServerState", "build_app"]
 
+# the paths behind the API key (and the body-size and draining guards): the OpenAI API and vLLM's /tokenize and
+# /detokenize, which reveal as much about the served model as /v1/models does
+KEYED_PATHS = ("/v1/", "/tokenize", "/detokenize")
+
 
 def error_response(err: APIError) -> JSONResponse:
     return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
@@ -77,7 +81,7 @@ def build_app(state: ServerState) -> FastAPI:
     def refusal(scope) -> APIError | None:
         """Why a /v1/ request is turned away before its route runs (key, body size, draining), or None."""
         path = scope.get("path", "")
-        if not path.startswith("/v1/"):
+        if not path.startswith(KEYED_PATHS):
             return None
         headers = Headers(scope=scope)
         if state.api_key is not None and headers.get("authorization", "") != f"Bearer {state.api_key}":
