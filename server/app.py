@@ -20,6 +20,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from server import embeddings
+from server.embeddings import pooling_config
 from server.grammar import Grammars
 from server.pending import PendingRequest, ServerState, admit, gather
 from server.prepare import (check_length, check_model, decode_prompt, logit_bias, output_constraint, render_chat,
@@ -198,4 +200,8 @@ def build_app(state: ServerState) -> FastAPI:
         await gather(req, request)
         return chat_response(state, req, body, rid, created, ids, parse_tools)
 
+    # ---- endpoint modules ----------------------------------------------------------------------------------
+    if state.pooling is None:
+        state.pooling = pooling_config(state.engine.runner.cfg.model, state.engine.runner.config)
+    embeddings.add_routes(app, state)
     return app

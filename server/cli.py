@@ -131,6 +131,7 @@ def serve(args) -> int:
     import uvicorn
 
     from server.app import ServerState, build_app
+    from server.embeddings import pooling_config
     from server.engine import Engine, EngineThread
     from server.launcher import kill_workers, launch, torchrun_worker_signals
     from server.tokenizer import load_tokenizer
@@ -140,6 +141,13 @@ def serve(args) -> int:
     cfg = engine_config(args)
     if not args.grammar_compile_timeout > 0:
         raise SystemExit(f"tpserve: error: --grammar-compile-timeout must be above 0 (got {args.grammar_compile_timeout})")
+    from transformers import AutoConfig
+
+    try:  # checked before any rank starts: a sentence-transformers pipeline this server cannot pool is refused
+        pooling = pooling_config(cfg.model, AutoConfig.from_pretrained(cfg.model), args.pooling,
+                                 args.normalize_embeddings)
+    except (OSError, KeyError) as e:
+        raise ValueError(f"cannot read the model's config or its sentence-transformers files: {e}") from None
     torchrun_worker_signals()
     compute = EngineThread()  # every torch call of this process runs there: loading now, the engine loop later
     runner, dist, workers = compute.call(launch, cfg, args.tensor_parallel_size)
@@ -168,7 +176,8 @@ def serve(args) -> int:
     engine.grammars.compile_timeout = args.grammar_compile_timeout
     state = ServerState(engine, tokenizer, name, runner.vocab_size, api_key=api_key,
                         max_queued_requests=args.max_queued_requests, max_body_bytes=args.max_body_bytes,
-                        tool_call_parser=args.tool_call_parser)
+                        tool_call_parser=args.tool_call_parser,
+                        pooling=pooling)
     engine.step_listeners.append(lambda dt, _: state.metrics.step_seconds.observe(dt))
     workers.on_death = engine.fail
     workers.watch()
@@ -281,6 +290,11 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--grammar-compile-timeout", type=float, default=10.0, metavar="SECONDS",
                    help="longest a structured-output grammar may take to compile before the request is refused "
                         "(default 10)")
+    s.add_argument("--pooling", choices=["last", "mean", "cls"], default=None,
+                   help="/v1/embeddings pooling (default: a sentence-transformers config in the model folder, else "
+                        "last token)")
+    s.add_argument("--no-normalize-embeddings", dest="normalize_embeddings", action="store_false", default=None,
+                   help="return /v1/embeddings vectors without L2 normalization")
     s.add_argument("--max-connections", type=int, default=1024, help="open connections before uvicorn answers 503")
     s.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds to finish requests on SIGTERM")
     s.add_argument("--step-timeout", type=float, default=120.0,

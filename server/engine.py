@@ -32,7 +32,7 @@ from server.grammar import Grammars
 from server.sampling import SampleRow, sample
 from server.scheduler import Batch, Scheduled, Scheduler, Sequence
 from sharding.runner import Launched, ModelRunner
-from sharding.step import LOGITS_ALL, LOGITS_LAST, Step
+from sharding.step import HIDDEN, HIDDEN_FIRST, HIDDEN_LAST, HIDDEN_SUM, LOGITS_ALL, LOGITS_LAST, Step
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +44,15 @@ HEARTBEAT_S = 1.0
 # decode steps (BENCHMARKS.md, "A long prompt arrives").
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 512
 DEFAULT_MAX_PREFILL_TOKENS_WHILE_DECODING = 64
+
+
+# an embedding sequence's flags for one chunk of its prompt (sharding/step.py): the last token's hidden state with
+# the prompt's last chunk, the first token's with the chunk from position 0, the sum over every chunk's tokens
+POOL_FLAGS: dict[str, Callable[[Scheduled], int]] = {
+    "last": lambda item: HIDDEN_LAST if item.samples else 0,
+    "cls": lambda item: HIDDEN_FIRST if item.start == 0 else 0,
+    "mean": lambda item: HIDDEN_SUM,
+}
 
 
 class EngineThread:
@@ -259,9 +268,12 @@ class Engine:
         for item in batch.items:
             seq = item.seq
             ids.extend(seq.token_ids[item.start : item.start + item.n])
-            flags = LOGITS_LAST if item.samples else 0
-            if seq.wants_prompt_logprobs and item.start <= len(seq.prompt_ids) - 2:
-                flags |= LOGITS_ALL
+            if seq.pooling is not None:  # an embedding: a pooled row instead of logits (sharding/step.py)
+                flags = POOL_FLAGS[seq.pooling](item)
+            else:
+                flags = LOGITS_LAST if item.samples else 0
+                if seq.wants_prompt_logprobs and item.start <= len(seq.prompt_ids) - 2:
+                    flags |= LOGITS_ALL
             table.append((seq.row, item.n, item.start, flags))
         updates = torch.tensor(batch.block_updates, dtype=torch.int64) if batch.block_updates else None
         step = Step(torch.tensor(ids, dtype=torch.int64), torch.tensor(table, dtype=torch.int64), updates)
@@ -273,9 +285,18 @@ class Engine:
         logits = self.runner.collect(f.launched)
         f.lane.busy = False
         f.lane.scheduler.finished_step(f.batch)
-        sampling, rows, at = [], [], 0
+        sampling, rows, at, pooled_at = [], [], 0, 0
         for item, (_, n, start, flags) in zip(f.batch.items, f.table):
             live = not item.seq.finished  # not aborted while its step was in flight
+            if flags & HIDDEN:
+                if live:
+                    self._pool(item, f.launched.pooled[pooled_at])
+                pooled_at += 1
+                continue
+            if item.seq.pooling is not None:
+                if live and item.samples:  # "cls": the first token's row came with an earlier chunk
+                    self._finish_embedding(item.seq)
+                continue
             if flags & LOGITS_ALL:
                 if live:
                     self._record_prompt_logprobs(item.seq, logits[at : at + n], start)
@@ -313,6 +334,26 @@ class Engine:
                 seq.emit(seq, seq.detok.release(final=True), True)
             else:
                 seq.emit(seq, seq.detok.release(), False)
+
+    def _pool(self, item: Scheduled, row: torch.Tensor) -> None:
+        """An embedding sequence's pooled row of this step: its last (or first) token's hidden state, or under
+        "mean" the sum over the chunk's tokens, added up over chunks (a chunk from position 0 starts it anew: a
+        sequence recomputed after a preemption counts every token once). Its last chunk finishes it."""
+        seq = item.seq
+        if seq.pooling == "mean" and item.start > 0 and seq.pooled is not None:
+            seq.pooled += row
+        else:
+            seq.pooled = row.clone()
+        if item.samples:
+            self._finish_embedding(seq)
+
+    def _finish_embedding(self, seq: Sequence) -> None:
+        if seq.pooling == "mean":
+            seq.pooled /= len(seq.prompt_ids)
+        seq.finish_reason = "stop"
+        seq.first_token_time = seq.last_token_time = time.monotonic()
+        self.lanes[seq.lane].scheduler.free(seq)
+        seq.emit(seq, "", True)
 
     @staticmethod
     def _record_prompt_logprobs(seq: Sequence, logits: torch.Tensor, start: int) -> None:

@@ -41,6 +41,7 @@ class ServerState:
     max_queued_requests: int = 256
     max_body_bytes: int = 4 * 1024 * 1024
     tool_call_parser: str | None = None  # "hermes": tool_choice "auto" reads calls out of the model's text
+    pooling: object = None  # /v1/embeddings' pooling (server/embeddings.py PoolingConfig; build_app resolves it)
     metrics: Metrics = field(default_factory=Metrics)
     draining: bool = False
     created: int = field(default_factory=lambda: int(time.time()))

@@ -61,6 +61,8 @@ class Sequence:
     generator: torch.Generator | None = None
     grammar: "GrammarState | None" = None  # the output constraint's matcher (server/grammar.py), if any
     lane: int = 0  # the engine lane (replica and in-flight slot) whose scheduler runs it
+    pooling: str | None = None  # an embedding sequence (prefill only): "last", "mean" or "cls" (server/embeddings.py)
+    pooled: torch.Tensor | None = None  # its pooled hidden state: the sum so far under "mean", then the result
     arrival: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
     last_token_time: float | None = None
@@ -84,6 +86,11 @@ class Sequence:
         """It needs the logits of every prompt token (echo + logprobs), so cached blocks cannot stand in for them."""
         return self.params.prompt_logprobs is not None and (
             self.prompt_logprobs is None or len(self.prompt_logprobs) < len(self.prompt_ids) - 1)
+
+    @property
+    def computes_every_token(self) -> bool:
+        """Cached blocks cannot stand in for its prompt: it needs every prompt token's logits or hidden state."""
+        return self.wants_prompt_logprobs or self.pooling in ("mean", "cls")
 
     def banned_ids(self) -> list[int]:
         if self.params.ignore_eos or len(self.output_ids) >= self.params.min_tokens:
@@ -169,7 +176,7 @@ class Scheduler:
         while self.waiting and not preempted and self.free_rows and prefill_budget > 0:
             seq = self.waiting[0]
             computed: list[int] = []
-            if self.blocks.enable_prefix_caching and not seq.wants_prompt_logprobs:
+            if self.blocks.enable_prefix_caching and not seq.computes_every_token:
                 computed = self.blocks.lookup(seq.token_ids)
             num_cached = len(computed) * self.blocks.block_size
             n = min(len(seq.token_ids) - num_cached, self._chunk(prefill_budget, num_cached, decoding))

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from sharding import kernels
-from sharding.step import LOGITS_ALL, LOGITS_LAST, Step
+from sharding.step import HIDDEN, HIDDEN_FIRST, HIDDEN_SUM, LOGITS_ALL, LOGITS_LAST, Step
 def rope_inv_freq(config) -> tuple[torch.Tensor, float]:
     """Inverse frequencies and attention scaling, as transformers computes them for this config."""
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
@@ -84,6 +84,50 @@ class Prefill:
 
 
 @dataclass(slots=True)
+class Pool:
+    """The step's pooled hidden-state rows (embedding sequences, sharding/step.py HIDDEN_*): output row rows[t] adds
+    the final-normed hidden state of flat token index[t]."""
+
+    index: torch.Tensor  # [T] flat token indices
+    rows: torch.Tensor  # [T] their output rows
+    num: int  # output rows: one per embedding sequence of the step
+
+
+def _pool(ends: torch.Tensor, ns: torch.Tensor, flags: torch.Tensor) -> Pool | None:
+    want = ((flags & HIDDEN) != 0).nonzero().squeeze(1).tolist()
+    if not want:
+        return None
+    index, rows = [], []
+    for r, i in enumerate(want):
+        end, n, f = int(ends[i]), int(ns[i]), int(flags[i])
+        toks = range(end - n, end) if f & HIDDEN_SUM else [end - n] if f & HIDDEN_FIRST else [end - 1]
+        index.extend(toks)
+        rows.extend([r] * len(toks))
+    return Pool(torch.tensor(index, dtype=torch.int64), torch.tensor(rows, dtype=torch.int64), len(want))
+
+
+def pooled_rows(x: torch.Tensor, pool: Pool, norm=None) -> torch.Tensor:
+    """float32 [pool.num, hidden]: the pooled rows of x (hidden states of every token of the step; `norm` applied
+    to the rows taken, when x is not normed yet)."""
+    rows = x[pool.index.to(x.device)]
+    if norm is not None:
+        rows = norm(rows)
+    out = torch.zeros(pool.num, rows.shape[-1], dtype=torch.float32, device=rows.device)
+    return out.index_add_(0, pool.rows.to(rows.device), rows.float())
+
+
+def stage_output(x: torch.Tensor, meta: "AttentionMetadata", head, norm=None):
+    """The last stage's result from the hidden states x of every token of the step: head(norm(x[rows])) for the
+    logits rows, and, when the step has embedding sequences, the pair (logits, pooled rows). `norm` None: x is
+    already normed (the decode fast path)."""
+    rows = x[meta.logits_indices]
+    logits = head(rows if norm is None else norm(rows))
+    if meta.pool is None:
+        return logits
+    return logits, pooled_rows(x, meta.pool, norm)
+
+
+@dataclass(slots=True)
 class AttentionMetadata:
     positions: torch.Tensor  # [N]
     slots: torch.Tensor  # [N] where each token's K/V go: block * block_size + offset
@@ -102,6 +146,7 @@ class AttentionMetadata:
     window: int | None = None  # the sliding window the masks apply
     seq_parallel: bool = False  # this step runs sequence parallel: between layers a rank holds its tokens only
     write_rows: dict = field(default_factory=dict)  # per cache geometry: flat row of each (token, K/V head)
+    pool: Pool | None = None  # embedding sequences' pooled rows, returned beside the logits
 
     @staticmethod
     def build(step: Step, block_table: torch.Tensor, block_size: int, rotary: "RotaryTable | None",
@@ -164,6 +209,7 @@ class AttentionMetadata:
             prefills=prefills,
             logits_indices=logits_indices.to(device),
             all_decode=all_decode,
+            pool=_pool(ends, ns, flags),
         )
         return meta.windowed(sliding_window)
 
@@ -211,6 +257,8 @@ class AttentionMetadata:
             prefills=[],
             logits_indices=logits_indices,
             all_decode=True,
+            pool=_pool(torch.arange(1, n_seqs + 1), torch.ones(n_seqs, dtype=torch.int64), table[:, 3])
+            if bool((flags & HIDDEN).any()) else None,
         ).windowed(sliding_window)  # the decode mask, where lengths differ or a window cuts
 
     def windowed(self, window: int | None) -> "AttentionMetadata":

@@ -317,6 +317,8 @@ class ModelRunner:
                     d.broadcast_control(rest)
             out = self.execute(step)
             if d.last_stage:
+                if isinstance(out, tuple):  # embedding sequences' pooled rows beside the logits
+                    return Launched(step, replica, out[0], sends, out[1])
                 return Launched(step, replica, out, sends)
             sends = self._send_step(step, d.peer(pp_rank=1), out, isend=True)
         else:
@@ -324,13 +326,18 @@ class ModelRunner:
         return Launched(step, replica, None, sends)
 
     def collect(self, launched: "Launched") -> torch.Tensor:
-        """The launched step's logits (float32 [rows, vocab]): at once, or received from its last stage."""
+        """The launched step's logits (float32 [rows, vocab]): at once, or received from its last stage; the pooled
+        rows of its embedding sequences, if any, arrive in `launched.pooled` (float32 [rows, hidden])."""
         logits = launched.logits
         if logits is None:
-            rows = launched.step.num_logits()
+            rows, pooled = launched.step.num_logits(), launched.step.num_hidden()
             logits = torch.empty(rows, self.vocab_size, dtype=torch.float32)
+            src = self.dist.layout.rank_of(launched.replica, self.dist.pp_size - 1, 0)
             if rows:
-                self.dist.recv(logits, self.dist.layout.rank_of(launched.replica, self.dist.pp_size - 1, 0))
+                self.dist.recv(logits, src)
+            if pooled:
+                launched.pooled = torch.empty(pooled, self.config.hidden_size, dtype=torch.float32)
+                self.dist.recv(launched.pooled, src)
         for work, _ in launched.sends:
             work.wait()
         return logits
@@ -427,8 +434,12 @@ class ModelRunner:
             out = self.execute(step, hidden)
             if not d.last_stage:
                 self._send_step(step, d.peer(pp_rank=d.pp_rank + 1), out)
-            elif d.is_first and out is not None and out.shape[0]:
-                d.send(out.cpu(), 0)  # the logits, to rank 0, which samples (gloo: from host memory)
+            elif d.is_first and out is not None:
+                logits, pooled = out if isinstance(out, tuple) else (out, None)
+                if logits.shape[0]:
+                    d.send(logits.cpu(), 0)  # the logits, to rank 0, which samples (gloo: from host memory)
+                if pooled is not None:
+                    d.send(pooled.cpu(), 0)  # embedding sequences' pooled rows
 
 
 @dataclass(slots=True)
@@ -439,6 +450,7 @@ class Launched:
     replica: int
     logits: torch.Tensor | None
     sends: list  # isend works to wait for before the buffers may go
+    pooled: torch.Tensor | None = None  # embedding sequences' pooled rows (collect fills them in from a last stage)
 
 
 def _agree(dist: Dist, what: str, fn):

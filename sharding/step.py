@@ -9,6 +9,9 @@ are at most S.
 
 Per sequence, `flags` say which logits the step returns: LOGITS_LAST for its last token (it samples after this step),
 LOGITS_ALL for every one of its tokens (prompt logprobs), neither for a prefill chunk that is not the prompt's last.
+An embedding sequence (prefill only) asks for one row of final-normed hidden states instead, pooled over its tokens
+of this step: HIDDEN_LAST its last token, HIDDEN_FIRST its first (CLS), HIDDEN_SUM the sum of all of them (mean
+pooling over chunks: rank 0 adds the chunks' sums and divides). The last stage returns those rows beside the logits.
 
 On the wire: one int64 message of a fixed size known to every rank (`message_size`): a header [cmd, N, S, U], then
 the payload ids[N], (row, n, start, flags)[S], (row, index, block)[U]; positions are derived. Every decode step fits,
@@ -29,6 +32,10 @@ HEADER = 4
 
 LOGITS_LAST = 1
 LOGITS_ALL = 2
+HIDDEN_LAST = 4
+HIDDEN_SUM = 8
+HIDDEN_FIRST = 16
+HIDDEN = HIDDEN_LAST | HIDDEN_SUM | HIDDEN_FIRST
 
 SEQ_FIELDS = 4  # row, n_tokens, start_pos, flags
 UPDATE_FIELDS = 3  # row, index in the row, block id
@@ -50,6 +57,10 @@ class Step:
         n, flags = self.seq_table[:, 1], self.seq_table[:, 3]
         rows = torch.where((flags & LOGITS_ALL) != 0, n, ((flags & LOGITS_LAST) != 0).long())
         return int(rows.sum())
+
+    def num_hidden(self) -> int:
+        """Rows of pooled hidden states the step returns: one per sequence with a HIDDEN_* flag."""
+        return int(((self.seq_table[:, 3] & HIDDEN) != 0).sum())
 
     def pack(self) -> tuple[torch.Tensor, torch.Tensor]:
         parts = [self.input_ids, self.seq_table.reshape(-1)]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from sharding.attention import AttentionMetadata
+from sharding.attention import AttentionMetadata, stage_output
 from sharding.models.gemma import GemmaDecoderLayer, GemmaForCausalLM, gemma_norm
 from sharding.models.llama import LlamaAttention
 
@@ -61,7 +61,10 @@ class Gemma2ForCausalLM(GemmaForCausalLM):
             h = layer(h, metas[layer.self_attn.window])
         if not self.last_stage:
             return h
-        logits = self.lm_head(self.norm(h[meta.logits_indices]))
+        return stage_output(h, meta, self._head, self.norm)
+
+    def _head(self, x: torch.Tensor) -> torch.Tensor | None:
+        logits = self.lm_head(x)
         if logits is not None and self.final_softcap:
             logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
         return logits

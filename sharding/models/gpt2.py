@@ -16,7 +16,7 @@ from torch import nn
 from loaders.checkpoint import Checkpoint, CheckpointError
 from loaders.partition import shard_heads, split_evenly
 from sharding.activations import activation
-from sharding.attention import AttentionMetadata, PagedKVCache, attend
+from sharding.attention import AttentionMetadata, PagedKVCache, attend, stage_output
 from sharding.dist import Dist
 from sharding.layers import ColumnParallelLinear, ParallelLMHead, Piece, RowParallelLinear, VocabParallelEmbedding
 from sharding.norms import LayerNorm, PositionEmbedding
@@ -143,4 +143,4 @@ class GPT2LMHeadModel(nn.Module):
             h = block(h, meta)
         if not self.last_stage:
             return h
-        return self.lm_head(self.ln_f(h[meta.logits_indices]))
+        return stage_output(h, meta, self.lm_head, self.ln_f)

@@ -23,7 +23,8 @@ from torch import nn
 
 from loaders.partition import shard_heads, split_evenly
 from sharding import kernels
-from sharding.attention import AttentionMetadata, GroupedHeads, PagedKVCache, apply_rotary, attend
+from sharding.attention import (AttentionMetadata, GroupedHeads, PagedKVCache, apply_rotary, attend,
+                                stage_output)
 from sharding.dist import Dist
 from sharding.layers import (ColumnParallelLinear, ParallelLMHead, Piece, RMSNorm, RowParallelLinear,
                              VocabParallelEmbedding)
@@ -290,7 +291,7 @@ class LlamaForCausalLM(nn.Module):
         if plan.compiled is not None:
             x = plan.run(plan.compiled, h, x, meta.cos, meta.sin, meta.slots, meta.decode_table, meta.decode_lens,
                          window)
-            return self.lm_head(x[meta.logits_indices])
+            return stage_output(x, meta, self.lm_head)
         for f in plan.layers:
             qkv = f.qkv.matmul(x, f.qkv.bias)
             a = f.attn
@@ -301,7 +302,7 @@ class LlamaForCausalLM(nn.Module):
             x = add_rms_norm_(h, f.o_proj.forward(o), f.post_norm.weight, f.post_norm.eps)
             d = f.down.forward(silu_mul(f.gate_up.matmul(x, f.gate_up.bias)))
             x = add_rms_norm_(h, d, f.next_norm.weight, f.next_norm.eps)
-        return self.lm_head(x[meta.logits_indices])  # x: the final norm of every token's hidden state
+        return stage_output(x, meta, self.lm_head)  # x: the final norm of every token's hidden state
 
     def forward(self, ids: torch.Tensor, meta: AttentionMetadata, hidden: torch.Tensor | None = None):
         if meta.all_decode and not meta.seq_parallel and meta.cos is not None:
@@ -316,5 +317,4 @@ class LlamaForCausalLM(nn.Module):
             return h
         if meta.seq_parallel:
             h = self.dist.all_gather_tokens(h, meta.positions.numel())
-        h = self.norm(h[meta.logits_indices])
-        return self.lm_head(h)
+        return stage_output(h, meta, self.lm_head, self.norm)
