@@ -20,7 +20,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from server import embeddings
+from server import embeddings, responses_api
 from server.embeddings import pooling_config
 from server.grammar import Grammars
 from server.pending import PendingRequest, ServerState, admit, gather
@@ -28,6 +28,7 @@ from server.prepare import (check_length, check_model, decode_prompt, logit_bias
                             sampling_params, tokenize_prompts, with_seed)
 from server.protocol import APIError, ChatCompletionRequest, CompletionRequest
 from server.responses import EventStream, chat_response, completion_response, stream_chat, stream_completion
+from server.responses_api import ResponseStore
 
 logger = logging.getLogger(__name__)
 
@@ -86,7 +87,8 @@ def build_app(state: ServerState) -> FastAPI:
         if not path.startswith(KEYED_PATHS):
             return None
         headers = Headers(scope=scope)
-        if state.api_key is not None and headers.get("authorization", "") != f"Bearer {state.api_key}":
+        auth = headers.get("authorization", "")
+        if state.api_keys and not (auth.startswith("Bearer ") and auth[7:] in state.api_keys):
             return APIError(401, "invalid or missing API key (send Authorization: Bearer <key>)",
                             "authentication_error", code="invalid_api_key")
         length = headers.get("content-length")
@@ -204,4 +206,9 @@ def build_app(state: ServerState) -> FastAPI:
     if state.pooling is None:
         state.pooling = pooling_config(state.engine.runner.cfg.model, state.engine.runner.config)
     embeddings.add_routes(app, state)
+    if state.responses is None:
+        state.responses = ResponseStore(metrics=state.metrics)
+    elif state.responses.metrics is None:
+        state.responses.metrics = state.metrics
+    responses_api.add_routes(app, state)
     return app

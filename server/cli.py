@@ -132,6 +132,7 @@ def serve(args) -> int:
 
     from server.app import ServerState, build_app
     from server.embeddings import pooling_config
+    from server.responses_api import ResponseStore
     from server.engine import Engine, EngineThread
     from server.launcher import kill_workers, launch, torchrun_worker_signals
     from server.tokenizer import load_tokenizer
@@ -143,15 +144,19 @@ def serve(args) -> int:
         raise SystemExit(f"tpserve: error: --grammar-compile-timeout must be above 0 (got {args.grammar_compile_timeout})")
     from transformers import AutoConfig
 
-    try:  # checked before any rank starts: a sentence-transformers pipeline this server cannot pool is refused
-        pooling = pooling_config(cfg.model, AutoConfig.from_pretrained(cfg.model), args.pooling,
-                                 args.normalize_embeddings)
-    except (OSError, KeyError) as e:
-        raise ValueError(f"cannot read the model's config or its sentence-transformers files: {e}") from None
+    pooling = None
+    if os.path.isdir(cfg.model):  # checked before any rank starts: a pipeline this server cannot pool is refused
+        try:
+            pooling = pooling_config(cfg.model, AutoConfig.from_pretrained(cfg.model), args.pooling,
+                                     args.normalize_embeddings)
+        except (OSError, KeyError) as e:
+            raise ValueError(f"cannot read the model's config or its sentence-transformers files: {e}") from None
     torchrun_worker_signals()
     compute = EngineThread()  # every torch call of this process runs there: loading now, the engine loop later
     runner, dist, workers = compute.call(launch, cfg, args.tensor_parallel_size)
     tokenizer = load_tokenizer(cfg.model)
+    if pooling is None:
+        pooling = pooling_config(cfg.model, runner.config, args.pooling, args.normalize_embeddings)
     name = args.served_model_name or os.path.basename(os.path.normpath(cfg.model))
     exit_code = {"code": 0}
     server_ref: dict = {}
@@ -177,7 +182,8 @@ def serve(args) -> int:
     state = ServerState(engine, tokenizer, name, runner.vocab_size, api_key=api_key,
                         max_queued_requests=args.max_queued_requests, max_body_bytes=args.max_body_bytes,
                         tool_call_parser=args.tool_call_parser,
-                        pooling=pooling)
+                        pooling=pooling, responses=ResponseStore(args.responses_store_max_bytes,
+                                                                 args.responses_store_max_count))
     engine.step_listeners.append(lambda dt, _: state.metrics.step_seconds.observe(dt))
     workers.on_death = engine.fail
     workers.watch()
@@ -280,7 +286,13 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--port", type=int, default=int(os.environ.get("TPSERVE_PORT") or 8000),
                    help="HTTP port (default: TPSERVE_PORT, else 8000; the Docker image's healthcheck probes the same)")
     s.add_argument("--served-model-name", default=None, help="the model id clients use (default: folder name)")
-    s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 (or TPSERVE_API_KEY)")
+    s.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on /v1 (or TPSERVE_API_KEY); several keys "
+                        "comma-separated, and a stored response is visible only to the key that made it")
+    s.add_argument("--responses-store-max-bytes", type=parse_bytes, default=64 * 1024 * 1024, metavar="SIZE",
+                   help="bound of the stored /v1/responses (their JSON), least recently used evicted (default 64M)")
+    s.add_argument("--responses-store-max-count", type=int, default=10_000,
+                   help="most stored /v1/responses, least recently used evicted (default 10000)")
     s.add_argument("--max-queued-requests", type=int, default=256, help="waiting sequences before answering 429")
     s.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024, help="largest request body (413 above)")
     s.add_argument("--tool-call-parser", choices=["hermes"], default=None,

@@ -41,6 +41,13 @@ class Metrics:
                              buckets=LATENCY_BUCKETS, registry=r)
         self.e2e = Histogram("tpserve_e2e_request_latency_seconds", "Request latency, arrival to last token",
                              buckets=LATENCY_BUCKETS, registry=r)
+        self.responses_stored = Gauge("tpserve_responses_stored", "Responses held for previous_response_id / GET",
+                                      registry=r)
+        self.responses_store_bytes = Gauge("tpserve_responses_store_bytes", "JSON bytes of the stored responses",
+                                           registry=r)
+        self.responses_evicted = Counter("tpserve_responses_evicted",
+                                         "Stored responses evicted (least recently used) to stay within the bounds",
+                                         registry=r)
         self.step_seconds = Histogram("tpserve_step_seconds", "Duration of one engine step", buckets=LATENCY_BUCKETS,
                                       registry=r)
 

@@ -42,9 +42,14 @@ class ServerState:
     max_body_bytes: int = 4 * 1024 * 1024
     tool_call_parser: str | None = None  # "hermes": tool_choice "auto" reads calls out of the model's text
     pooling: object = None  # /v1/embeddings' pooling (server/embeddings.py PoolingConfig; build_app resolves it)
+    responses: object = None  # stored responses (server/responses_api.py ResponseStore; build_app makes one)
     metrics: Metrics = field(default_factory=Metrics)
     draining: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
+
+    def __post_init__(self) -> None:
+        # --api-key may name several keys, comma-separated: each client its own (stored responses are per key)
+        self.api_keys = frozenset(k.strip() for k in (self.api_key or "").split(",") if k.strip())
 
     @property
     def max_model_len(self) -> int:

@@ -57,6 +57,7 @@ class Sequence:
     row: int = -1  # its row of the block table while running
     num_computed: int = 0  # tokens whose K/V are in the cache
     num_preemptions: int = 0
+    num_cached_prompt: int = 0  # prompt tokens its first admission found in the prefix cache (usage's cached_tokens)
     finish_reason: str | None = None
     generator: torch.Generator | None = None
     grammar: "GrammarState | None" = None  # the output constraint's matcher (server/grammar.py), if any
@@ -186,6 +187,8 @@ class Scheduler:
             self.waiting.popleft()
             self.blocks.record_prefix_query(len(seq.token_ids), num_cached)
             seq.status, seq.row, seq.num_computed = RUNNING, heapq.heappop(self.free_rows), num_cached
+            if not seq.num_preemptions:
+                seq.num_cached_prompt = num_cached
             self.running.append(seq)
             self._record(seq, new, updates)
             prefill_budget -= n

@@ -22,3 +22,11 @@ def checkpoints(tmp_path_factory):
         return made[arch]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def tool_checkpoint(tmp_path_factory):
+    """The tiny checkpoint trained to make one Hermes tool call (tests/tool_model.py), made once per session."""
+    import tool_model
+
+    return tool_model.make_tool_checkpoint(tmp_path_factory.mktemp("toolmodel"))

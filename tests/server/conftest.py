@@ -60,9 +60,9 @@ def start_server(model: str | None, tp: int = 1, *extra: str, log_dir: Path, rea
             raise RuntimeError(f"server exited with {proc.returncode}:\n{log.read_text()[-4000:]}")
         try:
             if httpx.get(url + "/health", timeout=1).status_code == 200:
+                key = extra[extra.index("--api-key") + 1].split(",")[0] if "--api-key" in extra else None
                 name = httpx.get(url + "/v1/models", timeout=5,
-                                 headers={"Authorization": "Bearer " + extra[extra.index("--api-key") + 1]}
-                                 if "--api-key" in extra else {}).json()["data"][0]["id"]
+                                 headers={"Authorization": f"Bearer {key}"} if key else {}).json()["data"][0]["id"]
                 return Server(url, proc, name, log)
         except httpx.HTTPError:
             pass

@@ -1,0 +1,208 @@
+"""The Responses API (/v1/responses) through the official `openai` client against a real server.
+
+Greedy answers are compared with the chat completion the request means (the same prompt tokens, so the same text);
+the tool round trip runs on the tiny model trained to call a tool (tests/tool_model.py).
+"""
+
+import json
+
+import httpx
+import jsonschema
+import openai
+import pytest
+
+import tool_model
+
+KEY, OTHER = "key-one", "key-two"
+
+
+@pytest.fixture(scope="module")
+def srv(server_factory, checkpoints):
+    return server_factory(checkpoints("llama"), 1, "--max-model-len", "256", "--max-num-seqs", "8",
+                          "--api-key", f"{KEY},{OTHER}", "--responses-store-max-count", "6")
+
+
+@pytest.fixture(scope="module")
+def client(srv):
+    return openai.OpenAI(base_url=srv.v1, api_key=KEY, max_retries=0, timeout=120)
+
+
+def chat_text(client, srv, messages, **kw):
+    return client.chat.completions.create(model=srv.model_name, messages=messages, temperature=0, **kw)
+
+
+def test_text_answer_equals_the_chat_completion(client, srv):
+    r = client.responses.create(model=srv.model_name, input="Hello world!", instructions="Be brief.",
+                                max_output_tokens=12, temperature=0)
+    c = chat_text(client, srv, [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello world!"}],
+                  max_tokens=12)
+    assert r.output_text == c.choices[0].message.content
+    assert r.usage.input_tokens == c.usage.prompt_tokens and r.usage.output_tokens == c.usage.completion_tokens
+    assert r.usage.total_tokens == r.usage.input_tokens + r.usage.output_tokens
+    (item,) = r.output
+    assert item.type == "message" and item.role == "assistant" and item.content[0].type == "output_text"
+    if c.choices[0].finish_reason == "length":
+        assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+    else:
+        assert r.status == "completed" and r.incomplete_details is None
+    assert r.id.startswith("resp_") and r.model == srv.model_name and r.instructions == "Be brief."
+
+
+def test_stream_events_in_order_with_sequence_numbers(client, srv):
+    kw = dict(model=srv.model_name, input=[{"role": "user", "content": [{"type": "input_text", "text": "Hi"}]}],
+              max_output_tokens=10, temperature=0)
+    full = client.responses.create(**kw)
+    events = list(client.responses.create(stream=True, **kw))
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    types = [e.type for e in events]
+    end = "response.incomplete" if full.status == "incomplete" else "response.completed"
+    assert types[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]
+    assert types[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done", end]
+    assert set(types[4:-4]) == {"response.output_text.delta"}
+    deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert deltas == full.output_text == events[-1].response.output_text
+    assert events[-1].response.usage.output_tokens == full.usage.output_tokens
+    assert events[0].response.status == "in_progress" and events[0].response.id == events[-1].response.id
+    # the raw stream names each event on an `event:` line, as OpenAI's does
+    with httpx.stream("POST", srv.v1 + "/responses", headers={"Authorization": f"Bearer {KEY}"},
+                      json={**kw, "stream": True}, timeout=60) as raw:
+        lines = [line for line in raw.iter_lines() if line]
+    assert lines[0] == "event: response.created" and json.loads(lines[1][6:])["type"] == "response.created"
+
+
+def test_json_schema_format(client, srv):
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                               "age": {"type": "integer"}},
+              "required": ["name", "age"], "additionalProperties": False}
+    r = client.responses.create(model=srv.model_name, input="A person as JSON", max_output_tokens=80, temperature=0,
+                                text={"format": {"type": "json_schema", "name": "person", "schema": schema,
+                                                 "strict": True}})
+    jsonschema.validate(json.loads(r.output_text), schema)
+    assert r.text.format.type == "json_schema"
+
+
+def test_forced_function_call_streamed_and_not(client, srv):
+    params = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10}}, "required": ["city"],
+              "additionalProperties": False}  # bounded: a random model's string must end within max_output_tokens
+    tool = {"type": "function", "name": "get_weather", "description": "weather", "parameters": params, "strict": True}
+    kw = dict(model=srv.model_name, input="Weather?", tools=[tool], max_output_tokens=120, temperature=0,
+              tool_choice={"type": "function", "name": "get_weather"}, parallel_tool_calls=False)
+    r = client.responses.create(**kw)
+    calls = [o for o in r.output if o.type == "function_call"]
+    assert len(calls) == 1 and calls[0].name == "get_weather" and calls[0].call_id.startswith("call_")
+    jsonschema.validate(json.loads(calls[0].arguments), tool["parameters"])
+    events = list(client.responses.create(stream=True, **kw))
+    done = [e for e in events if e.type == "response.function_call_arguments.done"]
+    assert len(done) == 1 and done[0].arguments == calls[0].arguments
+    added = [e for e in events if e.type == "response.output_item.added" and e.item.type == "function_call"]
+    assert added and added[0].item.status == "in_progress"
+    assert events[-1].type == "response.completed"
+
+
+def test_previous_response_id_continues_the_conversation(client, srv):
+    first = client.responses.create(model=srv.model_name, input="Hello", max_output_tokens=6, temperature=0)
+    second = client.responses.create(model=srv.model_name, input="More", previous_response_id=first.id,
+                                     max_output_tokens=6, temperature=0)
+    explicit = chat_text(client, srv, [{"role": "user", "content": "Hello"},
+                                       {"role": "assistant", "content": first.output_text},
+                                       {"role": "user", "content": "More"}], max_tokens=6)
+    assert second.output_text == explicit.choices[0].message.content
+    assert second.usage.input_tokens == explicit.usage.prompt_tokens
+    assert second.previous_response_id == first.id
+    assert second.usage.input_tokens_details.cached_tokens > 0  # the first turn's blocks came from the prefix cache
+    assert client.responses.retrieve(first.id).output_text == first.output_text
+
+
+def test_store_false_delete_and_per_key_isolation(client, srv):
+    other = openai.OpenAI(base_url=srv.v1, api_key=OTHER, max_retries=0, timeout=60)
+    r = client.responses.create(model=srv.model_name, input="Hello", max_output_tokens=3, temperature=0)
+    with pytest.raises(openai.NotFoundError):
+        other.responses.retrieve(r.id)  # another key's response does not exist for this one
+    with pytest.raises(openai.NotFoundError):
+        other.responses.create(model=srv.model_name, input="x", previous_response_id=r.id, max_output_tokens=2)
+    client.responses.delete(r.id)
+    with pytest.raises(openai.NotFoundError) as e:
+        client.responses.retrieve(r.id)
+    assert e.value.body["param"] == "response_id"
+    unstored = client.responses.create(model=srv.model_name, input="Hello", max_output_tokens=3, store=False)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(unstored.id)
+    assert httpx.get(f"{srv.v1}/responses/{unstored.id}").status_code == 401  # no key at all
+
+
+def test_the_store_evicts_the_least_recently_used(client, srv):
+    ids = [client.responses.create(model=srv.model_name, input=f"n{i}", max_output_tokens=2).id for i in range(4)]
+    client.responses.retrieve(ids[0])  # now the most recently used of the four
+    for i in range(5):  # the store holds 6: five more push out the older ones, ids[0] last of them
+        client.responses.create(model=srv.model_name, input=f"m{i}", max_output_tokens=2)
+    with pytest.raises(openai.NotFoundError) as e:
+        client.responses.create(model=srv.model_name, input="x", previous_response_id=ids[1], max_output_tokens=2)
+    assert "evicted" in e.value.body["message"]
+    lines = httpx.get(srv.url + "/metrics").text.splitlines()
+    evicted = [float(x.split()[-1]) for x in lines if x.startswith("tpserve_responses_evicted_total")]
+    stored = [float(x.split()[-1]) for x in lines if x.startswith("tpserve_responses_stored ")]
+    assert evicted and evicted[0] >= 3 and stored == [6.0]
+
+
+def test_cancel_a_streaming_response(client, srv):
+    stream = client.responses.create(model=srv.model_name, input="Tell a long story", max_output_tokens=200,
+                                     temperature=0, stream=True, extra_body={"ignore_eos": True})
+    events = iter(stream)
+    rid = next(events).response.id
+    assert client.responses.retrieve(rid).status == "in_progress"
+    cancelled = httpx.post(f"{srv.v1}/responses/{rid}/cancel", headers={"Authorization": f"Bearer {KEY}"}).json()
+    assert cancelled["status"] == "cancelled"
+    rest = list(events)
+    assert rest[-1].response.status == "cancelled" and rest[-1].response.usage.output_tokens < 200
+    again = httpx.post(f"{srv.v1}/responses/{rid}/cancel", headers={"Authorization": f"Bearer {KEY}"})
+    assert again.status_code == 400 and "cancelled" in again.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"background": True}, "background"),
+    ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
+    ({"tools": [{"type": "file_search", "vector_store_ids": ["x"]}]}, "tools[0].type"),
+    ({"reasoning": {"effort": "high"}}, "reasoning"),
+    ({"input": [{"type": "mystery"}]}, "input[0].type"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}]},
+     "input[0].content[0].type"),
+    ({"input": [{"type": "function_call_output", "output": "x"}]}, "input[0].call_id"),
+    ({"previous_response_id": "resp_never"}, "response_id"),
+    ({"text": {"format": {"type": "yaml"}}}, "text.format.type"),
+    ({"truncation": "auto"}, "truncation"),
+])
+def test_unsupported_and_bad_fields_get_4xx(srv, extra, param):
+    body = {"model": srv.model_name, "input": "Hello", "max_output_tokens": 2, **extra}
+    r = httpx.post(srv.v1 + "/responses", json=body, headers={"Authorization": f"Bearer {KEY}"})
+    assert r.status_code in (400, 404), r.text
+    err = r.json()["error"]
+    assert err["param"] == param and err["message"] and err["type"]
+    ok = httpx.post(srv.v1 + "/responses", json={"input": "Hi", "max_output_tokens": 2},
+                    headers={"Authorization": f"Bearer {KEY}"})
+    assert ok.status_code == 200 and ok.json()["status"] in ("completed", "incomplete")
+
+
+def test_tool_round_trip_with_the_tool_model(server_factory, tool_checkpoint):
+    s = server_factory(tool_checkpoint, 1, "--tool-call-parser", "hermes")
+    client = openai.OpenAI(base_url=s.v1, api_key="x", max_retries=0, timeout=120)
+    fn = tool_model.WEATHER_TOOL["function"]
+    tools = [{"type": "function", "name": fn["name"], "description": fn["description"],
+              "parameters": fn["parameters"]}]
+    kw = dict(model=s.model_name, tools=tools, temperature=0, max_output_tokens=60)
+    r = client.responses.create(input=tool_model.QUESTION[0]["content"], **kw)
+    (call,) = [o for o in r.output if o.type == "function_call"]
+    assert call.name == "get_weather" and json.loads(call.arguments) == {"city": "Paris"}
+    assert not [o for o in r.output if o.type == "message"] and r.status == "completed"
+    # the same turn streamed: one function_call item, no text
+    events = list(client.responses.create(input=tool_model.QUESTION[0]["content"], stream=True, **kw))
+    assert not [e for e in events if e.type == "response.output_text.delta"]
+    assert [e.arguments for e in events if e.type == "response.function_call_arguments.done"] == [call.arguments]
+    # the tool's output sent back: by previous_response_id, and as the whole conversation in input
+    output = {"type": "function_call_output", "call_id": call.call_id, "output": tool_model.TOOL_RESULT}
+    chained = client.responses.create(input=[output], previous_response_id=r.id, **kw)
+    assert chained.output_text == tool_model.ANSWER and chained.status == "completed"
+    whole = client.responses.create(input=[{"role": "user", "content": tool_model.QUESTION[0]["content"]},
+                                           {"type": "function_call", "call_id": call.call_id, "name": call.name,
+                                            "arguments": call.arguments}, output], **kw)
+    assert whole.output_text == tool_model.ANSWER
