@@ -274,9 +274,8 @@ def test_server_serves_after_bad_input(client, smol):
 
 # ---- tool_choice "auto" on a checkpoint that speaks Hermes -----------------------------------------------------
 @pytest.fixture(scope="module")
-def tool_server(server_factory, tmp_path_factory):
-    folder = tool_model.make_tool_checkpoint(tmp_path_factory.mktemp("toolmodel"))
-    return server_factory(folder, 1, "--tool-call-parser", "hermes")
+def tool_server(server_factory, tool_checkpoint):
+    return server_factory(tool_checkpoint, 1, "--tool-call-parser", "hermes")
 
 
 def test_auto_tool_call_and_follow_up(tool_server):
