@@ -159,10 +159,8 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[dict]:
                     raise _refuse(f"input[{i}].{key}", "a function_call item needs call_id, name and arguments")
             call = {"id": item["call_id"], "type": "function",
                     "function": {"name": item["name"], "arguments": item["arguments"]}}
-            last = messages[-1] if messages else None
-            if last is not None and last["role"] == "assistant" and not any(
-                    m["role"] == "tool" for m in messages[messages.index(last):]):
-                last.setdefault("tool_calls", []).append(call)
+            if messages and messages[-1]["role"] == "assistant":  # its text, or the calls before it
+                messages[-1].setdefault("tool_calls", []).append(call)
             else:
                 messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
         elif kind == "function_call_output":
@@ -387,17 +385,7 @@ class Run:
     def store(self, response: dict, pending: PendingRequest | None = None) -> None:
         if not self.body.store:
             return
-        messages = list(self.messages)
-        for item in response["output"]:
-            if item["type"] == "message":
-                messages.append({"role": "assistant", "content": item["content"][0]["text"]})
-            elif item["type"] == "function_call":
-                call = {"id": item["call_id"], "type": "function",
-                        "function": {"name": item["name"], "arguments": item["arguments"]}}
-                if messages and messages[-1]["role"] == "assistant" and response["output"][0] is not item:
-                    messages[-1].setdefault("tool_calls", []).append(call)
-                else:
-                    messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
+        messages = self.messages + input_messages(response["output"])  # output items are valid input items
         self.state.responses.put(self.rid, Stored(response, messages, self.owner, pending=pending))
 
 
