@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from typing import AsyncIterator
 
 from fastapi.responses import Response
@@ -16,7 +17,44 @@ from fastapi.responses import Response
 from server.pending import PendingRequest, ServerState, stream_events
 from server.protocol import APIError, ChatCompletionRequest, CompletionRequest
 from server.scheduler import Sequence
-from server.tool_parser import ToolCallParser, parse_tool_calls
+from server.tool_parser import ToolCallParser, new_call_id, parse_tool_calls
+
+
+_OPEN_CALL = re.compile(r"<tool_call>\s*(\{.*)\Z", re.S)
+_CALL_NAME = re.compile(r'\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"')
+_CALL_ARGS = re.compile(r'"arguments"\s*:\s*(.*)\Z', re.S)
+
+
+def truncated_call(content: str | None, body: ChatCompletionRequest) -> dict | None:
+    """A forced tool call that max_tokens cut off: the call with its name and the arguments as far as they came, as
+    OpenAI answers (finish_reason "length", arguments that do not parse), so a client sees a cut call instead of
+    markup in the content. A name cut off too is the one tool_choice named (or the only tool); None otherwise."""
+    text = (content or "").strip()
+    m = _OPEN_CALL.search(text)
+    if m is None and not (text and "<tool_call>".startswith(text)):  # (cut inside the opening tag itself)
+        return None
+    partial = m.group(1) if m is not None else ""
+    name_match = _CALL_NAME.match(partial)
+    name = None
+    if name_match is not None:
+        try:
+            name = json.loads(f'"{name_match.group(1)}"')
+        except ValueError:
+            pass
+    if name is None:
+        choice = body.tool_choice
+        name = choice.function.name if not isinstance(choice, str) else (
+            body.tools[0].function.name if len(body.tools) == 1 else None)
+    if name is None:
+        return None
+    args = _CALL_ARGS.search(partial)
+    return {"id": new_call_id(), "type": "function",
+            "function": {"name": name, "arguments": args.group(1) if args else ""}}
+
+
+def forced_tools(body: ChatCompletionRequest) -> bool:
+    """tool_choice "required" or a named function: the grammar made the answer a call."""
+    return bool(body.tools) and body.tool_choice is not None and body.tool_choice not in ("none", "auto")
 
 
 def usage(prompts: list[list[int]], seqs: list[Sequence]) -> dict:
@@ -186,6 +224,10 @@ def chat_response(state: ServerState, req: PendingRequest, body: ChatCompletionR
         calls: list[dict] = []
         if parse_tools:
             message["content"], calls = parse_tool_calls(seq.detok.text)
+            cut = truncated_call(message["content"], body) if seq.finish_reason == "length" and forced_tools(
+                body) else None
+            if cut is not None:
+                message["content"], calls = None, calls + [cut]
             if calls:
                 message["tool_calls"] = calls
         choices.append({"index": req.index[seq.seq_id], "message": message,
@@ -220,6 +262,10 @@ async def stream_chat(req: PendingRequest, body: ChatCompletionRequest, rid: str
         content, calls = parser.feed(text)
         if finished:
             content += parser.finish()
+            cut = truncated_call(content, body) if seq.finish_reason == "length" and forced_tools(body) else None
+            if cut is not None:
+                content, calls = "", calls + [cut]
+                parser.calls.append(cut)
         if content or lp:
             yield chunk(i, {"content": content} if content else {}, None, lp)
         for call in calls:  # OpenAI's shape: id, type and name first, then the arguments

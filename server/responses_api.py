@@ -34,7 +34,7 @@ from server.grammar import Grammars
 from server.pending import PendingRequest, ServerState, admit, gather, stream_events
 from server.prepare import check_length, check_model, output_constraint, render_chat, sampling_params
 from server.protocol import APIError, ChatCompletionRequest
-from server.responses import EventStream, chat_logprobs
+from server.responses import EventStream, chat_logprobs, forced_tools, truncated_call
 from server.scheduler import Sequence
 from server.tool_parser import ToolCallParser, parse_tool_calls
 
@@ -367,6 +367,11 @@ class Run:
         calls: list[dict] = []
         if self.parse_tools:
             text, calls = parse_tool_calls(text)
+            cut = None
+            if seq.finish_reason == "length" and forced_tools(self.chat):
+                cut = truncated_call(text, self.chat)
+            if cut is not None:
+                text, calls = "", calls + [cut]
         items = []
         if text or not calls:
             lp = chat_logprobs(self.state, seq, 0, len(seq.output_ids))["content"] if self.chat.logprobs else None
@@ -472,6 +477,11 @@ class ResponseStream:
                 new, calls = self.parser.feed(new)
                 if finished:
                     new += self.parser.finish()
+                    cut = None
+                    if seq.finish_reason == "length" and forced_tools(run.chat):
+                        cut = truncated_call(new, run.chat)
+                    if cut is not None:
+                        new, calls = "", calls + [cut]
             if new or lp:
                 if self.msg_index is None:
                     for e in self.open_message():
@@ -492,7 +502,7 @@ class ResponseStream:
         response = run.response(status, self.output, seq)
         run.store(response)
         # OpenAI has no "cancelled" event: a response stopped by /cancel ends as incomplete, with status "cancelled"
-        kind = "response.failed" if status == "failed" else f"response.{'completed' if status == 'completed' else 'incomplete'}"
+        kind = {"failed": "response.failed", "completed": "response.completed"}.get(status, "response.incomplete")
         yield self.event(kind, response=response)
 
 

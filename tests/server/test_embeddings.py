@@ -133,8 +133,8 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(srv, folder, tok):
 
 def test_mean_pooling_over_chunks_with_two_pipeline_stages(server_factory, folder, tok):
     """The pooled rows come back from the last stage beside the logits (sharding/runner.py, collect)."""
-    s = server_factory(folder, 1, "-pp", "2", "--max-model-len", "128", "--max-num-seqs", "4", "--max-num-batched-tokens", "8",
-                       "--pooling", "mean", "--no-normalize-embeddings")
+    s = server_factory(folder, 1, "-pp", "2", "--max-model-len", "128", "--max-num-seqs", "4",
+                       "--max-num-batched-tokens", "8", "--pooling", "mean", "--no-normalize-embeddings")
     r = httpx.post(s.v1 + "/embeddings", json={"input": TEXTS, "encoding_format": "float"}, timeout=120).json()
     for d, text in zip(r["data"], TEXTS):
         ids = tok.encode(text)
@@ -160,7 +160,8 @@ def test_sentence_transformers_config_and_matryoshka(server_factory, folder, tok
     ids = tok.encode(TEXTS[1])
     r = httpx.post(s.v1 + "/embeddings", json={"input": TEXTS[1], "encoding_format": "float"}).json()
     np.testing.assert_allclose(r["data"][0]["embedding"], reference(folder, ids, "cls", True), atol=2e-5)
-    r = httpx.post(s.v1 + "/embeddings", json={"input": TEXTS[1], "encoding_format": "float", "dimensions": 16}).json()
+    r = httpx.post(s.v1 + "/embeddings", json={"input": TEXTS[1], "encoding_format": "float",
+                                                "dimensions": 16}).json()
     assert len(r["data"][0]["embedding"]) == 16
     np.testing.assert_allclose(r["data"][0]["embedding"], reference(folder, ids, "cls", True, 16), atol=2e-5)
     bad = httpx.post(s.v1 + "/embeddings", json={"input": "x", "dimensions": 20})

@@ -34,8 +34,8 @@ def chat_text(client, srv, messages, **kw):
 def test_text_answer_equals_the_chat_completion(client, srv):
     r = client.responses.create(model=srv.model_name, input="Hello world!", instructions="Be brief.",
                                 max_output_tokens=12, temperature=0)
-    c = chat_text(client, srv, [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello world!"}],
-                  max_tokens=12)
+    c = chat_text(client, srv, [{"role": "system", "content": "Be brief."},
+                                {"role": "user", "content": "Hello world!"}], max_tokens=12)
     assert r.output_text == c.choices[0].message.content
     assert r.usage.input_tokens == c.usage.prompt_tokens and r.usage.output_tokens == c.usage.completion_tokens
     assert r.usage.total_tokens == r.usage.input_tokens + r.usage.output_tokens
@@ -206,3 +206,29 @@ def test_tool_round_trip_with_the_tool_model(server_factory, tool_checkpoint):
                                            {"type": "function_call", "call_id": call.call_id, "name": call.name,
                                             "arguments": call.arguments}, output], **kw)
     assert whole.output_text == tool_model.ANSWER
+
+
+def test_a_forced_call_cut_by_max_tokens_is_still_a_call(client, srv):
+    """OpenAI's answer to a forced call that max_tokens cuts: the call, with the arguments as far as they came."""
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+    kw = dict(model=srv.model_name, messages=[{"role": "user", "content": "Weather?"}], tools=[tool], max_tokens=60,
+              temperature=0, tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    early = client.chat.completions.create(**{**kw, "max_tokens": 6}).choices[0]  # cut inside the name
+    assert early.finish_reason == "length" and early.message.content is None
+    assert [(c.function.name, c.function.arguments) for c in early.message.tool_calls] == [("get_weather", "")]
+    r = client.chat.completions.create(**kw)
+    choice = r.choices[0]
+    assert choice.finish_reason == "length" and choice.message.content is None
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "get_weather" and call.function.arguments.startswith("{")
+    chunks = list(client.chat.completions.create(stream=True, **kw))
+    deltas = [d for c in chunks for d in (c.choices[0].delta.tool_calls or [])]
+    assert deltas[0].function.name == "get_weather"
+    assert "".join(d.function.arguments or "" for d in deltas) == call.function.arguments
+    assert not "".join(c.choices[0].delta.content or "" for c in chunks)
+    resp = client.responses.create(model=srv.model_name, input="Weather?", max_output_tokens=60, temperature=0,
+                                   tools=[{"type": "function", **tool["function"]}],
+                                   tool_choice={"type": "function", "name": "get_weather"})
+    assert resp.status == "incomplete"
+    assert [(o.type, o.arguments) for o in resp.output] == [("function_call", call.function.arguments)]
