@@ -60,6 +60,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-prefill-tokens-while-decoding", type=int, default=64,
                    help="while sequences decode, prefill tokens per step at most (default 64; 0: the step budget): "
                         "bounds the pause a long prompt puts in every running stream")
+    p.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help='speculative decoding (vLLM\'s keys), e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
+                        '"prompt_lookup_min": 2, "prompt_lookup_max": 5}\'; methods ngram and suffix; greedy output '
+                        'is unchanged, sampled output keeps its distribution')
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse the KV cache of earlier requests' identical prefixes (default on)")
 
@@ -133,6 +137,7 @@ def serve(args) -> int:
     from server.app import ServerState, build_app
     from server.embeddings import pooling_config
     from server.responses_api import ResponseStore
+    from server.speculative import parse_speculative_config
     from server.engine import Engine, EngineThread
     from server.launcher import kill_workers, launch, torchrun_worker_signals
     from server.tokenizer import load_tokenizer
@@ -144,6 +149,7 @@ def serve(args) -> int:
         raise SystemExit(f"tpserve: error: --grammar-compile-timeout must be above 0 (got {args.grammar_compile_timeout})")
     from transformers import AutoConfig
 
+    speculative = parse_speculative_config(args.speculative_config)  # refused before any rank starts
     pooling = None
     if os.path.isdir(cfg.model):  # checked before any rank starts: a pipeline this server cannot pool is refused
         try:
@@ -177,7 +183,8 @@ def serve(args) -> int:
         threading.Thread(target=stop_later, daemon=True).start()
 
     engine = Engine(runner, tokenizer, args.max_num_batched_tokens, args.enable_prefix_caching, on_fatal=fatal,
-                    max_prefill_tokens_while_decoding=args.max_prefill_tokens_while_decoding)
+                    max_prefill_tokens_while_decoding=args.max_prefill_tokens_while_decoding,
+                    speculative=speculative)
     engine.grammars.compile_timeout = args.grammar_compile_timeout
     state = ServerState(engine, tokenizer, name, runner.vocab_size, api_key=api_key,
                         max_queued_requests=args.max_queued_requests, max_body_bytes=args.max_body_bytes,
@@ -227,6 +234,8 @@ def serve(args) -> int:
     total = time.monotonic() - STARTED
     logger.info("started in %.1f s: %s, the rest %.1f s (imports, tokenizer, the other ranks)", total,
                 runner.phases.summary(), max(total - sum(runner.phases.seconds.values()), 0.0))
+    if engine.speculative is not None:
+        print(f"tpserve: {engine.speculative.describe()}", flush=True)
     print(f"tpserve: serving {name} on http://{args.host}:{args.port} ({layout})", flush=True)
     try:
         server.run()
@@ -259,7 +268,7 @@ def generate(args) -> int:
               max_prefill_tokens_while_decoding=args.max_prefill_tokens_while_decoding,
               pipeline_parallel_size=cfg.pipeline_parallel_size, data_parallel_size=cfg.data_parallel_size,
               sequence_parallel=cfg.sequence_parallel, quantization=cfg.quantization,
-              quantization_group_size=cfg.quantization_group_size)
+              quantization_group_size=cfg.quantization_group_size, speculative_config=args.speculative_config)
     try:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
         if args.chat:

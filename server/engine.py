@@ -31,6 +31,7 @@ from server.block_manager import BlockManager
 from server.grammar import Grammars
 from server.sampling import SampleRow, sample
 from server.scheduler import Batch, Scheduled, Scheduler, Sequence
+from server.speculative import SpeculativeConfig, Speculator
 from sharding.runner import Launched, ModelRunner
 from sharding.step import HIDDEN, HIDDEN_FIRST, HIDDEN_LAST, HIDDEN_SUM, LOGITS_ALL, LOGITS_LAST, Step
 
@@ -150,7 +151,8 @@ class InFlight:
 class Engine:
     def __init__(self, runner: ModelRunner, tokenizer, max_num_batched_tokens: int | None = None,
                  enable_prefix_caching: bool = True, on_fatal: Callable[[str], None] | None = None,
-                 max_prefill_tokens_while_decoding: int | None = DEFAULT_MAX_PREFILL_TOKENS_WHILE_DECODING):
+                 max_prefill_tokens_while_decoding: int | None = DEFAULT_MAX_PREFILL_TOKENS_WHILE_DECODING,
+                 speculative: SpeculativeConfig | None = None):
         self.runner = runner
         self.tokenizer = tokenizer
         self.max_model_len = runner.max_model_len
@@ -166,6 +168,14 @@ class Engine:
                       for r in range(layout.dp) for v in range(layout.pp)]
         self.scheduler = self.lanes[0].scheduler  # the step budget and caps every lane shares (for the start line)
         # launch order: other replicas first (a message each), replica 0's lanes last (its first stage runs here)
+        self.speculative = speculative
+        self.speculator = Speculator(speculative) if speculative is not None else None
+        if self.speculator is not None:
+            for lane in self.lanes:
+                lane.scheduler.propose = self._propose
+        # what verification found (server/metrics.py exports these as vLLM's spec_decode counters)
+        self.spec_drafts = self.spec_draft_tokens = self.spec_accepted_tokens = 0
+        self.spec_accepted_per_position = [0] * (speculative.num_speculative_tokens if speculative else 0)
         self._launch_order = sorted(self.lanes, key=lambda lane: (lane.replica == 0, lane.index))
         self._inflight: deque[InFlight] = deque()
         self.eos_ids = eos_token_ids(runner.cfg.model, tokenizer)
@@ -264,7 +274,7 @@ class Engine:
 
     def _launch(self, lane: Lane, batch: Batch) -> None:
         t0 = time.perf_counter()
-        ids, table = [], []
+        ids, table, rows = [], [], []  # rows: the step's table; `table` has each item's first entry
         for item in batch.items:
             seq = item.seq
             ids.extend(seq.token_ids[item.start : item.start + item.n])
@@ -275,8 +285,12 @@ class Engine:
                 if seq.wants_prompt_logprobs and item.start <= len(seq.prompt_ids) - 2:
                     flags |= LOGITS_ALL
             table.append((seq.row, item.n, item.start, flags))
+            rows.append(table[-1])
+            if item.drafts:  # verification: one decode row per draft, at the next positions of the same cache row
+                ids.extend(item.drafts)
+                rows.extend((seq.row, 1, item.start + 1 + j, LOGITS_LAST) for j in range(len(item.drafts)))
         updates = torch.tensor(batch.block_updates, dtype=torch.int64) if batch.block_updates else None
-        step = Step(torch.tensor(ids, dtype=torch.int64), torch.tensor(table, dtype=torch.int64), updates)
+        step = Step(torch.tensor(ids, dtype=torch.int64), torch.tensor(rows, dtype=torch.int64), updates)
         launched = self.runner.launch(step, lane.replica)
         lane.busy = True
         self._inflight.append(InFlight(lane, batch, table, launched, len(ids), t0))
@@ -285,7 +299,7 @@ class Engine:
         logits = self.runner.collect(f.launched)
         f.lane.busy = False
         f.lane.scheduler.finished_step(f.batch)
-        sampling, rows, at, pooled_at = [], [], 0, 0
+        sampling, rows, at, pooled_at, verify = [], [], 0, 0, []
         for item, (_, n, start, flags) in zip(f.batch.items, f.table):
             live = not item.seq.finished  # not aborted while its step was in flight
             if flags & HIDDEN:
@@ -304,6 +318,11 @@ class Engine:
                 if flags & LOGITS_LAST and live:
                     sampling.append(item)
                     rows.append(at - 1)
+            elif item.drafts:
+                k = len(item.drafts)
+                if live:
+                    verify.append((item, at))
+                at += 1 + k
             elif flags & LOGITS_LAST:
                 if live:
                     sampling.append(item)
@@ -311,6 +330,8 @@ class Engine:
                 at += 1
         if sampling:
             self._sample(sampling, logits if len(rows) == logits.shape[0] else logits[rows])
+        for item, at in verify:
+            self._verify(item, logits[at : at + 1 + len(item.drafts)])
         dt = time.perf_counter() - f.started
         for listener in self.step_listeners:
             listener(dt, f.num_tokens)
@@ -330,10 +351,89 @@ class Engine:
                 seq.token_logprobs.append(sampled.logprobs[i])
                 seq.top_logprobs.append(sampled.top_logprobs[i] if sampled.top_logprobs else [])
             if seq.finished:
-                self.lanes[seq.lane].scheduler.free(seq)
-                seq.emit(seq, seq.detok.release(final=True), True)
+                self._finished(seq)
             else:
                 seq.emit(seq, seq.detok.release(), False)
+
+    def _propose(self, seq: Sequence, running: int, budget: int) -> list[int]:
+        """Draft tokens for a decoding sequence (the scheduler asks; server/speculative.py proposes). Never more
+        than max_tokens or the context leaves, and for a constrained sequence only the drafts its grammar allows."""
+        if seq.pooling is not None or seq.finished:
+            return []
+        p = seq.params
+        room = min(p.max_tokens - len(seq.output_ids), self.max_model_len - len(seq.token_ids), budget + 1) - 1
+        drafts = self.speculator.propose(seq, running, room)
+        if drafts and seq.grammar is not None:
+            m = seq.grammar.matcher
+            n = m.try_consume_tokens(drafts)
+            m.rollback(n)
+            drafts = drafts[:n]
+        return drafts
+
+    def _verify(self, item: Scheduled, logits: torch.Tensor) -> None:
+        """A sequence's verification rows: row j has the logits after its token and drafts[:j]. Each row is sampled
+        as decoding would sample it (its context has the drafts before it as output: penalties, min_tokens, the
+        grammar), and the drafts are kept while the sampled token equals them; the first token that differs, or the
+        one after the last draft, is the model's own. Greedy: the same tokens as without speculation. Sampling:
+        drawing from the target and keeping a draft when the draw equals it is rejection sampling with the
+        proposal's probability 1, so the output has exactly the target's distribution; a seeded sequence draws
+        row by row and stops at the first difference, so its generator advances exactly as without speculation."""
+        seq, drafts = item.seq, item.drafts
+        k = len(drafts)
+        rows = [SampleRow(seq.params, seq.generator, seq.prompt_ids, seq.output_ids + drafts[:j], seq.banned_ids(j))
+                for j in range(k + 1)]
+        grammar = seq.grammar
+        with torch.inference_mode():
+            if grammar is not None:  # each row masked by the grammar's state after the drafts before it
+                consumed = 0
+                for j in range(k + 1):
+                    self.grammars.mask_logits(logits, [j], [grammar])
+                    if j < k:
+                        if not grammar.accept(drafts[j]):
+                            break
+                        consumed += 1
+                grammar.matcher.rollback(consumed)
+            if seq.generator is not None and not seq.params.greedy:
+                tokens, lps, tops = [], [], []
+                for j in range(k + 1):
+                    one = sample(logits[j : j + 1], rows[j : j + 1])
+                    tokens.append(one.token_ids[0])
+                    lps.append(one.logprobs[0] if one.logprobs else None)
+                    tops.append(one.top_logprobs[0] if one.top_logprobs else [])
+                    if j == k or tokens[-1] != drafts[j]:
+                        break
+            else:
+                got = sample(logits, rows)
+                tokens, lps = got.token_ids, got.logprobs or [None] * (k + 1)
+                tops = got.top_logprobs or [[] for _ in range(k + 1)]
+        now = time.monotonic()
+        accepted = 0
+        for j, token in enumerate(tokens):
+            self._append(seq, token, now)
+            if seq.params.logprobs is not None:
+                seq.token_logprobs.append(lps[j])
+                seq.top_logprobs.append(tops[j])
+            if seq.finished or j == k or token != drafts[j]:
+                break
+            accepted += 1
+        seq.num_computed += accepted  # the accepted drafts' K/V were written by this step
+        self.speculator.verified(seq, k, accepted)
+        self.spec_drafts += 1
+        self.spec_draft_tokens += k
+        self.spec_accepted_tokens += accepted
+        for j in range(accepted):
+            self.spec_accepted_per_position[j] += 1
+        if seq.finished:
+            self._finished(seq)
+        else:
+            seq.emit(seq, seq.detok.release(), False)
+
+    def _finished(self, seq: Sequence) -> None:
+        """A sequence that ended by itself (EOS, a stop, a length): give back its blocks, tell its client."""
+        self.lanes[seq.lane].scheduler.free(seq)
+        if self.speculator is not None:
+            self.speculator.finished(seq)
+        seq.emit(seq, seq.detok.release(final=True), True)
 
     def _pool(self, item: Scheduled, row: torch.Tensor) -> None:
         """An embedding sequence's pooled row of this step: its last (or first) token's hidden state, or under

@@ -5,6 +5,7 @@ The calling process becomes rank 0; the other ranks are spawned on this host (or
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass
 
@@ -13,6 +14,7 @@ from server.launcher import launch, resolve_model, torchrun_worker_signals
 from server.detokenize import IncrementalDetokenizer
 from server.sampling import SamplingParams
 from server.scheduler import Sequence
+from server.speculative import parse_speculative_config
 from server.tokenizer import load_tokenizer
 from sharding.runner import EngineConfig
 
@@ -63,17 +65,22 @@ class LLM:
                  max_num_batched_tokens: int | None = None,
                  enable_prefix_caching: bool = True, max_prefill_tokens_while_decoding: int | None = None,
                  pipeline_parallel_size: int = 1, data_parallel_size: int = 1, sequence_parallel: bool = False,
-                 quantization: str | None = None, quantization_group_size: int = 32):
+                 quantization: str | None = None, quantization_group_size: int = 32,
+                 speculative_config: dict | str | None = None):
         self.cfg = EngineConfig(resolve_model(model), dtype, max_num_seqs, max_model_len, block_size=block_size,
                                 kv_cache_memory=kv_cache_memory, gpu_memory_utilization=gpu_memory_utilization,
                                 pipeline_parallel_size=pipeline_parallel_size, data_parallel_size=data_parallel_size,
                                 sequence_parallel=sequence_parallel, quantization=quantization,
                                 quantization_group_size=quantization_group_size)
+        # the same --speculative-config as the server: a dict or its JSON (server/speculative.py)
+        speculative = parse_speculative_config(
+            json.dumps(speculative_config) if isinstance(speculative_config, dict) else speculative_config)
         torchrun_worker_signals()
         self.runner, self.dist, self.workers = launch(self.cfg, tensor_parallel_size)
         self.tokenizer = load_tokenizer(self.cfg.model)
         self.engine = Engine(self.runner, self.tokenizer, max_num_batched_tokens, enable_prefix_caching,
-                             max_prefill_tokens_while_decoding=max_prefill_tokens_while_decoding)
+                             max_prefill_tokens_while_decoding=max_prefill_tokens_while_decoding,
+                             speculative=speculative)
 
     def generate(self, prompts: list[str | list[int]], params: SamplingParams | None = None, *,
                  json_schema: dict | None = None, regex: str | None = None, choice: list[str] | None = None,

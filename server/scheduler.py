@@ -64,6 +64,7 @@ class Sequence:
     lane: int = 0  # the engine lane (replica and in-flight slot) whose scheduler runs it
     pooling: str | None = None  # an embedding sequence (prefill only): "last", "mean" or "cls" (server/embeddings.py)
     pooled: torch.Tensor | None = None  # its pooled hidden state: the sum so far under "mean", then the result
+    spec: object = None  # its speculation state (server/speculative.py SpecState), when the server speculates
     arrival: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
     last_token_time: float | None = None
@@ -93,19 +94,24 @@ class Sequence:
         """Cached blocks cannot stand in for its prompt: it needs every prompt token's logits or hidden state."""
         return self.wants_prompt_logprobs or self.pooling in ("mean", "cls")
 
-    def banned_ids(self) -> list[int]:
-        if self.params.ignore_eos or len(self.output_ids) >= self.params.min_tokens:
+    def banned_ids(self, ahead: int = 0) -> list[int]:
+        """Ids masked out of its next token (`ahead` tokens further on, for a verification row): EOS and the stop
+        token ids before min_tokens."""
+        if self.params.ignore_eos or len(self.output_ids) + ahead >= self.params.min_tokens:
             return []
         return sorted(self.eos_ids | set(self.params.stop_token_ids))
 
 
 @dataclass(slots=True)
 class Scheduled:
-    """One sequence's part of a step: tokens token_ids[start : start + n]; it samples when they reach its end."""
+    """One sequence's part of a step: tokens token_ids[start : start + n]; it samples when they reach its end. A
+    decoding sequence may carry draft tokens to verify: they run after its token in the same step, one decode row
+    each at the next positions (server/speculative.py), and are not in token_ids until verified."""
 
     seq: Sequence
     start: int
     n: int
+    drafts: list[int] = field(default_factory=list)
 
     @property
     def samples(self) -> bool:
@@ -136,6 +142,8 @@ class Scheduler:
         self.running: list[Sequence] = []  # in admission order: preemption takes from the end
         self.free_rows = list(range(first_row, first_row + max_num_seqs))  # its rows of the block table
         self.num_preemptions = 0
+        # speculative decoding: (sequence, running sequences, token budget left) -> draft tokens (server/engine.py)
+        self.propose: Callable[[Sequence, int, int], list[int]] | None = None
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -171,7 +179,14 @@ class Scheduler:
                 break
             if not is_decode:
                 prefill_budget -= n
-            items.append(Scheduled(seq, seq.num_computed, n))
+            drafts: list[int] = []
+            if is_decode and self.propose is not None and prefill_budget > 0:  # drafts spend the prefill budget
+                drafts = self.propose(seq, len(self.running), prefill_budget)
+                if drafts and self._grow(seq, seq.num_computed + 1 + len(drafts), updates):
+                    prefill_budget -= len(drafts)
+                else:
+                    drafts = []  # no block for them: no preemption for the sake of a guess
+            items.append(Scheduled(seq, seq.num_computed, n, drafts))
             i += 1
         # admit waiting sequences while rows, budget and blocks allow (none after a preemption: blocks are short)
         while self.waiting and not preempted and self.free_rows and prefill_budget > 0:
