@@ -412,6 +412,11 @@ at::Tensor decode_layers(const c10::intrusive_ptr<DecodeLayers>& plan, at::Tenso
         tpserve::rotate_head(kc + (kh * per_head + sp[s]) * D, row + (heads + kh) * D, c, sn, D);
         const float* v = row + (heads + kvh + kh) * D;
         std::copy(v, v + D, vc + (kh * per_head + sp[s]) * D);
+      }
+#pragma omp barrier
+      // every row's K/V is in the cache before any row attends (several rows of one sequence: speculation)
+      for (int64_t task = a; task < b; ++task) {
+        const int64_t s = task / kvh, kh = task % kvh;
         const int64_t len = lp[s], first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
         tpserve::paged_attention_head(qp + (s * heads + kh * G) * D, kc + kh * per_head * D, vc + kh * per_head * D,
                                       tp + s * MAXB, len, first, G, D, BS, static_cast<float>(l.scale), scores[t],
