@@ -2,7 +2,12 @@
 
 A `Constraint` (server/structured.py) compiles to a llguidance grammar once: off the engine thread and off the
 event loop, in a worker thread of its own (llguidance drops the GIL while it builds a matcher), under a time limit,
-and cached by its text. Each constrained sequence then gets its own `GrammarState`, a copy of the compiled matcher
+and cached by its text. Its size and nesting were bounded before (server/protocol.py, MAX_SPEC_CHARS,
+MAX_JSON_DEPTH, MAX_PATTERN_DEPTH); what llguidance still refuses is a 400 with its reason (the first lines of it:
+its messages can carry a Rust backtrace and the whole grammar). A compiled grammar is also probed before it is
+cached: a lexer that explodes (a regex like a{1000}{1000}) builds fine and fails only on its first token, so the
+probe computes the first mask and consumes one allowed token, and such a grammar is refused here rather than cut
+short in the engine. Each constrained sequence then gets its own `GrammarState`, a copy of the compiled matcher
 in its start state, which advances with every token the sequence samples.
 
 Each step, the engine asks the constrained rows for their allowed-token bitmasks (one bit per token of the model's
@@ -30,6 +35,15 @@ logger = logging.getLogger(__name__)
 MASKED = -1e30  # added to a forbidden token's logit: exp() of it underflows to 0 at any temperature
 DEFAULT_COMPILE_TIMEOUT_S = 10.0
 CACHE_ENTRIES = 512
+MAX_ERROR_CHARS = 600  # of llguidance's message, in the 400
+
+
+def short_error(message: str) -> str:
+    """llguidance's message without its backtrace, parser state or grammar dump, and at most MAX_ERROR_CHARS long."""
+    for cut in ("<backtrace>", "<state>", "<grammar>"):
+        message = message.split(cut, 1)[0]
+    message = message.strip()
+    return message if len(message) <= MAX_ERROR_CHARS else message[:MAX_ERROR_CHARS] + "..."
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,11 +130,28 @@ class Grammars:
         try:
             text = self._grammar_text(c)
         except Exception as e:  # noqa: BLE001 - the converters (GBNF to Lark, ...) raise plain exceptions on bad input
-            raise APIError(400, f"cannot compile {c.param}: {e}", param=c.param) from None
+            raise APIError(400, f"cannot compile {c.param}: {short_error(str(e))}", param=c.param) from None
         matcher = self._llg.LLMatcher(self._tokenizer, text, log_level=0)
         if matcher.is_error():
-            raise APIError(400, f"cannot compile {c.param}: {matcher.get_error()}", param=c.param)
+            raise APIError(400, f"cannot compile {c.param}: {short_error(matcher.get_error())}", param=c.param)
+        self._probe(matcher, c)
         return matcher
+
+    def _probe(self, matcher, c: Constraint) -> None:
+        """Compute the first mask of a copy of `matcher` and consume its first allowed token that is not EOS, then
+        compute the next mask: a grammar whose lexer gives up on either is refused with llguidance's reason."""
+        probe = matcher.deep_copy()
+        mask = probe.compute_bitmask()
+        if not probe.is_error():
+            bits = np.unpackbits(np.frombuffer(mask, dtype=np.uint8), bitorder="little")[: self.vocab_size]
+            allowed = [t for t in np.flatnonzero(bits)[: len(self.eos_ids) + 1].tolist() if t not in self.eos_ids]
+            if allowed and probe.consume_token(allowed[0]) and not probe.is_stopped():
+                probe.compute_bitmask()
+        if probe.is_error():
+            reason = short_error(probe.get_error())
+            if reason == "NoExtensionBias":  # e.g. a schema that is only a $ref to itself
+                reason = "it admits no output at all (llguidance: NoExtensionBias)"
+            raise APIError(400, f"cannot compile {c.param}: {reason}", param=c.param, code="grammar_too_complex")
 
     # ---- the request side (event loop) -------------------------------------------------------------------------
     async def compile(self, c: Constraint):

@@ -49,9 +49,12 @@ def tokenize_prompts(state: ServerState, prompt) -> list[list[int]]:
 
 
 def render_chat(state: ServerState, body: ChatCompletionRequest) -> list[int]:
+    """The conversation's prompt tokens, through the model's chat template (what /tokenize counts, too)."""
     in_template = template_supports_tools(state.tokenizer)
     messages = render_messages(body.messages, in_template)
-    extra = {}
+    extra = dict(body.chat_template_kwargs or {})  # no key the server sets itself (protocol.CHAT_TEMPLATE_RESERVED)
+    if body.continue_final_message:
+        extra["continue_final_message"] = True
     if body.tools and in_template and tool_choice(body) != "none":
         extra["tools"] = [t.model_dump(exclude_none=True) for t in body.tools]
     try:
@@ -81,11 +84,17 @@ def check_length(state: ServerState, ids: list[int], max_tokens: int) -> None:
 
 
 def logit_bias(state: ServerState, body: SamplingFields) -> dict[int, float]:
+    """The request's logit bias by token id. The token ids of its sampling fields (logit_bias and stop_token_ids)
+    are checked against the vocabulary here: the engine indexes the logits with them."""
     bias = {int(k): float(v) for k, v in (body.logit_bias or {}).items()}
     bad = [t for t in bias if t >= state.vocab_size]
     if bad:
         raise APIError(400, f"logit_bias: token id {bad[0]} is outside the vocabulary [0, {state.vocab_size})",
                        param="logit_bias")
+    bad = [t for t in body.stop_token_ids or () if t >= state.vocab_size]
+    if bad:
+        raise APIError(400, f"stop_token_ids: token id {bad[0]} is outside the vocabulary [0, {state.vocab_size})",
+                       param="stop_token_ids")
     return bias
 
 

@@ -6,6 +6,12 @@ before anything reaches the engine. A request may ask for one constraint; a sche
 (checked against its metaschema with `jsonschema`); whatever llguidance cannot compile is refused with its reason
 when the grammar compiles (server/grammar.py). Tool calls build their own constraint (server/tool_parser.py).
 
+Every constraint is bounded before it is compiled (the limits live in server/protocol.py): a JSON schema nests at
+most MAX_JSON_DEPTH levels and serializes to at most MAX_SPEC_CHARS characters, checked in that order and before the
+metaschema check (which recurses); a regex or grammar is at most MAX_SPEC_CHARS characters and nests its groups at
+most MAX_PATTERN_DEPTH levels; a choice has at most MAX_CHOICES alternatives. Each is a 400 that names the field and
+the limit.
+
 JSON output is compact by default (", " and ": " between items, no other whitespace): a small model that may emit
 free whitespace can spend its whole budget on newlines. `guided_whitespace_pattern`, `structured_outputs.
 whitespace_pattern` or `structured_outputs.disable_any_whitespace: false` allow whitespace between tokens.
@@ -17,23 +23,44 @@ import json
 from typing import Any
 
 from server.grammar import Constraint
-from server.protocol import APIError, SamplingFields
+from server.protocol import (MAX_CHOICES, MAX_JSON_DEPTH, MAX_PATTERN_DEPTH, MAX_SPEC_CHARS, APIError,
+                             SamplingFields, json_depth, too_deep)
 
 COMPACT_JSON = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-MAX_SPEC_CHARS = 200_000
+
+
+def too_long(param: str) -> APIError:
+    return APIError(400, f"{param} is longer than {MAX_SPEC_CHARS} characters (this server's limit)", param=param)
+
+
+def check_json_bounds(value: Any, param: str) -> str:
+    """`value` nests at most MAX_JSON_DEPTH levels and serializes to at most MAX_SPEC_CHARS characters; its compact
+    JSON text (key order kept) is returned. Safe on any value: depth is measured without recursion, first."""
+    if json_depth(value) > MAX_JSON_DEPTH:
+        raise APIError(400, too_deep(param), param=param)
+    try:
+        spec = json.dumps(value, separators=(",", ":"))
+    except (TypeError, ValueError) as e:  # not JSON data (the offline LLM path takes Python objects)
+        raise APIError(400, f"{param} is not JSON data: {e}", param=param) from None
+    if len(spec) > MAX_SPEC_CHARS:
+        raise too_long(param)
+    return spec
 
 
 def check_schema(schema: Any, param: str) -> dict:
-    """A JSON schema must be an object that validates against its own metaschema."""
+    """A JSON schema must be an object, within the depth and size limits, that validates against its own
+    metaschema."""
     if not isinstance(schema, dict):
         raise APIError(400, f"{param} must be a JSON schema object", param=param)
+    check_json_bounds(schema, param)
     import jsonschema
 
     try:
         jsonschema.validators.validator_for(schema).check_schema(schema)
     except jsonschema.SchemaError as e:
         where = "/".join(str(p) for p in e.absolute_path)
-        raise APIError(400, f"{param} is not a valid JSON schema: {e.message}" + (f" (at /{where})" if where else ""),
+        message = e.message if len(e.message) <= 500 else e.message[:500] + "..."
+        raise APIError(400, f"{param} is not a valid JSON schema: {message}" + (f" (at /{where})" if where else ""),
                        param=param) from None
     return schema
 
@@ -51,25 +78,78 @@ def _no_additional_properties(schema: Any) -> Any:
 
 
 def json_constraint(schema: dict, param: str, options: dict | None = None) -> Constraint:
-    spec = json.dumps(schema, separators=(",", ":"))  # key order kept: properties are generated in it
-    if len(spec) > MAX_SPEC_CHARS:
-        raise APIError(400, f"{param} is longer than {MAX_SPEC_CHARS} characters", param=param)
+    spec = check_json_bounds(schema, param)  # key order kept: properties are generated in it
     return Constraint("json", spec, json.dumps(options or COMPACT_JSON, sort_keys=True), param)
 
 
-def _text(kind: str, value: str, param: str) -> Constraint:
+def pattern_depth(text: str, kind: str) -> int:
+    """How deeply a regex (kind "regex") or a grammar (GBNF, or Lark) nests its groups.
+
+    A scan, not a parse. Groups are (...) (and Lark's optional [...]); skipped are escapes, character classes
+    [...] (regex, GBNF), string literals "..." (GBNF, Lark), /regex/ literals (Lark) and comments (# in GBNF, // in
+    Lark). A bracket that is really a literal may be miscounted, which matters only near MAX_PATTERN_DEPTH, where no
+    real pattern goes; the compiler's own errors stand behind this check."""
+    mode = kind if kind == "regex" else ("gbnf" if "::=" in text else "lark")
+    opening = "([" if mode == "lark" else "("
+    closing = ")]" if mode == "lark" else ")"
+    depth = deepest = 0
+    i, n = 0, len(text)
+
+    def skip_to(i: int, end: str) -> int:  # index of the unescaped `end` (or the line's end) from i
+        while i < n and text[i] != end and text[i] != "\n":
+            i += 2 if text[i] == "\\" else 1
+        return i
+
+    while i < n:
+        ch = text[i]
+        if ch == "\\":
+            i += 1
+        elif ch == "[" and mode != "lark":  # a character class; its first ] (or ^]) is a literal
+            i += 1
+            if text.startswith("^", i):
+                i += 1
+            if text.startswith("]", i):
+                i += 1
+            i = skip_to(i, "]")
+        elif mode == "gbnf" and ch == "#" or mode == "lark" and text.startswith("//", i):
+            i = skip_to(i, "\n")
+        elif mode != "regex" and ch == '"' or mode == "lark" and ch == "/":
+            i = skip_to(i + 1, ch)
+        elif ch in opening:
+            depth += 1
+            deepest = max(deepest, depth)
+        elif ch in closing:
+            depth = max(depth - 1, 0)
+        i += 1
+    return deepest
+
+
+def check_pattern(kind: str, value: str, param: str) -> str:
+    """A regex or grammar text: not empty, at most MAX_SPEC_CHARS characters, groups nested at most
+    MAX_PATTERN_DEPTH levels."""
     if not value:
         raise APIError(400, f"{param} must not be empty", param=param)
     if len(value) > MAX_SPEC_CHARS:
-        raise APIError(400, f"{param} is longer than {MAX_SPEC_CHARS} characters", param=param)
-    return Constraint(kind, value, "", param)
+        raise too_long(param)
+    if pattern_depth(value, kind) > MAX_PATTERN_DEPTH:
+        raise APIError(400, f"{param} nests its groups deeper than {MAX_PATTERN_DEPTH} levels (this server's limit)",
+                       param=param)
+    return value
+
+
+def _text(kind: str, value: str, param: str) -> Constraint:
+    return Constraint(kind, check_pattern(kind, value, param), "", param)
 
 
 def _parse_json_field(value: dict | str, param: str) -> dict:
     if isinstance(value, str):
+        if len(value) > MAX_SPEC_CHARS:
+            raise too_long(param)
         try:
             value = json.loads(value)
-        except json.JSONDecodeError as e:
+        except RecursionError:
+            raise APIError(400, too_deep(param), param=param) from None
+        except ValueError as e:  # JSONDecodeError, or an integer longer than Python reads (4300 digits)
             raise APIError(400, f"{param} is not valid JSON: {e}", param=param) from None
     return check_schema(value, param)
 
@@ -77,12 +157,23 @@ def _parse_json_field(value: dict | str, param: str) -> dict:
 def _choice(choices: list[str], param: str) -> Constraint:
     if not choices or any(not isinstance(c, str) or not c for c in choices):
         raise APIError(400, f"{param} must be a non-empty list of non-empty strings", param=param)
-    return Constraint("choice", json.dumps(choices), "", param)
+    if len(choices) > MAX_CHOICES:
+        raise APIError(400, f"{param} has {len(choices)} choices; at most {MAX_CHOICES} are allowed (this server's "
+                            "limit)", param=param)
+    spec = json.dumps(choices)
+    if len(spec) > MAX_SPEC_CHARS:
+        raise too_long(param)
+    return Constraint("choice", spec, "", param)
 
 
 def json_options(body: SamplingFields) -> dict:
     so = body.structured_outputs
-    pattern = body.guided_whitespace_pattern or (so.whitespace_pattern if so else None)
+    if body.guided_whitespace_pattern:
+        pattern = check_pattern("regex", body.guided_whitespace_pattern, "guided_whitespace_pattern")
+    elif so is not None and so.whitespace_pattern:
+        pattern = check_pattern("regex", so.whitespace_pattern, "structured_outputs.whitespace_pattern")
+    else:
+        pattern = None
     if pattern:
         return {"whitespace_flexible": True, "whitespace_pattern": pattern}
     if so is not None and so.disable_any_whitespace is False:

@@ -11,6 +11,10 @@ hermes`, as vLLM names it): each call is
   parallel_tool_calls is false) whose arguments validate against the function's JSON schema (`tools_constraint`).
 - tool_choice "auto": the model writes freely; `ToolCallParser` takes calls out of the text as it streams. Text
   before the first call is the message's content; a block that does not parse stays content, as text.
+
+Bounds (server/protocol.py): at most MAX_TOOLS tools, each one's parameters a JSON schema within MAX_JSON_DEPTH and
+MAX_SPEC_CHARS, and all their parameters together within MAX_SPEC_CHARS; earlier calls' arguments in the history
+nest at most MAX_JSON_DEPTH levels.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import json
 import uuid
 
 from server.grammar import Constraint
-from server.protocol import APIError, ChatMessage, Tool
+from server.protocol import MAX_JSON_DEPTH, MAX_SPEC_CHARS, APIError, ChatMessage, Tool, json_depth, too_deep
 from server.structured import COMPACT_JSON, check_schema
 
 TOOL_CALL_PARSERS = ("hermes",)
@@ -45,8 +49,12 @@ def check_tools(tools: list[Tool]) -> None:
     dup = {n for n in names if names.count(n) > 1}
     if dup:
         raise APIError(400, f"tool names must be unique; repeated: {sorted(dup)}", param="tools")
+    total = 0
     for i, tool in enumerate(tools):
-        _parameters(tool, i)
+        total += len(json.dumps(_parameters(tool, i)))
+    if total > MAX_SPEC_CHARS:
+        raise APIError(400, f"the tools' parameters add up to {total} characters of JSON schema; at most "
+                            f"{MAX_SPEC_CHARS} are allowed (this server's limit)", param="tools")
 
 
 def tools_constraint(tools: list[Tool], name: str | None, parallel: bool) -> Constraint:
@@ -68,18 +76,27 @@ def new_call_id() -> str:
     return "call_" + uuid.uuid4().hex[:24]
 
 
+def _loads(text: str):
+    """json.loads, or ValueError for anything it cannot read: not JSON, an integer longer than Python reads (4300
+    digits), or nesting past Python's recursion limit (RecursionError)."""
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise ValueError("nested too deeply") from None
+
+
 def _call(body: str) -> dict | None:
     try:
-        obj = json.loads(body)
-    except json.JSONDecodeError:
+        obj = _loads(body)
+    except ValueError:
         return None
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
     args = obj.get("arguments", obj.get("parameters", {}))
     if isinstance(args, str):  # some models write the arguments as a JSON string already
         try:
-            args = json.loads(args)
-        except json.JSONDecodeError:
+            args = _loads(args)
+        except ValueError:
             return None
     if not isinstance(args, dict):
         return None
@@ -169,16 +186,19 @@ def render_messages(messages: list[ChatMessage], tools_in_template: bool) -> lis
     arguments as objects (what Hermes-style templates serialize); a template without tool support gets them as
     Hermes text in the assistant's content, so the conversation still shows them."""
     out = []
-    for m in messages:
+    for i, m in enumerate(messages):
         role = "system" if m.role == "developer" else m.role
         msg: dict = {"role": role, "content": m.text()}
         if m.tool_calls:
             calls = []
-            for c in m.tool_calls:
+            for j, c in enumerate(m.tool_calls):
+                param = f"messages.{i}.tool_calls.{j}.function.arguments"
                 try:
-                    args = json.loads(c.function.arguments)
-                except json.JSONDecodeError:
+                    args = _loads(c.function.arguments)
+                except ValueError:
                     args = c.function.arguments
+                if json_depth(args) > MAX_JSON_DEPTH:
+                    raise APIError(400, too_deep(param), param=param)
                 calls.append({"id": c.id, "type": "function", "function": {"name": c.function.name,
                                                                           "arguments": args}})
             if tools_in_template:
