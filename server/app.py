@@ -140,6 +140,12 @@ def build_app(state: ServerState) -> FastAPI:
         m.sync_counter(m.prefix_queries, "prefix_queries", sum(p.prefix_query_tokens for p in e.pools))
         m.sync_counter(m.prefix_hits, "prefix_hits", sum(p.prefix_hit_tokens for p in e.pools))
         m.sync_counter(m.preemptions, "preemptions", e.num_preemptions)
+        if e.speculator is not None:
+            m.sync_counter(m.spec_drafts, "spec_drafts", e.spec_drafts)
+            m.sync_counter(m.spec_draft_tokens, "spec_draft_tokens", e.spec_draft_tokens)
+            m.sync_counter(m.spec_accepted_tokens, "spec_accepted_tokens", e.spec_accepted_tokens)
+            for pos, n in enumerate(e.spec_accepted_per_position):
+                m.sync_counter(m.spec_accepted_per_pos.labels(str(pos)), f"spec_accepted_{pos}", n)
         return Response(generate_latest(m.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")

@@ -48,6 +48,15 @@ class Metrics:
         self.responses_evicted = Counter("tpserve_responses_evicted",
                                          "Stored responses evicted (least recently used) to stay within the bounds",
                                          registry=r)
+        # speculative decoding, as vLLM names them (server/speculative.py)
+        self.spec_drafts = Counter("tpserve_spec_decode_num_drafts", "Verifications of proposed tokens", registry=r)
+        self.spec_draft_tokens = Counter("tpserve_spec_decode_num_draft_tokens", "Proposed tokens verified",
+                                         registry=r)
+        self.spec_accepted_tokens = Counter("tpserve_spec_decode_num_accepted_tokens", "Proposed tokens kept",
+                                            registry=r)
+        self.spec_accepted_per_pos = Counter("tpserve_spec_decode_num_accepted_tokens_per_pos",
+                                             "Proposed tokens kept, by their position in the proposal", ["position"],
+                                             registry=r)
         self.step_seconds = Histogram("tpserve_step_seconds", "Duration of one engine step", buckets=LATENCY_BUCKETS,
                                       registry=r)
 
