@@ -60,7 +60,8 @@ def parse_speculative_config(text: str | None) -> SpeculativeConfig | None:
     known = {f.name for f in fields(SpeculativeConfig)}
     unknown = sorted(set(raw) - known)
     if unknown:
-        raise ValueError(f"--speculative-config: unknown key(s) {', '.join(unknown)} (known: {', '.join(sorted(known))})")
+        raise ValueError(f"--speculative-config: unknown key(s) {', '.join(unknown)} "
+                         f"(known: {', '.join(sorted(known))})")
     method = raw.get("method")
     if method not in METHODS:
         raise ValueError(f"--speculative-config: method must be one of {', '.join(METHODS)} (got {method!r})")

@@ -208,31 +208,40 @@ def test_cli_refuses_a_bad_config_before_starting_ranks(folder):
     assert r.returncode == 2 and "unknown key(s) bogus" in r.stderr
 
 
-def test_server_streams_metrics_and_the_start_line(server_factory, folder):
-    s = server_factory(folder, 2, "--max-model-len", "128", "--speculative-config", json.dumps(NGRAM))
+def test_server_streams_metrics_and_the_start_line(server_factory, tool_checkpoint):
+    """The trained tool model writes its call, whose JSON the prompt's tool list already spells: n-gram lookup
+    finds it. The answer equals the one without speculation; the stream too (chunks of several tokens)."""
+    import tool_model
+
+    s = server_factory(tool_checkpoint, 2, "--tool-call-parser", "hermes", "--speculative-config", json.dumps(NGRAM))
     assert "speculative decoding: n-gram lookup of 1-3 tokens, up to 4 tokens" in s.log.read_text()
-    prompt = [7, 8, 9, 10, 7, 8, 9, 10, 7, 8, 9, 10, 7, 8]
-    body = {"model": s.model_name, "prompt": prompt, "max_tokens": 40, "temperature": 0, "ignore_eos": True}
-    choice = httpx.post(s.v1 + "/completions", json={**body, "logprobs": 0}, timeout=60).json()["choices"][0]
-    full = choice["text"]
+    body = {"model": s.model_name, "messages": tool_model.QUESTION, "tools": [tool_model.WEATHER_TOOL],
+            "temperature": 0, "max_tokens": 60}
+    r = httpx.post(s.v1 + "/chat/completions", json=body, timeout=60).json()["choices"][0]
+    (call,) = r["message"]["tool_calls"]
+    assert json.loads(call["function"]["arguments"]) == {"city": "Paris"} and r["finish_reason"] == "tool_calls"
+    text = httpx.post(s.v1 + "/completions", timeout=60, json={
+        "model": s.model_name, "prompt": tool_model.render(_tokenizer(tool_checkpoint), tool_model.QUESTION),
+        "max_tokens": 60, "temperature": 0}).json()["choices"][0]["text"]
+    assert text == tool_model.CALL_TEXT
     chunks = []
-    with httpx.stream("POST", s.v1 + "/completions", json={**body, "stream": True}, timeout=60) as r:
-        for line in r.iter_lines():
+    with httpx.stream("POST", s.v1 + "/chat/completions", json={**body, "tools": None, "stream": True},
+                      timeout=60) as stream:
+        for line in stream.iter_lines():
             if line.startswith("data: {"):
-                chunks.append(json.loads(line[6:])["choices"][0]["text"])
-    assert "".join(chunks) == full
-    assert choice["logprobs"]["tokens"] == _token_strs(folder, hf_greedy(folder, prompt, 40)[0])
+                chunks.append(json.loads(line[6:])["choices"][0]["delta"].get("content") or "")
+    plain = httpx.post(s.v1 + "/chat/completions", json={**body, "tools": None}, timeout=60).json()
+    assert "".join(chunks) == plain["choices"][0]["message"]["content"]
     metrics = {line.split()[0]: float(line.split()[1]) for line in httpx.get(s.url + "/metrics").text.splitlines()
                if line.startswith("tpserve_spec_decode")}
     assert metrics["tpserve_spec_decode_num_drafts_total"] > 0
     drafted, accepted = (metrics[f"tpserve_spec_decode_num_{x}_tokens_total"] for x in ("draft", "accepted"))
     assert drafted >= accepted > 0
-    per_pos = [v for k, v in metrics.items() if k.startswith("tpserve_spec_decode_num_accepted_tokens_per_pos")]
-    assert per_pos and sum(per_pos) == metrics["tpserve_spec_decode_num_accepted_tokens_total"]
+    per_pos = [v for k, v in metrics.items() if k.startswith("tpserve_spec_decode_num_accepted_tokens_per_pos_total")]
+    assert per_pos and sum(per_pos) == accepted
 
 
-def _token_strs(folder, ids):
+def _tokenizer(folder):
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(str(folder))
-    return [tok.decode([t]) for t in ids]
+    return AutoTokenizer.from_pretrained(str(folder))
