@@ -201,7 +201,7 @@ class Dist:
         if self.fast_all_reduce is not None:
             self.fast_all_reduce.close()
             self.fast_all_reduce = None
-        if self.world_size > 1 and dist.is_initialized():
+        if dist.is_initialized():  # (world_size is the TP size: a -pp or -dp group at TP 1 has one too)
             try:
                 dist.destroy_process_group()
             except Exception:  # noqa: BLE001 - best effort at exit

@@ -72,6 +72,27 @@ def test_greedy_identity_with_preemption_chunks_and_prefix_hits(folder, referenc
         assert e.spec_accepted_per_position[1] > 0 and e.spec_accepted_per_position[2] == 0
 
 
+@pytest.mark.parametrize("layout", [{"pipeline_parallel_size": 2}, {"data_parallel_size": 2}], ids=["pp2", "dp2"])
+def test_greedy_identity_over_pipeline_lanes_and_replicas(folder, references, layout):
+    with LLM(str(folder), 1, max_num_seqs=4, speculative_config=NGRAM, **layout) as llm:
+        llm.engine.speculator.propose = oracle(references)
+        out = llm.generate(PROMPTS * 2, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
+        assert [c.token_ids for c in out] == [references[tuple(p)] for p in PROMPTS * 2]
+        assert llm.engine.spec_accepted_tokens > 0 and len(llm.engine.lanes) == 2
+
+
+def test_suffix_method_learns_from_earlier_outputs(folder, references):
+    suffix = {**NGRAM, "method": "suffix", "prompt_lookup_min": 2}
+    with LLM(str(folder), speculative_config=suffix) as llm:
+        params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+        first = llm.generate([PROMPTS[2]], params)[0].token_ids
+        before = llm.engine.spec_accepted_tokens
+        again = llm.generate([PROMPTS[2]], params)[0].token_ids  # its output is now in the trie
+        gained = llm.engine.spec_accepted_tokens - before
+    assert first == again == references[tuple(PROMPTS[2])]
+    assert gained >= 12  # most of the repeated output came as accepted drafts
+
+
 def test_stops_inside_a_kept_run(folder, references):
     prompt = PROMPTS[2]
     ref = references[tuple(prompt)]
