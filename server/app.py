@@ -20,7 +20,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from server import embeddings, responses_api
+from server import embeddings, responses_api, tokenize_api
 from server.embeddings import pooling_config
 from server.grammar import Grammars
 from server.pending import PendingRequest, ServerState, admit, gather
@@ -72,7 +72,8 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, exc: StarletteHTTPException):
-        kinds = {404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error"}
+        kinds = {400: "invalid_request_error", 404: "not_found_error", 405: "invalid_request_error",
+                 413: "invalid_request_error"}
         return error_response(APIError(exc.status_code, str(exc.detail), kinds.get(exc.status_code, "api_error"),
                                        headers=getattr(exc, "headers", None)))
 
@@ -217,4 +218,5 @@ def build_app(state: ServerState) -> FastAPI:
     elif state.responses.metrics is None:
         state.responses.metrics = state.metrics
     responses_api.add_routes(app, state)
+    tokenize_api.add_routes(app, state)
     return app

@@ -28,12 +28,12 @@ from typing import Annotated, Literal
 
 import torch
 from fastapi import FastAPI, Request
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import ConfigDict, Field, field_validator
 
 from server.detokenize import IncrementalDetokenizer
 from server.pending import PendingRequest, ServerState, admit, gather
 from server.prepare import check_model
-from server.protocol import APIError
+from server.protocol import APIError, RequestBody
 from server.sampling import SamplingParams
 from server.scheduler import Sequence
 
@@ -96,7 +96,7 @@ def pooling_config(model_path: str, config, pooling: str | None = None,
     return out
 
 
-class EmbeddingRequest(BaseModel):
+class EmbeddingRequest(RequestBody):
     """OpenAI's fields, and vLLM's truncate_prompt_tokens / add_special_tokens."""
 
     model_config = ConfigDict(extra="ignore")

@@ -28,12 +28,12 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from fastapi import FastAPI, Request
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import ConfigDict, ValidationError
 
 from server.grammar import Grammars
 from server.pending import PendingRequest, ServerState, admit, gather, stream_events
 from server.prepare import check_length, check_model, output_constraint, render_chat, sampling_params
-from server.protocol import APIError, ChatCompletionRequest
+from server.protocol import APIError, ChatCompletionRequest, RequestBody
 from server.responses import EventStream, chat_logprobs, forced_tools, truncated_call
 from server.scheduler import Sequence
 from server.tool_parser import ToolCallParser, parse_tool_calls
@@ -44,7 +44,7 @@ BUILTIN_TOOLS = ("web_search", "web_search_preview", "file_search", "code_interp
                  "image_generation", "local_shell", "custom")
 
 
-class ResponsesRequest(BaseModel):
+class ResponsesRequest(RequestBody):
     """The Responses API's request body. Fields are typed loosely here and checked in `to_chat` with messages that
     name the field; unknown fields are ignored as on the other endpoints."""
 
@@ -213,6 +213,26 @@ def _response_format(text: dict | None) -> dict | None:
         return {"type": "json_schema", "json_schema": {k: fmt[k] for k in ("name", "schema", "strict", "description")
                                                        if k in fmt}}
     raise _refuse("text.format.type", f"unknown format {kind!r} (supported: text, json_object, json_schema)")
+
+
+# the chat request's field names, as a Responses client knows them (errors name the field the client sent)
+CHAT_NAMES = (("response_format.json_schema.schema", "text.format.schema"), ("response_format", "text.format"),
+              ("max_completion_tokens", "max_output_tokens"), ("max_tokens", "max_output_tokens"),
+              ("messages", "input"))
+
+
+def responses_error(e: APIError) -> APIError:
+    """An error of the chat preparation, with the Responses API's names for the fields."""
+    msg, param = e.message, e.param
+    for chat, ours in CHAT_NAMES:
+        msg = msg.replace(chat, ours)
+        if param is not None and param.startswith(chat):
+            param = ours + param[len(chat):]
+    if param is not None and param.startswith("tools"):  # tools[i].function.parameters -> tools[i].parameters
+        param = param.replace(".function.", ".")
+        msg = msg.replace(".function.parameters", ".parameters")
+    e.message, e.param = msg, param
+    return e
 
 
 def to_chat(body: ResponsesRequest, history: list[dict]) -> tuple[ChatCompletionRequest, list[dict]]:
@@ -541,14 +561,17 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
             if prev.response["status"] == "in_progress":
                 raise _refuse("previous_response_id", "that response is still in progress")
             history = [dict(m) for m in prev.messages]
-        chat, messages = to_chat(body, history)
-        constraint, parse_tools = output_constraint(state, chat)
-        ids = render_chat(state, chat)
-        max_tokens = chat.max_tokens or (state.max_model_len - len(ids))
-        top = chat.top_logprobs or 0
-        params = sampling_params(chat, max_tokens, top if chat.logprobs else None)
-        check_length(state, ids, max_tokens)
-        compiled = await state.engine.grammars.compile(constraint) if constraint else None
+        try:
+            chat, messages = to_chat(body, history)
+            constraint, parse_tools = output_constraint(state, chat)
+            ids = render_chat(state, chat)
+            max_tokens = chat.max_tokens or (state.max_model_len - len(ids))
+            top = chat.top_logprobs or 0
+            params = sampling_params(chat, max_tokens, top if chat.logprobs else None)
+            check_length(state, ids, max_tokens)
+            compiled = await state.engine.grammars.compile(constraint) if constraint else None
+        except APIError as e:
+            raise responses_error(e) from None
         run = Run(state, body, chat, messages, ids, parse_tools, owner)
         req = PendingRequest(state, asyncio.get_running_loop(), body.stream)
         req.add(ids, params, 0, Grammars.state(compiled) if compiled else None)

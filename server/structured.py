@@ -77,6 +77,35 @@ def _no_additional_properties(schema: Any) -> Any:
     return schema
 
 
+SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+
+
+def closed_objects(schema: Any) -> Any:
+    """The default for every schema a request gives (response_format, guided_json, structured_outputs.json, tool
+    parameters): an object that lists its `properties` and says nothing of others gets no others
+    (additionalProperties: false), as vLLM's default backend (xgrammar's strict mode) generates. JSON Schema would
+    allow any extra key, and a model then adds keys the client's pydantic model never declared (instructor's and
+    langchain's function-calling schemas say nothing of them). An explicit `additionalProperties` or
+    `patternProperties` is kept, and an object without listed properties stays open (`{"type": "object"}` is
+    any object)."""
+    if isinstance(schema, dict):
+        out = {}
+        for k, v in schema.items():
+            if k in SCHEMA_MAPS and isinstance(v, dict):  # name -> schema: only the schemas are schemas
+                out[k] = {name: closed_objects(sub) for name, sub in v.items()}
+            elif k in ("const", "enum", "default", "examples"):  # values, not schemas
+                out[k] = v
+            else:
+                out[k] = closed_objects(v)
+        if out.get("properties") and "additionalProperties" not in out and "patternProperties" not in out \
+                and "unevaluatedProperties" not in out:
+            out["additionalProperties"] = False
+        return out
+    if isinstance(schema, list):
+        return [closed_objects(v) for v in schema]
+    return schema
+
+
 def json_constraint(schema: dict, param: str, options: dict | None = None) -> Constraint:
     spec = check_json_bounds(schema, param)  # key order kept: properties are generated in it
     return Constraint("json", spec, json.dumps(options or COMPACT_JSON, sort_keys=True), param)
@@ -192,10 +221,11 @@ def constraint_from_request(body: SamplingFields) -> Constraint | None:
         schema = rf.json_schema.schema_
         if schema is None:
             raise APIError(400, "response_format.json_schema.schema is required", param="response_format")
-        found.append(json_constraint(check_schema(schema, "response_format.json_schema.schema"),
+        found.append(json_constraint(closed_objects(check_schema(schema, "response_format.json_schema.schema")),
                                      "response_format", options))
     if body.guided_json is not None:
-        found.append(json_constraint(_parse_json_field(body.guided_json, "guided_json"), "guided_json", options))
+        found.append(json_constraint(closed_objects(_parse_json_field(body.guided_json, "guided_json")),
+                                     "guided_json", options))
     if body.guided_regex is not None:
         found.append(_text("regex", body.guided_regex, "guided_regex"))
     if body.guided_choice is not None:
@@ -209,8 +239,7 @@ def constraint_from_request(body: SamplingFields) -> Constraint | None:
                                 "regex, choice or grammar", param="structured_outputs.structural_tag")
         if so.json_ is not None:
             schema = _parse_json_field(so.json_, "structured_outputs.json")
-            if so.disable_additional_properties:
-                schema = _no_additional_properties(schema)
+            schema = _no_additional_properties(schema) if so.disable_additional_properties else closed_objects(schema)
             found.append(json_constraint(schema, "structured_outputs.json", options))
         if so.regex is not None:
             found.append(_text("regex", so.regex, "structured_outputs.regex"))

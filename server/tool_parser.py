@@ -24,7 +24,7 @@ import uuid
 
 from server.grammar import Constraint
 from server.protocol import MAX_JSON_DEPTH, MAX_SPEC_CHARS, APIError, ChatMessage, Tool, json_depth, too_deep
-from server.structured import COMPACT_JSON, check_schema
+from server.structured import COMPACT_JSON, check_schema, closed_objects
 
 TOOL_CALL_PARSERS = ("hermes",)
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
@@ -41,7 +41,7 @@ def _parameters(tool: Tool, i: int) -> dict:
     params = tool.function.parameters
     if params is None:  # OpenAI: no parameters is a function with an empty parameter list
         return {"type": "object", "properties": {}, "additionalProperties": False}
-    return check_schema(params, f"tools[{i}].function.parameters")
+    return closed_objects(check_schema(params, f"tools[{i}].function.parameters"))
 
 
 def check_tools(tools: list[Tool]) -> None:

@@ -9,8 +9,8 @@ proxy (tests/wire_log.py) sits between the libraries and the server, so the test
 sends. No library may reach the internet: the opt-outs are set below, and an audit hook fails any test during which
 something outside this machine was looked up or connected to.
 
-Tests marked xfail wait for server changes (strict: they start failing once the change lands, to be unmarked). The
-Responses API tests need server/responses_api.py (POST /v1/responses), the litellm embedding test /v1/embeddings.
+The Responses API tests run on server/responses_api.py (POST /v1/responses), the litellm embedding test on
+/v1/embeddings.
 """
 
 from __future__ import annotations
@@ -37,11 +37,6 @@ os.environ["LITELLM_LOCAL_MODEL_COST_MAP"] = "True"
 os.environ["OPENAI_AGENTS_DISABLE_TRACING"] = "1"
 os.environ["LANGCHAIN_TRACING_V2"] = "false"
 os.environ["LANGSMITH_TRACING"] = "false"
-
-NEEDS_CLOSED_OBJECTS = pytest.mark.xfail(
-    strict=True, reason="needs objects closed by default in schemas (additionalProperties: false unless the schema "
-                        "says otherwise, as vLLM's default xgrammar backend does): server/structured.py, "
-                        "server/tool_parser.py")
 
 QUESTION = tool_model.QUESTION[0]["content"]
 HELLO = [{"role": "user", "content": "Hello world!"}]
@@ -242,12 +237,12 @@ def _raw_object(srv, wire, client: str) -> dict:
     return json.loads(message.tool_calls[0].function.arguments if message.tool_calls else message.content)
 
 
-@NEEDS_CLOSED_OBJECTS
 @pytest.mark.parametrize("client", ["instructor-TOOLS", "instructor-JSON_SCHEMA", "langchain-function_calling"])
 def test_schema_without_additional_properties_gets_no_unlisted_keys(srv, wire, client):
     """These clients send pydantic's schema as it is, without additionalProperties: false (instructor always;
-    langchain unless strict=True). The model writes an unlisted "note" key when nothing stops it; vLLM's default
-    backend does not allow it, tpserve does (and a model that rambles in such a key runs to max_tokens)."""
+    langchain unless strict=True). The model writes an unlisted "note" key when nothing stops it; tpserve closes
+    objects that list their properties by default, as vLLM's default backend does (server/structured.py,
+    closed_objects), so the answer has only the declared keys."""
     obj = _raw_object(srv, wire, client)
     (body,) = chat_posts(wire)
     schema = (body["response_format"]["json_schema"]["schema"] if "response_format" in body
