@@ -137,8 +137,24 @@ def tool_choice(body: ChatCompletionRequest):
     return "auto" if body.tools else "none"
 
 
+def refuse_unsupported(body: SamplingFields) -> None:
+    """OpenAI fields that ask for what this server cannot give, refused with the field's name (never ignored)."""
+    if body.best_of is not None and body.best_of != body.n:
+        raise APIError(400, "best_of (generating more choices and returning the best) is not supported; send n",
+                       param="best_of")
+    if body.reasoning_effort is not None:
+        raise APIError(400, "reasoning_effort: this model has no reasoning effort to set", param="reasoning_effort")
+    if body.modalities is not None and any(m != "text" for m in body.modalities):
+        raise APIError(400, "modalities: this server answers text only", param="modalities")
+    if body.audio is not None:
+        raise APIError(400, "audio output is not supported: this server answers text only", param="audio")
+    if body.web_search_options is not None:
+        raise APIError(400, "web_search_options: this server has no web search", param="web_search_options")
+
+
 def output_constraint(state: ServerState, body: SamplingFields) -> tuple[Constraint | None, bool]:
     """The request's output constraint (or None), and whether tool calls are to be parsed out of the answer."""
+    refuse_unsupported(body)
     constraint = constraint_from_request(body)
     if not isinstance(body, ChatCompletionRequest):
         return constraint, False

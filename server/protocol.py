@@ -180,6 +180,13 @@ class SamplingFields(RequestBody):
     stop: str | list[str] | None = None
     stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
     n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
+    # OpenAI fields this server answers as OpenAI would for a text model without reasoning (server/prepare.py,
+    # refuse_unsupported): refused where they ask for something it cannot do, accepted where they change nothing
+    best_of: Annotated[int, Field(ge=1, le=MAX_N)] | None = None
+    reasoning_effort: str | None = None
+    modalities: Annotated[list[str], Field(max_length=8)] | None = None
+    audio: dict[str, Any] | None = None
+    web_search_options: dict[str, Any] | None = None
     presence_penalty: Penalty = 0.0
     frequency_penalty: Penalty = 0.0
     repetition_penalty: Annotated[float, Field(gt=0.0, le=2.0)] = 1.0

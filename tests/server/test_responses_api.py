@@ -232,3 +232,19 @@ def test_a_forced_call_cut_by_max_tokens_is_still_a_call(client, srv):
                                    tool_choice={"type": "function", "name": "get_weather"})
     assert resp.status == "incomplete"
     assert [(o.type, o.arguments) for o in resp.output] == [("function_call", call.function.arguments)]
+
+
+@pytest.mark.parametrize("path, extra, param", [
+    ("/completions", {"best_of": 3}, "best_of"),
+    ("/chat/completions", {"reasoning_effort": "high"}, "reasoning_effort"),
+    ("/chat/completions", {"modalities": ["text", "audio"]}, "modalities"),
+    ("/chat/completions", {"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
+    ("/chat/completions", {"web_search_options": {}}, "web_search_options"),
+])
+def test_openai_fields_a_text_model_cannot_honour_are_refused(srv, path, extra, param):
+    body = {"prompt": "Hi"} if path == "/completions" else {"messages": [{"role": "user", "content": "Hi"}]}
+    r = httpx.post(srv.v1 + path, json={**body, "max_tokens": 2, **extra}, headers={"Authorization": f"Bearer {KEY}"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    ok = {**body, "max_tokens": 2, "best_of": 1, "modalities": ["text"], "prediction": {"type": "content",
+                                                                                      "content": "x"}}
+    assert httpx.post(srv.v1 + path, json=ok, headers={"Authorization": f"Bearer {KEY}"}).status_code == 200
