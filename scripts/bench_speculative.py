@@ -91,7 +91,10 @@ def main(argv: list[str] | None = None) -> int:
 
     spec_cfg = {"method": args.method, "num_speculative_tokens": args.k, "prompt_lookup_min": 2,
                 "prompt_lookup_max": 5, "disable_by_batch_size": 8}
-    llm = LLM(args.model, 1, max_num_seqs=32, quantization=args.quantization, speculative_config=spec_cfg)
+    # no prefix caching: every run starts cold, so a run's tokens can be compared with the others' (under int8
+    # activations a warm cache's shorter prefill rounds differently and can move a greedy token; not speculation)
+    llm = LLM(args.model, 1, max_num_seqs=32, quantization=args.quantization, speculative_config=spec_cfg,
+              enable_prefix_caching=False)
     engine = llm.engine
     speculator = engine.speculator
 

@@ -14,7 +14,8 @@ distribution (sampling: rejection sampling with the proposal's probability 1, Le
 
 How many: k starts at `num_speculative_tokens` and follows each sequence's recent acceptance (an exponential average
 of accepted / proposed): a sequence whose proposals keep failing proposes fewer tokens and then none for a while
-(probing again later), so low-overlap text pays almost nothing. Above `disable_by_batch_size` running sequences, no
+(probing again later), so low-overlap text pays almost nothing. The running sequences also share a step's cheap
+rows (Speculator.STEP_ROWS): with 4 running, one draft each; with 8, none. Above `disable_by_batch_size` running sequences, no
 sequence proposes: a wide batch is already compute-bound on a CPU, and verification rows would only add work.
 """
 
@@ -191,6 +192,11 @@ class SpecState:
 class Speculator:
     """Proposals for the engine, one sequence at a time, and what their verification said."""
 
+    # Rows a step takes at about the cost of one: the running sequences share what is left (1 running may propose
+    # up to 7, 2 up to 3 each, 4 one each, 8 none). Measured (BENCHMARKS.md section 15): at 8 running, one draft
+    # each (16 rows) made SmolLM2 0.87x in float32 and 0.90x in int4 at 55-70 % acceptance, while one stream
+    # gained 1.2-1.4x on the same chat: a CPU step of 8 rows is already compute-bound for a small model.
+    STEP_ROWS = 8
     ALPHA = 0.3  # weight of the latest verification in the acceptance average
     OFF_BELOW = 0.15  # acceptance below which a sequence stops proposing for COOLDOWN steps
     COOLDOWN = 16
@@ -218,7 +224,7 @@ class Speculator:
         if room <= 0 or (cfg.disable_by_batch_size is not None and running > cfg.disable_by_batch_size):
             return []
         st = self.state(seq)
-        k = min(self.budget(st), room)
+        k = min(self.budget(st), room, (self.STEP_ROWS - running) // max(running, 1))
         if k <= 0:
             return []
         st.index.extend(seq.token_ids)
