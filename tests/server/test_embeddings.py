@@ -93,7 +93,7 @@ def test_embeddings_share_steps_with_a_decode(srv, client, folder, tok):
     import concurrent.futures as cf
 
     with cf.ThreadPoolExecutor(2) as pool:
-        gen = pool.submit(client.completions.create, model=srv.model_name, prompt="Hello", max_tokens=60,
+        gen = pool.submit(client.completions.create, model=srv.model_name, prompt="Hello", max_tokens=30,
                           temperature=0, extra_body={"ignore_eos": True})
         embs = [client.embeddings.create(model=srv.model_name, input=TEXTS[1], encoding_format="float")
                 for _ in range(3)]
@@ -101,7 +101,7 @@ def test_embeddings_share_steps_with_a_decode(srv, client, folder, tok):
     ref = reference(folder, tok.encode(TEXTS[1]), "last", True)
     for e in embs:
         np.testing.assert_allclose(e.data[0].embedding, ref, atol=2e-5)
-    alone = client.completions.create(model=srv.model_name, prompt="Hello", max_tokens=60, temperature=0,
+    alone = client.completions.create(model=srv.model_name, prompt="Hello", max_tokens=30, temperature=0,
                                       extra_body={"ignore_eos": True}).choices[0].text
     assert text == alone
 
