@@ -66,13 +66,14 @@ def start(model: str, *extra: str) -> tuple[subprocess.Popen, str]:
     raise SystemExit("server not ready")
 
 
-def texts_of(tokenizer, n: int, tokens: int) -> list[str]:
-    """n different texts of exactly `tokens` tokens each (words added until the count is reached)."""
+def texts_of(tokenizer, n: int, tokens: int, salt: int = 0) -> list[str]:
+    """n different texts of exactly `tokens` tokens each (words added until the count is reached); another `salt`
+    gives other texts from the first token on, so a round never finds the previous round's in the prefix cache."""
     words = ("tensor parallel serving splits every weight matrix over ranks while the cache keeps keys and values "
              "of each sequence in blocks that the scheduler hands out and takes back when a request ends").split()
     out = []
     for i in range(n):
-        text, k = f"Document {i}:", i
+        text, k = f"{salt} Document {i}:", i + 3 * salt
         while len(tokenizer.encode(text, add_special_tokens=True)) < tokens:
             text += " " + words[k % len(words)]
             k += 7
@@ -100,7 +101,7 @@ def bench_embeddings(args) -> dict:
 
     torch.set_num_threads(args.threads)
     tok = AutoTokenizer.from_pretrained(args.model)
-    texts = texts_of(tok, args.inputs, args.tokens)
+    texts = texts_of(tok, args.inputs, args.tokens)  # the warm-up's; every round has its own
     st = SentenceTransformer(args.model, device="cpu")
     st.max_seq_length = args.tokens + 8
     proc, url = start(args.model, "--max-num-seqs", str(args.inputs), *args.server_args)
@@ -109,6 +110,7 @@ def bench_embeddings(args) -> dict:
         asyncio.run(embed_round(url, texts[:4]))  # warm up both
         st.encode(texts[:4], batch_size=4)
         for r in range(args.rounds):
+            texts = texts_of(tok, args.inputs, args.tokens, salt=r + 1)
             dt, n = asyncio.run(embed_round(url, texts))
             t0 = time.perf_counter()
             st.encode(texts, batch_size=args.inputs)
