@@ -167,7 +167,6 @@ class Engine:
                                                            attention_depth_tokens(runner.config), first_row=v * seqs))
                       for r in range(layout.dp) for v in range(layout.pp)]
         self.scheduler = self.lanes[0].scheduler  # the step budget and caps every lane shares (for the start line)
-        # launch order: other replicas first (a message each), replica 0's lanes last (its first stage runs here)
         self.speculative = speculative
         self.speculator = Speculator(speculative) if speculative is not None else None
         if self.speculator is not None:
@@ -176,6 +175,7 @@ class Engine:
         # what verification found (server/metrics.py exports these as vLLM's spec_decode counters)
         self.spec_drafts = self.spec_draft_tokens = self.spec_accepted_tokens = 0
         self.spec_accepted_per_position = [0] * (speculative.num_speculative_tokens if speculative else 0)
+        # launch order: other replicas first (a message each), replica 0's lanes last (its first stage runs here)
         self._launch_order = sorted(self.lanes, key=lambda lane: (lane.replica == 0, lane.index))
         self._inflight: deque[InFlight] = deque()
         self.eos_ids = eos_token_ids(runner.cfg.model, tokenizer)
