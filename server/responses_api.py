@@ -25,7 +25,7 @@ import time
 import uuid
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 from fastapi import FastAPI, Request
 from pydantic import ConfigDict, ValidationError
