@@ -150,6 +150,10 @@ def serve(args) -> int:
     from transformers import AutoConfig
 
     speculative = parse_speculative_config(args.speculative_config)  # refused before any rank starts
+    if speculative is not None and speculative.method == "draft_model" and os.path.isdir(cfg.model):
+        from server.draft import check_draft  # (the draft's vocabulary, before any rank starts)
+
+        check_draft(speculative.model, AutoConfig.from_pretrained(cfg.model), load_tokenizer(cfg.model))
     pooling = None
     if os.path.isdir(cfg.model):  # checked before any rank starts: a pipeline this server cannot pool is refused
         try:

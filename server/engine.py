@@ -168,7 +168,12 @@ class Engine:
                       for r in range(layout.dp) for v in range(layout.pp)]
         self.scheduler = self.lanes[0].scheduler  # the step budget and caps every lane shares (for the start line)
         self.speculative = speculative
-        self.speculator = Speculator(speculative) if speculative is not None else None
+        draft = None
+        if speculative is not None and speculative.method == "draft_model":
+            from server.draft import DraftModel
+
+            draft = DraftModel(speculative.model, runner, tokenizer, runner.cfg.max_num_seqs * len(self.lanes))
+        self.speculator = Speculator(speculative, draft) if speculative is not None else None
         if self.speculator is not None:
             for lane in self.lanes:
                 lane.scheduler.propose = self._propose
@@ -249,6 +254,8 @@ class Engine:
     def _finish(self, seq: Sequence, reason: str) -> None:
         seq.finish_reason = reason
         self.lanes[seq.lane].scheduler.free(seq)
+        if self.speculator is not None:
+            self.speculator.release(seq)
         try:
             seq.emit(seq, seq.detok.release(final=True) if reason not in ("abort", "error") else "", True)
         except Exception:  # noqa: BLE001 - a client's callback must not take the engine down

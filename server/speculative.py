@@ -22,6 +22,7 @@ sequence proposes: a wide batch is already compute-bound on a CPU, and verificat
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, fields
 
 METHODS = ("ngram", "suffix", "draft_model")
@@ -42,7 +43,7 @@ class SpeculativeConfig:
     def describe(self) -> str:
         what = {"ngram": f"n-gram lookup of {self.prompt_lookup_min}-{self.prompt_lookup_max} tokens",
                 "suffix": f"suffix trie over earlier outputs ({self.suffix_max_tokens} tokens) and n-gram lookup",
-                "draft_model": f"draft model {self.model}"}[self.method]
+                "draft_model": f"draft model {self.model} on rank 0"}[self.method]
         cap = f", off above {self.disable_by_batch_size} running" if self.disable_by_batch_size else ""
         return f"speculative decoding: {what}, up to {self.num_speculative_tokens} tokens, adaptive{cap}"
 
@@ -80,8 +81,13 @@ def parse_speculative_config(text: str | None) -> SpeculativeConfig | None:
     if d is not None and (not isinstance(d, int) or isinstance(d, bool) or d < 1):
         raise ValueError(f"--speculative-config: disable_by_batch_size must be a positive integer (got {d!r})")
     if method == "draft_model":
-        raise ValueError("--speculative-config: method draft_model is not implemented yet; use ngram or suffix")
-    if cfg.model is not None or cfg.draft_tensor_parallel_size is not None:
+        if not isinstance(cfg.model, str) or not os.path.isdir(cfg.model):
+            raise ValueError("--speculative-config: draft_model needs \"model\", the folder of a smaller checkpoint "
+                             f"with the served model's tokenizer (got {cfg.model!r})")
+        if cfg.draft_tensor_parallel_size not in (None, 1):
+            raise ValueError("--speculative-config: draft_tensor_parallel_size 1 is what this server runs (the draft "
+                             f"decodes on rank 0 alone); got {cfg.draft_tensor_parallel_size!r}")
+    elif cfg.model is not None or cfg.draft_tensor_parallel_size is not None:
         raise ValueError(f"--speculative-config: model and draft_tensor_parallel_size apply to draft_model, not "
                          f"{method}")
     return cfg
@@ -187,6 +193,9 @@ class SpecState:
     cooldown: int = 0  # steps left without proposals after acceptance fell too low
     proposed: int = 0
     accepted: int = 0
+    draft_row: int = -1  # draft_model: its row of the draft's block table
+    draft_computed: int = 0  # tokens whose K/V are in the draft's cache
+    draft_base: int = 0  # the sequence's length when the draft last proposed
 
 
 class Speculator:
@@ -201,9 +210,10 @@ class Speculator:
     OFF_BELOW = 0.15  # acceptance below which a sequence stops proposing for COOLDOWN steps
     COOLDOWN = 16
 
-    def __init__(self, cfg: SpeculativeConfig):
+    def __init__(self, cfg: SpeculativeConfig, draft=None):
         self.cfg = cfg
         self.trie = SuffixTrie(cfg.suffix_max_tokens, cfg.suffix_max_depth) if cfg.method == "suffix" else None
+        self.draft = draft  # draft_model: server/draft.py DraftModel
 
     def state(self, seq) -> SpecState:
         st = seq.spec
@@ -227,6 +237,8 @@ class Speculator:
         k = min(self.budget(st), room, (self.STEP_ROWS - running) // max(running, 1))
         if k <= 0:
             return []
+        if self.draft is not None:
+            return self.draft.propose(seq, st, k)
         st.index.extend(seq.token_ids)
         drafts = st.index.propose(k)
         if not drafts and self.trie is not None:
@@ -238,9 +250,17 @@ class Speculator:
         st.proposed += proposed
         st.accepted += accepted
         st.acceptance = (1 - self.ALPHA) * st.acceptance + self.ALPHA * (accepted / proposed)
+        if self.draft is not None:
+            self.draft.verified(st, proposed, accepted)
         if st.acceptance < self.OFF_BELOW:
             st.cooldown, st.acceptance = self.COOLDOWN, self.OFF_BELOW * 2  # probe again after the cooldown
 
     def finished(self, seq) -> None:
         if self.trie is not None and seq.output_ids:
             self.trie.add(seq.output_ids)
+        self.release(seq)
+
+    def release(self, seq) -> None:
+        """The sequence is done (finished or aborted): what the draft holds for it goes back."""
+        if self.draft is not None and seq.spec is not None:
+            self.draft.release(seq, seq.spec)

@@ -192,6 +192,28 @@ def test_sampling_keeps_the_target_distribution_and_seeds(folder):
         assert chi2 < dof + 6 * (2 * dof) ** 0.5 + 10, (pos, chi2, dof)  # far below the 1e-6 tail
 
 
+def test_draft_model_at_tp2(folder, references, tmp_path, tool_checkpoint):
+    """The served model as its own draft keeps every proposal; another random model with the same tokenizer keeps
+    almost none; both give transformers' tokens, and the draft's pool is empty again afterwards."""
+    from tiny import make_checkpoint
+
+    other = make_checkpoint(tmp_path / "draft", "llama", seed=1, num_hidden_layers=1)
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    kept = {}
+    for name, draft in (("self", folder), ("other", other)):
+        spec = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3}
+        with LLM(str(folder), 2, speculative_config=spec) as llm:
+            out = llm.generate(PROMPTS, params)
+            e = llm.engine
+            assert [c.token_ids for c in out] == [references[tuple(p)] for p in PROMPTS], name
+            kept[name] = (e.spec_accepted_tokens, e.spec_draft_tokens)
+            assert e.speculator.draft.blocks.usage() == 0 and len(e.speculator.draft.free_rows) == 32
+    assert kept["self"][0] == kept["self"][1] > 20
+    assert kept["other"][0] < kept["other"][1] // 2
+    with pytest.raises(ValueError, match="another vocabulary"):  # the tool model's tokenizer is another one
+        LLM(str(folder), speculative_config={"method": "draft_model", "model": str(tool_checkpoint)})
+
+
 def test_ngram_lookup_rules():
     idx = NgramIndex(1, 3)
     tokens = [1, 2, 3, 9, 1, 2, 3, 7, 5, 1, 2, 3]  # (the sequence's token list, growing in place)
@@ -216,17 +238,23 @@ def test_ngram_lookup_rules():
     ('{"method": "medusa"}', "method must be one of"),
     ('{"method": "ngram", "prompt_lookup_min": 4, "prompt_lookup_max": 2}', "must not exceed"),
     ('{"method": "ngram", "num_speculative_tokens": 0}', "positive integer"),
-    ('{"method": "draft_model", "model": "x"}', "not implemented"),
+    ('{"method": "draft_model", "model": "/nonexistent"}', "needs \"model\""),
+    ('{"method": "draft_model", "model": "/", "draft_tensor_parallel_size": 2}', "draft_tensor_parallel_size 1"),
+    ('{"method": "ngram", "model": "/"}', "apply to draft_model"),
 ])
 def test_bad_configurations_are_refused(text, words):
     with pytest.raises(ValueError, match=words):
         parse_speculative_config(text)
 
 
-def test_cli_refuses_a_bad_config_before_starting_ranks(folder):
+def test_cli_refuses_a_bad_config_before_starting_ranks(folder, tool_checkpoint):
     r = subprocess.run([sys.executable, "-m", "server.cli", "serve", str(folder), "--speculative-config",
                         '{"method": "ngram", "bogus": 1}'], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "unknown key(s) bogus" in r.stderr
+    draft = json.dumps({"method": "draft_model", "model": str(tool_checkpoint)})
+    r = subprocess.run([sys.executable, "-m", "server.cli", "serve", str(folder), "-tp", "2", "--speculative-config",
+                        draft], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "another vocabulary" in r.stderr and "loading weights" not in r.stderr
 
 
 def test_server_streams_metrics_and_the_start_line(server_factory, tool_checkpoint):
