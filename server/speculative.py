@@ -11,6 +11,8 @@ distribution (sampling: rejection sampling with the proposal's probability 1, Le
 - `suffix`: the same lookup, then, when the sequence itself has no match, a suffix trie over earlier requests'
   outputs (bounded by `suffix_max_tokens`): the longest suffix of the context found in the trie, followed along its
   most frequent continuations (suffix decoding: repeated agentic and code outputs).
+- `draft_model`: a smaller checkpoint with the same tokenizer decodes k tokens greedily on rank 0 alone
+  (`draft_tensor_parallel_size` 1), from a paged pool of its own (server/draft.py).
 
 How many: k starts at `num_speculative_tokens` and follows each sequence's recent acceptance (an exponential average
 of accepted / proposed): a sequence whose proposals keep failing proposes fewer tokens and then none for a while
