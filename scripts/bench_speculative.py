@@ -82,6 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default=None)
     ap.add_argument("-q", "--quantization", default=None)
     ap.add_argument("--method", default="ngram")
+    ap.add_argument("--draft", default=None, help="a draft checkpoint folder (method draft_model)")
     ap.add_argument("-k", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=2, help="ABBA rounds (each runs both orders)")
     ap.add_argument("--only", default=None, help="comma-separated workloads")
@@ -91,6 +92,9 @@ def main(argv: list[str] | None = None) -> int:
 
     spec_cfg = {"method": args.method, "num_speculative_tokens": args.k, "prompt_lookup_min": 2,
                 "prompt_lookup_max": 5, "disable_by_batch_size": 8}
+    if args.draft:
+        spec_cfg = {"method": "draft_model", "model": args.draft, "num_speculative_tokens": args.k,
+                    "disable_by_batch_size": 8}
     # no prefix caching: every run starts cold, so a run's tokens can be compared with the others' (under int8
     # activations a warm cache's shorter prefill rounds differently and can move a greedy token; not speculation)
     llm = LLM(args.model, 1, max_num_seqs=32, quantization=args.quantization, speculative_config=spec_cfg,
@@ -139,7 +143,8 @@ def main(argv: list[str] | None = None) -> int:
                                           "identical": same}
     finally:
         llm.close()
-    out = Path(args.out or ROOT / "results" / f"bench_speculative_{args.quantization or 'f32'}_{args.method}.json")
+    name = f"bench_speculative_{args.quantization or 'f32'}_{spec_cfg['method']}.json"
+    out = Path(args.out or ROOT / "results" / name)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2))
     print(f"saved {out}")
