@@ -32,8 +32,8 @@ from pydantic import ConfigDict, Field, field_validator
 
 from server.detokenize import IncrementalDetokenizer
 from server.pending import PendingRequest, ServerState, admit, gather
-from server.prepare import check_model
-from server.protocol import APIError, RequestBody
+from server.prepare import check_model, tokenize_prompts
+from server.protocol import APIError, RequestBody, check_prompts
 from server.sampling import SamplingParams
 from server.scheduler import Sequence
 
@@ -112,42 +112,19 @@ class EmbeddingRequest(RequestBody):
     @field_validator("input")
     @classmethod
     def _check_input(cls, v):
-        if isinstance(v, str):
-            if not v:
-                raise ValueError("input must not be an empty string")
-            return v
-        if not v:
-            raise ValueError("input must not be an empty list")
-        if len(v) > MAX_INPUTS and not all(isinstance(x, int) for x in v):
-            raise ValueError(f"at most {MAX_INPUTS} inputs per request")
-        if any((isinstance(x, str) and not x) or (isinstance(x, list) and not x) for x in v):
-            raise ValueError("inputs must not be empty")
-        return v
+        return check_prompts(v, "input", MAX_INPUTS)
 
 
 def input_ids(state: ServerState, body: EmbeddingRequest) -> list[list[int]]:
-    v = body.input
-    raw = [v] if isinstance(v, str) or all(isinstance(x, int) for x in v) else list(v)
-    out = []
-    for i, item in enumerate(raw):
-        if isinstance(item, str):
-            ids = state.tokenizer.encode(item, add_special_tokens=body.add_special_tokens)
-            if not ids:
-                raise APIError(400, f"input[{i}] encodes to zero tokens", param="input")
-        else:
-            bad = [t for t in item if not 0 <= t < state.vocab_size]
-            if bad:
-                raise APIError(400, f"input[{i}]: token id {bad[0]} is outside the vocabulary "
-                                    f"[0, {state.vocab_size})", param="input")
-            ids = list(item)
+    out = tokenize_prompts(state, body.input, "input", body.add_special_tokens)
+    limit = state.max_model_len
+    for i, ids in enumerate(out):
         if body.truncate_prompt_tokens is not None:
-            ids = ids[-body.truncate_prompt_tokens:]
-        limit = state.max_model_len
+            out[i] = ids = ids[-body.truncate_prompt_tokens:]
         if len(ids) > limit:
             raise APIError(400, f"input[{i}] has {len(ids)} tokens; this server's max model length is {limit} "
                                 "(send truncate_prompt_tokens to keep the last tokens)", param="input",
                            code="context_length_exceeded")
-        out.append(ids)
     return out
 
 

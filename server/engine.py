@@ -387,7 +387,9 @@ class Engine:
         row by row and stops at the first difference, so its generator advances exactly as without speculation."""
         seq, drafts = item.seq, item.drafts
         k = len(drafts)
-        rows = [SampleRow(seq.params, seq.generator, seq.prompt_ids, seq.output_ids + drafts[:j], seq.banned_ids(j))
+        penalties = seq.params.has_penalties  # only penalties read the output (a copy per row, so only then)
+        rows = [SampleRow(seq.params, seq.generator, seq.prompt_ids,
+                          seq.output_ids + drafts[:j] if penalties else seq.output_ids, seq.banned_ids(j))
                 for j in range(k + 1)]
         grammar = seq.grammar
         with torch.inference_mode():

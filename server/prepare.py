@@ -25,24 +25,23 @@ def check_model(state: ServerState, name: str | None) -> None:
                        "not_found_error", param="model", code="model_not_found")
 
 
-def tokenize_prompts(state: ServerState, prompt) -> list[list[int]]:
-    if isinstance(prompt, str):
-        raw = [prompt]
-    elif all(isinstance(x, int) for x in prompt):
-        raw = [prompt]
-    else:
-        raw = list(prompt)
+def tokenize_prompts(state: ServerState, prompt, param: str = "prompt",
+                     add_special_tokens: bool = True) -> list[list[int]]:
+    """Token ids of each prompt in one of OpenAI's four shapes (server/protocol.py, check_prompts): strings
+    tokenized, token ids checked against the vocabulary."""
+    raw = [prompt] if isinstance(prompt, str) or all(isinstance(x, int) for x in prompt) else list(prompt)
     out = []
-    for p in raw:
+    for i, p in enumerate(raw):
+        where = param if len(raw) == 1 else f"{param}[{i}]"
         if isinstance(p, str):
-            ids = state.tokenizer.encode(p)
+            ids = state.tokenizer.encode(p, add_special_tokens=add_special_tokens)
             if not ids:
-                raise APIError(400, "prompt encodes to zero tokens", param="prompt")
+                raise APIError(400, f"{where} encodes to zero tokens", param=param)
         else:
             bad = [t for t in p if not 0 <= t < state.vocab_size]
             if bad:
-                raise APIError(400, f"token id {bad[0]} is outside the vocabulary [0, {state.vocab_size})",
-                               param="prompt")
+                raise APIError(400, f"{where}: token id {bad[0]} is outside the vocabulary [0, {state.vocab_size})",
+                               param=param)
             ids = list(p)
         out.append(ids)
     return out

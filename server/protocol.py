@@ -236,6 +236,20 @@ class SamplingFields(RequestBody):
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
 
+def check_prompts(v, what: str, limit: int):
+    """A prompt field of OpenAI's four shapes (a string, strings, token ids, lists of token ids): none empty, at
+    most `limit` of them (/v1/completions' prompt, /v1/embeddings' input)."""
+    if not v:
+        raise ValueError(f"{what} must not be empty")
+    if isinstance(v, str) or all(isinstance(x, int) for x in v):
+        return v
+    if len(v) > limit:
+        raise ValueError(f"at most {limit} {what}s per request")
+    if any(not x for x in v):
+        raise ValueError(f"no {what} may be empty")
+    return v
+
+
 class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: Count | None = 16
@@ -246,19 +260,7 @@ class CompletionRequest(SamplingFields):
     @field_validator("prompt")
     @classmethod
     def _check_prompt(cls, v):
-        if isinstance(v, str):
-            if not v:
-                raise ValueError("prompt must not be empty")
-            return v
-        if not v:
-            raise ValueError("prompt must not be empty")
-        if all(isinstance(x, int) for x in v):
-            return v
-        if len(v) > MAX_PROMPTS:
-            raise ValueError(f"at most {MAX_PROMPTS} prompts per request")
-        if any((isinstance(x, str) and not x) or (isinstance(x, list) and not x) for x in v):
-            raise ValueError("prompts must not be empty")
-        return v
+        return check_prompts(v, "prompt", MAX_PROMPTS)
 
 
 class TextPart(BaseModel):

@@ -132,6 +132,12 @@ class EventStream(Response):
         self.background = None
         self.init_headers({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
+    end = b"data: [DONE]\n\n"  # what closes the stream
+
+    @staticmethod
+    def encode(chunk: dict) -> bytes:
+        return f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n".encode()
+
     async def __call__(self, scope, receive, send) -> None:
         req = self.req
 
@@ -141,13 +147,12 @@ class EventStream(Response):
             req.close()  # a no-op for finished sequences (uvicorn reports a disconnect after the last body too)
 
         watcher = asyncio.get_running_loop().create_task(watch())
-        dumps = json.dumps
+        encode = self.encode
         try:
             await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
             async for chunk in self.chunks:
-                data = f"data: {dumps(chunk, ensure_ascii=False)}\n\n".encode()
-                await send({"type": "http.response.body", "body": data, "more_body": True})
-            await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
+                await send({"type": "http.response.body", "body": encode(chunk), "more_body": True})
+            await send({"type": "http.response.body", "body": self.end, "more_body": False})
         finally:
             watcher.cancel()
             req.abort()  # a no-op for finished sequences; frees the slots of a stream cut short by anything

@@ -529,25 +529,11 @@ class ResponseStream:
 class ResponseEvents(EventStream):
     """Server-sent events with the event name on an `event:` line, as OpenAI streams responses (no [DONE])."""
 
-    async def __call__(self, scope, receive, send) -> None:
-        req = self.req
+    end = b""
 
-        async def watch() -> None:
-            while (await receive())["type"] != "http.disconnect":
-                pass
-            req.close()
-
-        watcher = asyncio.get_running_loop().create_task(watch())
-        try:
-            await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
-            async for e in self.chunks:
-                data = f"event: {e['type']}\ndata: {json.dumps(e, ensure_ascii=False)}\n\n".encode()
-                await send({"type": "http.response.body", "body": data, "more_body": True})
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
-        finally:
-            watcher.cancel()
-            req.abort()
-            await self.chunks.aclose()
+    @staticmethod
+    def encode(event: dict) -> bytes:
+        return f"event: {event['type']}\ndata: {json.dumps(event, ensure_ascii=False)}\n\n".encode()
 
 
 def add_routes(app: FastAPI, state: ServerState) -> None:

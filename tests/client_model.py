@@ -24,10 +24,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import torch
 
 from tiny import TEXT, make_tokenizer
-from tool_model import ANSWER, CALL_TEXT, QUESTION, TOOL_RESULT, _reproduces, follow_up
+from tool_model import ANSWER, CALL_TEXT, QUESTION, TOOL_RESULT, follow_up, train_checkpoint
 
 TEMPLATE = (
     "{%- if tools %}<|im_start|>system\nTools:{% for t in tools %} {{ t.function.name }}{% endfor %}<|im_end|>\n"
@@ -97,37 +96,4 @@ def make_client_checkpoint(folder: Path, max_steps: int = 800) -> Path:
                                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                                       max_position_embeddings=1024, tie_word_embeddings=False, bos_token_id=1,
                                       eos_token_id=eos, pad_token_id=eos, rms_norm_eps=1e-6)
-    threads = torch.get_num_threads()
-    # one thread: this model is so small that threads only wait for each other, and on a loaded machine OpenMP's
-    # waiting makes a step ~30x slower (6.7 ms -> 221 ms per step measured with 2 threads and a busy neighbour)
-    torch.set_num_threads(1)
-    try:
-        return _train(folder, tok, eos, config, cases, max_steps)
-    finally:
-        torch.set_num_threads(threads)
-
-
-def _train(folder: Path, tok, eos: int, config, cases, max_steps: int) -> Path:
-    import transformers
-
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config)
-    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
-    batch = []
-    for prompt, answer in cases:
-        ids = torch.tensor([prompt + answer])
-        labels = ids.clone()
-        labels[0, : len(prompt)] = -100  # learn the answers only
-        batch.append((ids, labels))
-    for step in range(max_steps):
-        opt.zero_grad()
-        loss = sum(model(input_ids=ids, labels=labels).loss for ids, labels in batch)
-        loss.backward()
-        opt.step()
-        if step % 25 == 24 and loss.item() < 0.05 and _reproduces(model, cases):
-            break
-    else:
-        raise RuntimeError(f"the client model did not learn its answers in {max_steps} steps (loss {loss.item():.3f})")
-    model.generation_config.eos_token_id = eos
-    model.save_pretrained(str(folder), safe_serialization=True)
-    return folder
+    return train_checkpoint(folder, config, cases, max_steps, "the client model")
