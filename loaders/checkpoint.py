@@ -12,7 +12,7 @@ import json
 import logging
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -187,13 +187,21 @@ class Checkpoint:
             fd = self._fds[path] = os.open(path, os.O_RDONLY)
         return fd
 
-    def read(self, name: str, dim: int = 0, ranges: list[tuple[int, int]] | None = None) -> torch.Tensor:
+    def read(self, name: str, dim: int = 0, ranges: list[tuple[int, int]] | None = None,
+             index: int | None = None) -> torch.Tensor:
         """Blocks [start, stop) of tensor `name` along `dim`, concatenated, in a new contiguous tensor.
 
         The tensor is viewed as (outer, shape[dim], inner); every block is `outer` runs of contiguous bytes, each read
-        with one pread straight into the result's memory. With `ranges=None` the whole tensor is read.
+        with one pread straight into the result's memory. With `ranges=None` the whole tensor is read. With `index`,
+        the tensor is first narrowed to its index-th slice along its first dimension (one expert of a fused [E, ...]
+        tensor), and `dim` counts that slice's dimensions.
         """
         info = self.info(name)
+        if index is not None:
+            if not info.shape or not 0 <= index < info.shape[0]:
+                raise CheckpointError(f"{name}: index {index} is outside the first dimension of shape {info.shape}")
+            step = info.nbytes // info.shape[0]
+            info = replace(info, shape=info.shape[1:], offset=info.offset + index * step, nbytes=step)
         shape = info.shape
         if not shape:
             ranges, dim = [(0, 1)], 0

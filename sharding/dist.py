@@ -73,6 +73,7 @@ class Dist:
     global_rank: int = 0
     world_group: object | None = None  # every rank (gloo): status exchanges and point-to-point messages
     layer_partition: str | None = None  # TPSERVE_PP_LAYER_PARTITION
+    expert_parallel: bool = False  # MoE layers: the TP group's ranks own whole experts (sharding/moe.py)
 
     @property
     def is_first(self) -> bool:

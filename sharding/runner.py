@@ -51,6 +51,7 @@ class EngineConfig:
     sequence_parallel: bool = False  # prefill steps split the token axis between layers (Megatron SP)
     quantization: str | None = None  # weight-only int8 / int4 linears (sharding/quant.py)
     quantization_group_size: int = 32  # int4: inputs per scale
+    enable_expert_parallel: bool = False  # MoE: each TP rank owns whole experts instead of a slice of each
 
     def layout(self, world_size: int) -> Layout:
         pp, dp = self.pipeline_parallel_size, self.data_parallel_size
@@ -150,7 +151,12 @@ def build_model(cfg: EngineConfig, dist: Dist, ckpt: Checkpoint | None = None):
     config = load_config(ckpt)
     cls = model_class(ckpt.architecture)
     dtype = ckpt.resolve_dtype(cfg.dtype)
+    dist.expert_parallel = cfg.enable_expert_parallel
+    # MoE checkpoints store experts one tensor each or fused into 3-D tensors; the model reads either (sharding/moe.py)
+    config.tpserve_fused_experts = any(n.endswith(".experts.gate_up_proj") for n in ckpt.tensors)
     model = cls(config, dist, dtype, dist.device)
+    if cfg.enable_expert_parallel and not getattr(model, "has_experts", False):
+        raise ValueError(f"--enable-expert-parallel: {ckpt.architecture} is a dense model, it has no experts to split")
     check_plan(model, ckpt, whole=dist.pp_size == 1)
     return model, config, dtype
 

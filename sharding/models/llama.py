@@ -97,9 +97,10 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config, prefix: str, dist: Dist, dtype: torch.dtype, device: torch.device):
+    def __init__(self, config, prefix: str, dist: Dist, dtype: torch.dtype, device: torch.device,
+                 inter: int | None = None):
         super().__init__()
-        hidden, inter = config.hidden_size, config.intermediate_size
+        hidden, inter = config.hidden_size, inter or config.intermediate_size
         a, b = split_evenly(inter, dist.world_size, dist.rank)
         bias = getattr(config, "mlp_bias", False)
         self.local_inter = b - a
@@ -113,6 +114,11 @@ class LlamaMLP(nn.Module):
 
     def act(self, gate: torch.Tensor) -> torch.Tensor:
         return F.silu(gate)
+
+    def partial(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's share of the output, before the all-reduce (a shared expert joins its MoE layer's reduce)."""
+        gate, up = self.gate_up_proj(x).split([self.local_inter, self.local_inter], dim=-1)
+        return self.down_proj.matmul(self.act(gate).mul_(up))
 
     def forward(self, x: torch.Tensor, scatter: bool = False) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split([self.local_inter, self.local_inter], dim=-1)
@@ -130,8 +136,14 @@ class LlamaDecoderLayer(nn.Module):
         self.self_attn = self.attention_cls(config, f"{prefix}.self_attn", dist, dtype, device)
         self.post_attention_layernorm = RMSNorm(f"{prefix}.post_attention_layernorm.weight", config.hidden_size, eps,
                                                 dtype, device)
-        self.mlp = self.mlp_cls(config, f"{prefix}.mlp", dist, dtype, device)
+        self.layer_idx = int(prefix.rsplit(".", 1)[1])
+        self.mlp = self.make_mlp(config, prefix, dist, dtype, device)
         self.dist = dist
+
+    def make_mlp(self, config, prefix: str, dist: Dist, dtype: torch.dtype, device: torch.device) -> nn.Module:
+        """This layer's feed-forward (`forward(x, scatter)`, one all-reduce inside): a dense MLP, or in MoE models
+        for the layers the config makes sparse, a sharding.moe.SparseMoe."""
+        return self.mlp_cls(config, f"{prefix}.mlp", dist, dtype, device)
 
     def forward(self, h: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         if meta.seq_parallel:
