@@ -209,6 +209,8 @@ def build_app(state: ServerState) -> FastAPI:
         await gather(req, request)
         return chat_response(state, req, body, rid, created, ids, parse_tools)
 
+    state.metrics.watch_experts(state.engine.runner.model)
+
     # ---- endpoint modules ----------------------------------------------------------------------------------
     if state.pooling is None:
         state.pooling = pooling_config(state.engine.runner.cfg.model, state.engine.runner.config)

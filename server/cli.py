@@ -33,6 +33,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sequence-parallel", action="store_true",
                    help="prefill steps split the tokens over the tp ranks between layers (Megatron sequence "
                         "parallelism): norms and residuals on a rank's tokens only; decode steps are unchanged")
+    p.add_argument("--enable-expert-parallel", action="store_true",
+                   help="mixture-of-experts models: the tp ranks own whole experts (split as evenly as possible) "
+                        "instead of a slice of every expert; attention stays tensor-parallel (default off)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="weights and activations dtype (auto: the checkpoint's)")
     p.add_argument("--quantization", "-q", default=None, choices=["int8", "int4", "bf16"],
@@ -117,7 +120,8 @@ def engine_config(args):
                         gpu_memory_utilization=args.gpu_memory_utilization,
                         pipeline_parallel_size=args.pipeline_parallel_size, data_parallel_size=args.data_parallel_size,
                         sequence_parallel=args.sequence_parallel, quantization=args.quantization,
-                        quantization_group_size=args.quantization_group_size)
+                        quantization_group_size=args.quantization_group_size,
+                        enable_expert_parallel=args.enable_expert_parallel)
 
 
 def describe_cache(runner, engine) -> str:
@@ -272,7 +276,8 @@ def generate(args) -> int:
               max_prefill_tokens_while_decoding=args.max_prefill_tokens_while_decoding,
               pipeline_parallel_size=cfg.pipeline_parallel_size, data_parallel_size=cfg.data_parallel_size,
               sequence_parallel=cfg.sequence_parallel, quantization=cfg.quantization,
-              quantization_group_size=cfg.quantization_group_size, speculative_config=args.speculative_config)
+              quantization_group_size=cfg.quantization_group_size, speculative_config=args.speculative_config,
+              enable_expert_parallel=cfg.enable_expert_parallel)
     try:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
         if args.chat:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
@@ -31,6 +32,7 @@ class Metrics:
                                    "Running sequences preempted for lack of KV-cache blocks (recomputed later)",
                                    registry=r)
         self._synced: dict[str, float] = {}
+        self._experts: ExpertTokens | None = None
         self.finished = Counter("tpserve_requests_finished", "Finished sequences by finish reason", ["reason"],
                                 registry=r)
         self.prompt_tokens = Counter("tpserve_prompt_tokens", "Prompt tokens processed", registry=r)
@@ -60,9 +62,36 @@ class Metrics:
         self.step_seconds = Histogram("tpserve_step_seconds", "Duration of one engine step", buckets=LATENCY_BUCKETS,
                                       registry=r)
 
+    def watch_experts(self, model) -> None:
+        """Export an MoE model's per-expert token counts (ExpertTokens), once."""
+        if self._experts is None:
+            self._experts = ExpertTokens(model)
+            if self._experts.layers:
+                self.registry.register(self._experts)
+
     def sync_counter(self, counter: Counter, name: str, total: float) -> None:
         """Bring a counter up to a running total kept elsewhere (the engine's own counts)."""
         delta = total - self._synced.get(name, 0.0)
         if delta > 0:
             counter.inc(delta)
             self._synced[name] = total
+
+
+class ExpertTokens:
+    """`tpserve_moe_expert_tokens_total{layer,expert}`: the tokens routed to each expert of each MoE layer rank 0
+    holds (every layer without pipeline parallelism; replica 0's, under data parallelism, as every replica's
+    routing is the same function of its own traffic). Read from the layers' own counters at each scrape."""
+
+    def __init__(self, model) -> None:
+        from sharding.moe import SparseMoe
+
+        self.layers = [(getattr(layer, "layer_idx", i), layer.mlp) for i, layer in enumerate(model.layers)
+                       if isinstance(getattr(layer, "mlp", None), SparseMoe)]
+
+    def collect(self):
+        family = CounterMetricFamily("tpserve_moe_expert_tokens", "Tokens routed to each expert, by MoE layer",
+                                     labels=["layer", "expert"])
+        for idx, moe in self.layers:
+            for e, n in enumerate(moe.tokens_per_expert.tolist()):
+                family.add_metric([str(idx), str(e)], n)
+        yield family

@@ -197,12 +197,13 @@ class SparseMoe(nn.Module):
 
     `act`: the activation of [n, 2I] gate|up rows into [n, I] (SiLU(gate) * up unless a model says otherwise)."""
 
-    def __init__(self, router: ReplicatedLinear, routing: Routing, experts: list[Expert], num_experts: int,
-                 dist: Dist, hidden: int, shared: nn.Module | None = None, shared_gate: ReplicatedLinear | None = None,
-                 act=None):
+    def __init__(self, router: ReplicatedLinear, routing: Routing, experts: tuple[list[Expert], set[str]],
+                 num_experts: int, dist: Dist, hidden: int, shared: nn.Module | None = None,
+                 shared_gate: ReplicatedLinear | None = None, act=None):
         super().__init__()
         self.router = router
         self.routing = routing
+        experts, self.elsewhere = experts  # (this rank's, the tensors other ranks read): see routed_experts
         self.experts = nn.ModuleList(experts)
         self.num_experts = num_experts
         self.dist = dist
@@ -285,9 +286,12 @@ def check_moe_config(config, architecture: str) -> None:
 
 def routed_experts(config, prefix: str, num_experts: int, inter: int, dist: Dist, dtype: torch.dtype,
                    device: torch.device, names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"),
-                   ) -> list[Expert]:
+                   ) -> tuple[list[Expert], set[str]]:
     """This rank's experts under `{prefix}` (e.g. `model.layers.3.mlp.experts`), from whichever layout the
-    checkpoint has (build_model sets `config.tpserve_fused_experts`)."""
-    if getattr(config, "tpserve_fused_experts", False):
-        return fused_experts(prefix, num_experts, inter, config.hidden_size, dist, dtype, device)
-    return separate_experts(prefix, num_experts, inter, config.hidden_size, dist, dtype, device, names)
+    checkpoint has (build_model sets `config.tpserve_fused_experts`), and the checkpoint tensors that only other
+    ranks read (other experts' tensors, under expert parallelism)."""
+    if getattr(config, "tpserve_fused_experts", False):  # every rank reads its experts' part of the same tensors
+        return fused_experts(prefix, num_experts, inter, config.hidden_size, dist, dtype, device), set()
+    first, stop = local_experts(num_experts, dist)
+    elsewhere = {f"{prefix}.{e}.{n}.weight" for e in range(num_experts) if not first <= e < stop for n in names}
+    return separate_experts(prefix, num_experts, inter, config.hidden_size, dist, dtype, device, names), elsewhere

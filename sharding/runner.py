@@ -112,8 +112,10 @@ def check_plan(model: torch.nn.Module, ckpt: Checkpoint, whole: bool = True) -> 
             expected.update(module.expected())
     have = set(ckpt.tensors)
     missing = sorted(set(expected) - have)
+    # tensors only other ranks of the group read (other experts, under expert parallelism)
+    elsewhere = set().union(*(m.elsewhere for m in model.modules() if hasattr(m, "elsewhere")))
     unexpected = [] if not whole else sorted(
-        n for n in have - set(expected) - model.ignored_tensors() if not n.endswith(IGNORED_SUFFIXES))
+        n for n in have - set(expected) - elsewhere - model.ignored_tensors() if not n.endswith(IGNORED_SUFFIXES))
     wrong = sorted(f"{n}: checkpoint {list(ckpt.tensors[n].shape)}, config implies {list(s)}"
                    for n, s in expected.items() if n in have and tuple(ckpt.tensors[n].shape) != tuple(s))
     problems = []

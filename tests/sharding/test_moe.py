@@ -1,0 +1,186 @@
+"""Mixture-of-experts models (sharding/moe.py): greedy tokens equal transformers' and log-probabilities within 1e-4
+(fp32) at TP 1-4, with the experts split tensor-parallel (every expert's intermediate dimension over the ranks) and
+expert-parallel (whole experts per rank), both expert layouts a checkpoint may use, and dense and MoE layers mixed.
+
+TP 3 divides neither the expert counts (5, 6), the heads (8) nor the expert intermediate size (40). Each TP degree
+and split runs every checkpoint in one fresh process (llm_runner.run_llm).
+"""
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from transformers import AutoModelForCausalLM
+
+import tiny
+from llm_runner import run_llm
+from test_more_architectures import randomize_vectors
+from tiny import hf_greedy, make_checkpoint
+
+PROMPTS = [list(range(5, 25)), [7, 3, 90, 14, 200, 31, 6, 55]]
+MAX_TOKENS = 24
+
+SPECS: dict[str, dict] = {
+    # dense layer 1 between sparse layers 0 and 2 (mlp_only_layers), renormalised top-k, per-head q/k norms
+    "qwen3_moe": dict(cls="Qwen3MoeConfig", num_attention_heads=8, num_key_value_heads=4, head_dim=16, num_experts=6,
+                      num_experts_per_tok=2, moe_intermediate_size=40, norm_topk_prob=True, mlp_only_layers=[1],
+                      num_hidden_layers=3),
+    # a shared expert with its sigmoid gate, top-3 without renormalisation, every second layer sparse
+    "qwen2_moe": dict(cls="Qwen2MoeConfig", num_attention_heads=8, num_key_value_heads=2, num_experts=6,
+                      num_experts_per_tok=3, moe_intermediate_size=40, shared_expert_intermediate_size=48,
+                      decoder_sparse_step=2, norm_topk_prob=False, num_hidden_layers=4),
+    # 5 experts named w1/w3/w2 under block_sparse_moe
+    "mixtral": dict(cls="MixtralConfig", num_attention_heads=8, num_key_value_heads=2, num_local_experts=5,
+                    num_experts_per_tok=2, intermediate_size=40),
+    # q/k norms over the whole projection (a cross-rank mean), KV heads held by several ranks at TP 3 and 4
+    "olmoe": dict(cls="OlmoeConfig", num_attention_heads=8, num_key_value_heads=2, num_experts=6,
+                  num_experts_per_tok=2, intermediate_size=40, clip_qkv=3.0),
+}
+LAYOUTS = [*SPECS, "qwen3_moe_fused"]
+
+
+def fuse_experts(src, dst) -> None:
+    """The same model saved with the experts as transformers holds them in memory: 3-D gate_up_proj [E, 2I, H] and
+    down_proj [E, H, I] per layer, as some checkpoints store them."""
+    shutil.copytree(src, dst)
+    model = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32)
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    assert any(k.endswith("experts.gate_up_proj") for k in state)
+    (dst / "model.safetensors").unlink()
+    save_file(state, str(dst / "model.safetensors"), metadata={"format": "pt"})
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    ref = {}
+    for arch, spec in SPECS.items():
+        folder = tmp_path_factory.mktemp(arch)
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setitem(tiny.ARCHS, arch, spec)
+            make_checkpoint(folder, arch)
+        randomize_vectors(folder)
+        ref[arch] = (folder, [hf_greedy(folder, p, MAX_TOKENS) for p in PROMPTS])
+    fused = tmp_path_factory.mktemp("fused") / "qwen3_moe_fused"
+    fuse_experts(ref["qwen3_moe"][0], fused)
+    ref["qwen3_moe_fused"] = (fused, ref["qwen3_moe"][1])
+    return ref
+
+
+def check(arch, result, ref):
+    assert "error" not in result, (arch, result)
+    for out, (tokens, logprobs) in zip(result["outputs"], ref[arch][1], strict=True):
+        assert out["token_ids"] == tokens, arch
+        worst = max(abs(float(logprobs[i, t]) - v) for i, step in enumerate(out["top_logprobs"]) for t, v in step)
+        assert worst < 1e-4, (arch, worst)
+
+
+@pytest.mark.parametrize("tp,ep", [(1, False), (2, False), (2, True), (3, False), (3, True), (4, False), (4, True)])
+def test_greedy_equals_transformers(reference, tp, ep):
+    jobs = [{"model": str(reference[a][0]), "prompts": PROMPTS, "max_tokens": MAX_TOKENS, "logprobs": 5,
+             "llm": {"enable_expert_parallel": ep}} for a in LAYOUTS]
+    results = run_llm(tp, jobs, timeout=600)
+    for arch, result in zip(LAYOUTS, results):
+        check(arch, result, reference)
+        share = result["bytes_read"] / result["checkpoint_bytes"]
+        assert share == 1.0 if tp == 1 else share < 1 / tp + 0.1, (arch, tp, ep, share)
+
+
+def test_expert_parallel_reads_only_its_experts(reference):
+    """Under expert parallelism a rank reads exactly its own experts' tensors, whole (EP 4 over 6 experts: 2, 2,
+    1, 1), and without it a slice of every expert; counted from the checkpoint's own reads, on every rank."""
+    from loaders.checkpoint import Checkpoint
+    from sharding.dist import Dist
+    from sharding.runner import EngineConfig, build_model
+
+    folder = reference["qwen3_moe"][0]
+    owned = {0: range(0, 2), 1: range(2, 4), 2: range(4, 5), 3: range(5, 6)}
+    for ep in (True, False):
+        for rank in range(4):
+            with Checkpoint(folder) as ckpt:
+                reads: dict[str, int] = {}
+                original = ckpt.read
+
+                def read(name, *args, _orig=original, **kw):
+                    t = _orig(name, *args, **kw)
+                    reads[name] = reads.get(name, 0) + t.numel() * t.element_size()
+                    return t
+
+                ckpt.read = read
+                model, _, _ = build_model(EngineConfig(str(folder), enable_expert_parallel=ep),
+                                          Dist(rank=rank, world_size=4, device=torch.device("cpu")), ckpt)
+                for m in model.modules():
+                    if hasattr(m, "expected"):
+                        m.load(ckpt)
+                expert_reads = {n: b for n, b in reads.items() if ".experts." in n}
+                got = sorted({int(n.split(".experts.")[1].split(".")[0]) for n in expert_reads})
+                if ep:
+                    assert got == list(owned[rank]), (rank, got)
+                    for n, b in expert_reads.items():  # whole tensors
+                        assert b == ckpt.tensors[n].nbytes, n
+                else:
+                    assert got == list(range(6)), (rank, got)
+                    assert sum(expert_reads.values()) < sum(ckpt.tensors[n].nbytes for n in expert_reads) / 4 + 4096
+
+
+def test_quantized_experts_agree_with_float32(tmp_path):
+    """int8 and int4 experts (and attention): the most likely next token agrees with float32's at most positions
+    of a teacher-forced sequence (the float32 model's own greedy continuation); a wrong expert, scale or layout
+    would agree at random (~1/400)."""
+    folder = tmp_path / "moe_quant"
+    with pytest.MonkeyPatch.context() as mp:  # input sizes 64: every expert linear is quantized
+        mp.setitem(tiny.ARCHS, "qwen3_moe_q", dict(SPECS["qwen3_moe"], moe_intermediate_size=64))
+        make_checkpoint(folder, "qwen3_moe_q", hidden_size=64)
+    base = run_llm(1, [{"model": str(folder), "prompts": PROMPTS[:1], "max_tokens": 96}])[0]
+    sequence = PROMPTS[0] + base["outputs"][0]["token_ids"]
+    jobs = [{"model": str(folder), "prompts": [sequence], "max_tokens": 1, "prompt_logprobs": 1,
+             "llm": {"quantization": q}} for q in (None, "int8", "int4")]
+    f32, int8, int4 = run_llm(1, jobs)
+
+    def agreement(result):
+        pairs = [(a[0][0], b[0][0]) for a, b in zip(f32["outputs"][0]["prompt_top"], result["outputs"][0]["prompt_top"])]
+        return sum(x == y for x, y in pairs) / len(pairs)
+
+    assert agreement(int8) >= 0.9, agreement(int8)
+    assert agreement(int4) >= 0.6, agreement(int4)
+
+
+def test_refused_configs(reference, tmp_path):
+    def variant(arch: str, name: str, **config) -> str:
+        folder = tmp_path / name
+        shutil.copytree(reference[arch][0], folder)
+        cfg = json.loads((folder / "config.json").read_text())
+        cfg.update(config)
+        (folder / "config.json").write_text(json.dumps(cfg))
+        return str(folder)
+
+    dense = make_checkpoint(tmp_path / "dense", "llama")
+    cases = [
+        ({"model": str(dense), "llm": {"enable_expert_parallel": True}}, "dense model, it has no experts to split"),
+        ({"model": variant("qwen3_moe", "grouped", n_group=2, topk_group=1)}, "n_group=2 (grouped top-k routing)"),
+        ({"model": variant("qwen3_moe", "bias", topk_method="noaux_tc")}, "topk_method='noaux_tc'"),
+        ({"model": variant("mixtral", "k", num_experts_per_tok=9)}, "num_experts_per_tok (9)"),
+        ({"model": variant("qwen3_moe", "deepseek", architectures=["DeepseekV3ForCausalLM"])},
+         "multi-head latent attention"),
+    ]
+    results = run_llm(1, [job for job, _ in cases])
+    for (job, message), result in zip(cases, results, strict=True):
+        assert "error" in result and message in result["error"], (job, result)
+
+
+def test_expert_token_counts(reference):
+    """tpserve_moe_expert_tokens_total: every token of every sparse layer is routed to k experts, counted once."""
+    from server.llm import LLM
+    from server.metrics import ExpertTokens
+    from server.sampling import SamplingParams
+
+    with LLM(str(reference["qwen3_moe"][0]), max_num_seqs=4) as llm:
+        llm.generate(PROMPTS, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+        (family,) = list(ExpertTokens(llm.runner.model).collect())
+    by_layer: dict[str, float] = {}
+    for sample in family.samples:
+        by_layer[sample.labels["layer"]] = by_layer.get(sample.labels["layer"], 0) + sample.value
+    # layers 0 and 2 are sparse; every prompt token and every generated token but the last pass each once
+    tokens = sum(len(p) for p in PROMPTS) + len(PROMPTS) * 7
+    assert by_layer == {"0": 2 * tokens, "2": 2 * tokens}
