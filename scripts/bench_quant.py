@@ -239,7 +239,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-llama", action="store_true", help="leave llama-bench out (served over offline only)")
     ap.add_argument("--iters", type=int, default=200)
     ap.add_argument("--rows", default="1", help="--linears: activation row counts, e.g. 1,8,32,512")
-    ap.add_argument("--gguf", default="results/SmolLM2-135M-Instruct-F32.gguf")
+    ap.add_argument("--gguf", default="results/SmolLM2-135M-Instruct-F32.gguf",
+                    help="llama.cpp's F32 GGUF of the same weights (quantized from it), or a template of ready files, "
+                         "e.g. /data/moe-{kind}.gguf ({kind}: Q8_0, Q4_0, ...)")
     ap.add_argument("--output", default=None)
     args = ap.parse_args(argv)
     print(f"CPU: {cpu_name()}, {args.threads} threads, load {load_avg()}", flush=True)
@@ -254,14 +256,16 @@ def main(argv: list[str] | None = None) -> int:
     from loaders.default_model import ensure_default_model
 
     model = args.model or str(ensure_default_model())
-    f32 = f32_gguf(Path(args.gguf))
+    templated = "{kind}" in args.gguf  # ready GGUFs (e.g. converted by llama.cpp's convert_hf_to_gguf.py)
+    f32 = None if templated else f32_gguf(Path(args.gguf))
     pairs = [p for p in PAIRS if not args.only or precision(p[0], p[1]) in args.only]
     have_llama = llama_bin("llama-bench").exists() and not args.no_llama
     if not have_llama:
         print("llama.cpp skipped: run scripts/build_llama_cpp.sh first", flush=True)
     engines = {precision(d, q): Tpserve(model, d, q) for d, q, _ in pairs}
     served = {precision(d, q): Served(model, d, q, args.threads) for d, q, _ in pairs} if args.served else {}
-    ggufs = {kind: llama_gguf(f32, kind, args.threads) for _, _, kind in pairs} if have_llama else {}
+    ggufs = {kind: Path(args.gguf.format(kind=kind)) if templated else llama_gguf(f32, kind, args.threads)
+             for _, _, kind in pairs} if have_llama else {}
     rows = []
     for r in range(args.rounds):
         for dtype, q, kind in pairs:

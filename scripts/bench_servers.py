@@ -87,7 +87,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)), help="every server's threads")
     ap.add_argument("--llama-parallel", type=int, default=None, help="llama-server slots (default: highest level)")
-    ap.add_argument("--gguf", default="results/SmolLM2-135M-Instruct-F32.gguf")
+    ap.add_argument("--gguf", default="results/SmolLM2-135M-Instruct-F32.gguf",
+                    help="llama.cpp's F32 GGUF of the same weights (quantized from it), or a template of ready files, "
+                         "e.g. /data/moe-{kind}.gguf")
+    ap.add_argument("--model", help="tpserve's checkpoint folder (default: the default model)")
+    ap.add_argument("--tpserve-args", default="", help="more `tpserve serve` flags, e.g. '-tp 2 --kv-cache-memory 2GiB'")
     ap.add_argument("--outdir", default="results/serving")
     ap.add_argument("--output", default=None)
     args = ap.parse_args(argv)
@@ -102,9 +106,11 @@ def main(argv: list[str] | None = None) -> int:
     if not llama_bin("llama-server").exists():
         print("bench_servers needs llama-server: run scripts/build_llama_cpp.sh first", file=sys.stderr)
         return 2
-    model = str(ensure_default_model())
+    model = args.model or str(ensure_default_model())
     tp_args, kind = PRECISIONS[args.precision]
-    gguf = llama_gguf(f32_gguf(Path(args.gguf)), kind, args.threads)
+    tp_args = tp_args + args.tpserve_args.split()
+    gguf = (Path(args.gguf.format(kind=kind)) if "{kind}" in args.gguf
+            else llama_gguf(f32_gguf(Path(args.gguf)), kind, args.threads))
     Path(args.outdir).mkdir(parents=True, exist_ok=True)
     levels = [tuple(int(x) for x in level.split(":")) for level in args.levels.split(",")]
     slots = args.llama_parallel or max(c for c, _ in levels)

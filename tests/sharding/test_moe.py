@@ -184,3 +184,42 @@ def test_expert_token_counts(reference):
     # layers 0 and 2 are sparse; every prompt token and every generated token but the last pass each once
     tokens = sum(len(p) for p in PROMPTS) + len(PROMPTS) * 7
     assert by_layer == {"0": 2 * tokens, "2": 2 * tokens}
+
+
+def test_serving_features_with_experts(reference):
+    """At TP 2 with expert parallelism: two pipeline stages of MoE layers, two data-parallel replicas (each its own
+    expert group), and one replica with prefix caching, 8-token prefill chunks and a pool so small that sequences
+    are preempted and recomputed: every output equals transformers', in the first round and when the same prompts
+    come again (from the prefix cache)."""
+    folder, expected = reference["qwen3_moe"]
+    prompts = PROMPTS * 2
+    want = [t for t, _ in expected] * 2
+    # bytes of one block per rank: 3 layers x K,V x 2 of 4 KV heads x 16 tokens x head_dim 16 x 4 bytes
+    per_block = 3 * 2 * 2 * 16 * 16 * 4
+    base = {"model": str(folder), "prompts": prompts, "max_tokens": MAX_TOKENS, "max_num_seqs": 4}
+    jobs = [
+        dict(base, llm={"enable_expert_parallel": True, "pipeline_parallel_size": 2}),
+        dict(base, llm={"enable_expert_parallel": True, "data_parallel_size": 2}),
+        dict(base, repeat=2, llm={"enable_expert_parallel": True, "max_num_batched_tokens": 8,
+                                  "kv_cache_memory": 8 * per_block}),
+    ]
+    results = run_llm(2, jobs, timeout=600)
+    for name, res in zip(("pp 2", "dp 2", "chunked, tiny pool, cached"), results):
+        assert "error" not in res, (name, res)
+        assert [o["token_ids"] for o in res["outputs"]] == want, name
+    assert results[2]["repeats"][0] == want
+    assert results[2]["preemptions"] > 0 and results[2]["prefix_hit_tokens"] > 0
+
+
+def test_structured_output_with_experts(reference):
+    """A JSON schema constrains a MoE model's answer as a dense model's (the grammar masks the logits; the experts
+    are not involved): the text parses and has the schema's shape."""
+    from server.llm import LLM
+    from server.sampling import SamplingParams
+
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"],
+              "additionalProperties": False}
+    with LLM(str(reference["mixtral"][0]), max_num_seqs=2) as llm:
+        (out,) = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=40, temperature=0), json_schema=schema)
+    value = json.loads(out.text)
+    assert set(value) == {"n"} and isinstance(value["n"], int)
