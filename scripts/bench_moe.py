@@ -129,57 +129,85 @@ LAYOUTS = {"tp1": dict(tensor_parallel_size=1), "tp2": dict(tensor_parallel_size
            "ep2": dict(tensor_parallel_size=2, enable_expert_parallel=True)}
 
 
-def layouts(args) -> dict:
+def one_layout(args) -> dict:
+    """One layout in this (fresh) process: its batch-1 and 8-stream decode, the bytes of a batch-1 step, and the peak
+    resident memory of rank 0 and of the other ranks (each a process of its own) since start."""
+    import resource
+
     from server.llm import LLM
     from server.sampling import SamplingParams
 
+    t0 = time.perf_counter()
+    llm = LLM(args.model, quantization=args.quantization, max_num_seqs=8, max_model_len=512,
+              kv_cache_memory=512 << 20, **LAYOUTS[args.layout])
+    load_s = time.perf_counter() - t0
+    vocab = llm.runner.vocab_size
+    rng = random.Random(args.seed)
+    prompts = [[rng.randrange(100, vocab) for _ in range(PROMPT_LEN)] for _ in range(8)]
+    params = SamplingParams(max_tokens=DECODE_TOKENS, temperature=0, ignore_eos=True)
+    llm.generate(prompts[:1], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))  # warm-up
+    t0 = time.perf_counter()
+    llm.generate([prompts[1]], SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
+    ttft = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    llm.generate([prompts[1]], params)
+    ms = (time.perf_counter() - t0 - ttft) / (DECODE_TOKENS - 1) * 1e3
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    tok_s = sum(len(o.token_ids) for o in outs) / (time.perf_counter() - t0)
+    step = active_bytes(llm)
+    others = [peak_rss_gb(p.pid) for p in (llm.workers.procs if llm.workers else [])]
+    llm.close()
+    return dict(layout=args.layout, load_s=load_s, batch1_ms=ms, batch8_tok_s=tok_s, **step,
+                rank0_gb_s=step["total_bytes"] / ms / 1e6,
+                rank0_peak_gb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+                other_ranks_peak_gb=max(others, default=0.0))
+
+
+def peak_rss_gb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 2**20
+    return 0.0
+
+
+def layouts(args) -> dict:
     names = args.layouts.split(",")
     rows = []
     for r in range(args.rounds):
-        for name in (names if r % 2 == 0 else names[::-1]):
-            t0 = time.perf_counter()
-            llm = LLM(args.model, quantization=args.quantization, max_num_seqs=8, max_model_len=512,
-                      kv_cache_memory=512 << 20, **LAYOUTS[name])
-            load_s = time.perf_counter() - t0
-            vocab = llm.runner.vocab_size
-            rng = random.Random(r)
-            prompts = [[rng.randrange(100, vocab) for _ in range(PROMPT_LEN)] for _ in range(8)]
-            params = SamplingParams(max_tokens=DECODE_TOKENS, temperature=0, ignore_eos=True)
-            one = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
-            llm.generate(prompts[:1], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))  # warm-up
-            t0 = time.perf_counter()
-            llm.generate([prompts[1]], one)
-            ttft = time.perf_counter() - t0
-            t0 = time.perf_counter()
-            llm.generate([prompts[1]], params)
-            ms = (time.perf_counter() - t0 - ttft) / (DECODE_TOKENS - 1) * 1e3
-            t0 = time.perf_counter()
-            outs = llm.generate(prompts, params)
-            tok_s = sum(len(o.token_ids) for o in outs) / (time.perf_counter() - t0)
-            step = active_bytes(llm)
-            llm.close()
-            row = dict(round=r, layout=name, load_s=load_s, batch1_ms=ms, batch8_tok_s=tok_s, **step,
-                       rank0_gb_s=step["total_bytes"] / ms / 1e6)
+        for name in (names if r % 2 == 0 else names[::-1]):  # one layout per fresh process: one copy in memory
+            out = subprocess.run([sys.executable, __file__, "one", "--layout", name, "--model", args.model, "-q",
+                                  args.quantization, "--seed", str(r)], capture_output=True, text=True, cwd=ROOT)
+            if out.returncode:
+                raise RuntimeError(f"{name}: {out.stderr[-2000:]}")
+            row = dict(round=r, **json.loads(out.stdout.strip().splitlines()[-1]))
             rows.append(row)
-            print(f"[round {r}] {name}: batch 1 {ms:6.2f} ms/token ({1e3 / ms:5.1f} tok/s), 8 streams "
-                  f"{tok_s:6.1f} tok/s; rank 0 streams {step['total_bytes'] / 1e6:7.1f} MB per batch-1 step "
-                  f"({row['rank0_gb_s']:.1f} GB/s); loaded in {load_s:.0f} s", flush=True)
+            print(f"[round {r}] {name}: batch 1 {row['batch1_ms']:6.2f} ms/token ({1e3 / row['batch1_ms']:5.1f} "
+                  f"tok/s), 8 streams {row['batch8_tok_s']:6.1f} tok/s; rank 0 streams "
+                  f"{row['total_bytes'] / 1e6:7.1f} MB per batch-1 step ({row['rank0_gb_s']:.1f} GB/s); loaded in "
+                  f"{row['load_s']:.0f} s; peak RSS rank 0 {row['rank0_peak_gb']:.2f} GB, other ranks "
+                  f"{row['other_ranks_peak_gb']:.2f} GB", flush=True)
     summary = []
     for name in names:
         mine = [x for x in rows if x["layout"] == name]
         summary.append(dict(layout=name, batch1_ms=statistics.median(x["batch1_ms"] for x in mine),
                             batch8_tok_s=statistics.median(x["batch8_tok_s"] for x in mine),
                             rank0_mb=mine[0]["total_bytes"] / 1e6,
-                            rank0_gb_s=statistics.median(x["rank0_gb_s"] for x in mine)))
+                            rank0_gb_s=statistics.median(x["rank0_gb_s"] for x in mine),
+                            rank0_peak_gb=max(x["rank0_peak_gb"] for x in mine),
+                            other_ranks_peak_gb=max(x["other_ranks_peak_gb"] for x in mine)))
         s = summary[-1]
         print(f"median {name}: batch 1 {s['batch1_ms']:.2f} ms/token, 8 streams {s['batch8_tok_s']:.1f} tok/s, "
-              f"rank 0 {s['rank0_mb']:.0f} MB/step at {s['rank0_gb_s']:.1f} GB/s")
+              f"rank 0 {s['rank0_mb']:.0f} MB/step at {s['rank0_gb_s']:.1f} GB/s, peak RSS {s['rank0_peak_gb']:.2f} "
+              f"/ {s['other_ranks_peak_gb']:.2f} GB")
     return dict(kind="layouts", quantization=args.quantization, rows=rows, summary=summary)
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("what", choices=["prefill", "layouts"])
+    ap.add_argument("what", choices=["prefill", "layouts", "one"])
+    ap.add_argument("--layout", choices=list(LAYOUTS), help=argparse.SUPPRESS)
+    ap.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--model", required=True)
     ap.add_argument("--gguf", help="prefill: a template of the GGUFs, e.g. /data/moe-{kind}.gguf")
     ap.add_argument("-q", "--quantization", default="int8", choices=list(LLAMA_KIND))
@@ -189,6 +217,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     ap.add_argument("--output", default=None)
     args = ap.parse_args(argv)
+    if args.what == "one":
+        print(json.dumps(one_layout(args)))
+        return 0
     print(f"CPU: {cpu_name()}, {args.threads} threads", flush=True)
     result = prefill(args) if args.what == "prefill" else layouts(args)
     result.update(cpu=cpu_name(), threads=args.threads, model=args.model)
