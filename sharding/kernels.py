@@ -138,7 +138,9 @@ def build_kernels(verbose: bool = False) -> bool:
                               ("f32", "TPSERVE_F32_KERNEL", ops.f32_linear.default),
                               ("argmax", "TPSERVE_GLUE_KERNEL", ops.argmax_rows.default),
                               ("layers", "TPSERVE_LAYERS_KERNEL",
-                               (torch.classes.tpserve.DecodeLayers, ops.decode_layers.default))):
+                               (torch.classes.tpserve.DecodeLayers, ops.decode_layers.default)),
+                              ("moe", "TPSERVE_MOE_KERNEL",
+                               (torch.classes.tpserve.MoeExperts, ops.moe_experts.default))):
             if os.environ.get(env, "1") != "0":
                 _OPS[name] = op
     finally:
@@ -204,6 +206,24 @@ def argmax_op():
 def decode_layers_ops():
     """(DecodeLayers, decode_layers): a model's decode layers in one call (decode_glue.cpp), or None."""
     return _OPS.get("layers") if _OPS.get("glue") is not None else None
+
+
+def moe_experts_ops():
+    """(MoeExperts, moe_experts): an MoE layer's grouped experts in one call (decode_glue.cpp), or None."""
+    return _OPS.get("moe")
+
+
+def plan_linear(lin) -> tuple | None:
+    """How the compiled steps (decode_layers, moe_experts) run this linear: (kind, weight, scale, bias, n, group), or
+    None where it has no compiled kernel (kinds: 0 float32 in blocks of 32 columns, 1 int8, 2 int4, 3 bf16)."""
+    empty = torch.empty(0)
+    if lin.blocked is not None:
+        return 0, lin.blocked, empty, lin.bias, lin._f32[1], 0
+    q = lin.qweight
+    if q is None or q.kernel is None:
+        return None
+    kind = {"int8": 1, "int4": 2, "bf16": 3}[q.mode]
+    return kind, q.data, q.scale if q.mode != "bf16" else empty, lin.bias, q.out_features, q.group
 
 
 def decode_glue_ops():

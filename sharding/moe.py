@@ -224,13 +224,37 @@ class SparseMoe(nn.Module):
         gate, up = h.chunk(2, dim=-1)
         return F.silu(gate) * up
 
+    _compiled: object = False  # the compiled grouped experts (torch.classes.tpserve.MoeExperts), None: the loop
+
+    def _compile(self) -> object:
+        """This rank's experts as one compiled MoeExperts (decode_glue.cpp's moe_experts: every phase of every active
+        expert in one call), where each expert's linears have a compiled kernel and the activation is SiLU(gate) * up;
+        else None (the loop of `routed`). Built at the first step, after the weights are packed and moved."""
+        ops = kernels.moe_experts_ops()
+        if ops is None or self._act is not None or not len(self.experts):
+            return None
+        specs = [(e.index, kernels.plan_linear(e.gate_up), kernels.plan_linear(e.down)) for e in self.experts]
+        if any(g is None or d is None for _, g, d in specs):
+            return None
+        compiled = ops[0]()
+        for (index, gate_up, down), expert in zip(specs, self.experts):
+            if not expert.add_down_bias:
+                down = down[:3] + (None,) + down[4:]
+            compiled.add_expert(index, *gate_up, *down)
+        return compiled
+
     def routed(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's share of the routed experts' weighted sum, [n, hidden] in x's dtype."""
         weights, ids = self.routing(self.router(x))
-        k = ids.shape[1]
         flat = ids.reshape(-1)
         counts = torch.bincount(flat, minlength=self.num_experts)
         self.tokens_per_expert += counts.cpu()
+        if x.dtype == torch.float32 and x.device.type == "cpu":
+            if self._compiled is False:
+                self._compiled = self._compile()
+            if self._compiled is not None:
+                return kernels.moe_experts_ops()[1](self._compiled, x.contiguous(), ids, weights.contiguous())
+        k = ids.shape[1]
         order = torch.argsort(flat, stable=True)  # the (token, expert) pairs grouped by expert, tokens ascending
         tokens = order // k
         pair_weights = weights.reshape(-1)[order].to(x.dtype).unsqueeze(1)

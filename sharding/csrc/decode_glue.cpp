@@ -205,6 +205,44 @@ struct PlanLayer {
   double scale, post_eps, next_eps;
 };
 
+// A linear as the compiled steps run it (kind 0 float32 in blocks of 32 columns, 1 int8, 2 int4, 3 bf16), checked
+PlanLinear make_plan_linear(int64_t kind, at::Tensor w, at::Tensor scale, std::optional<at::Tensor> bias, int64_t n,
+                            int64_t group) {
+  TORCH_CHECK(w.dim() >= 2 && w.is_contiguous() && n > 0, "add_linear: a contiguous weight");
+  int64_t k = 0, blocks = w.size(0);
+  if (kind == 0) {
+    TORCH_CHECK(w.dim() == 3 && w.scalar_type() == at::kFloat && w.size(2) == tpserve::F32_BLOCK &&
+                    blocks == (n + tpserve::F32_BLOCK - 1) / tpserve::F32_BLOCK,
+                "add_linear: float32 weights [ceil(n/32), K, 32]");
+    k = w.size(1);
+  } else {
+    const int64_t rb = kind == 3 ? tpserve::bf16_rows() : tpserve::int_rows();  // rows per block
+    TORCH_CHECK(w.dim() == 2 && blocks == (n + rb - 1) / rb,
+                "add_linear: packed weights [ceil(n/rows), rows x row bytes]");
+    if (kind == 1) {
+      k = w.size(1) / rb;
+      TORCH_CHECK(w.scalar_type() == at::kChar && scale.scalar_type() == at::kHalf && k % 32 == 0 &&
+                      scale.dim() == 3 && scale.size(0) == blocks && scale.size(1) == k / 32 &&
+                      scale.size(2) == rb && scale.is_contiguous(),
+                  "add_linear: int8 weights with float16 scales [ceil(n/rows), K/32, rows]");
+    } else if (kind == 2) {
+      k = w.size(1) * 2 / rb;
+      TORCH_CHECK(w.scalar_type() == at::kByte && scale.scalar_type() == at::kHalf && group > 0 && group % 32 == 0 &&
+                      k % group == 0 && scale.dim() == 3 && scale.size(0) == blocks &&
+                      scale.size(1) == k / group && scale.size(2) == rb && scale.is_contiguous(),
+                  "add_linear: int4 weights with float16 scales [ceil(n/rows), K/group, rows]");
+    } else {
+      TORCH_CHECK(kind == 3 && w.scalar_type() == at::kByte, "add_linear: kind 0-3");
+      k = w.size(1) / (2 * rb);
+      TORCH_CHECK(k % 16 == 0, "add_linear: bf16 inputs a multiple of 16");
+    }
+  }
+  if (bias.has_value())
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->numel() == n && bias->is_contiguous(),
+                "add_linear: float32 bias [n]");
+  return PlanLinear{kind, std::move(w), std::move(scale), std::move(bias), n, group, k, blocks};
+}
+
 struct DecodeLayers : torch::CustomClassHolder {
   std::vector<PlanLinear> pending;
   std::vector<PlanLayer> layers;
@@ -212,39 +250,7 @@ struct DecodeLayers : torch::CustomClassHolder {
   void add_linear(int64_t kind, at::Tensor w, at::Tensor scale, std::optional<at::Tensor> bias, int64_t n,
                   int64_t group) {
     TORCH_CHECK(pending.size() < 4, "DecodeLayers.add_linear: 4 per layer");
-    TORCH_CHECK(w.dim() >= 2 && w.is_contiguous() && n > 0, "DecodeLayers.add_linear: a contiguous weight");
-    int64_t k = 0, blocks = w.size(0);
-    if (kind == 0) {
-      TORCH_CHECK(w.dim() == 3 && w.scalar_type() == at::kFloat && w.size(2) == tpserve::F32_BLOCK &&
-                      blocks == (n + tpserve::F32_BLOCK - 1) / tpserve::F32_BLOCK,
-                  "DecodeLayers.add_linear: float32 weights [ceil(n/32), K, 32]");
-      k = w.size(1);
-    } else {
-      const int64_t rb = kind == 3 ? tpserve::bf16_rows() : tpserve::int_rows();  // rows per block
-      TORCH_CHECK(w.dim() == 2 && blocks == (n + rb - 1) / rb,
-                  "DecodeLayers.add_linear: packed weights [ceil(n/rows), rows x row bytes]");
-      if (kind == 1) {
-        k = w.size(1) / rb;
-        TORCH_CHECK(w.scalar_type() == at::kChar && scale.scalar_type() == at::kHalf && k % 32 == 0 &&
-                        scale.dim() == 3 && scale.size(0) == blocks && scale.size(1) == k / 32 &&
-                        scale.size(2) == rb && scale.is_contiguous(),
-                    "DecodeLayers.add_linear: int8 weights with float16 scales [ceil(n/rows), K/32, rows]");
-      } else if (kind == 2) {
-        k = w.size(1) * 2 / rb;
-        TORCH_CHECK(w.scalar_type() == at::kByte && scale.scalar_type() == at::kHalf && group > 0 && group % 32 == 0 &&
-                        k % group == 0 && scale.dim() == 3 && scale.size(0) == blocks &&
-                        scale.size(1) == k / group && scale.size(2) == rb && scale.is_contiguous(),
-                    "DecodeLayers.add_linear: int4 weights with float16 scales [ceil(n/rows), K/group, rows]");
-      } else {
-        TORCH_CHECK(kind == 3 && w.scalar_type() == at::kByte, "DecodeLayers.add_linear: kind 0-3");
-        k = w.size(1) / (2 * rb);
-        TORCH_CHECK(k % 16 == 0, "DecodeLayers.add_linear: bf16 inputs a multiple of 16");
-      }
-    }
-    if (bias.has_value())
-      TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->numel() == n && bias->is_contiguous(),
-                  "DecodeLayers.add_linear: float32 bias [n]");
-    pending.push_back(PlanLinear{kind, std::move(w), std::move(scale), std::move(bias), n, group, k, blocks});
+    pending.push_back(make_plan_linear(kind, std::move(w), std::move(scale), std::move(bias), n, group));
   }
 
   // after the layer's four linears, in order: qkv, o, gate_up, down (uniform GQA groups: query head p reads KV head
@@ -454,6 +460,166 @@ at::Tensor decode_layers(const c10::intrusive_ptr<DecodeLayers>& plan, at::Tenso
   return out;
 }
 
+
+// ---- the grouped experts of an MoE layer (sharding/moe.py) ----------------------------------------------------------
+// moe_experts(plan, x [M, H], ids [M, k], weights [M, k]) -> out [M, H]: for each expert of the plan that a row was
+// routed to, gate/up -> SiLU(gate) * up -> down over the rows routed to it (each expert's weights read once per call,
+// whatever its row count), then out[m] = sum over m's experts, in expert order, of weight * expert(x[m]). Experts not
+// in the plan (another rank's, under expert parallelism) are skipped. One OpenMP team through every phase: the rows
+// gathered, each phase's work (the active experts' output blocks) split over the threads, barriers between.
+
+struct MoeExperts : torch::CustomClassHolder {
+  std::vector<int64_t> index;  // the global expert id of each local expert, ascending
+  std::vector<PlanLinear> gate_up, down;
+
+  void add_expert(int64_t id, int64_t kind, at::Tensor w, at::Tensor scale, std::optional<at::Tensor> bias, int64_t n,
+                  int64_t group, int64_t kind2, at::Tensor w2, at::Tensor scale2, std::optional<at::Tensor> bias2,
+                  int64_t n2, int64_t group2) {
+    TORCH_CHECK(index.empty() || id > index.back(), "MoeExperts.add_expert: ascending expert ids");
+    PlanLinear gu = make_plan_linear(kind, std::move(w), std::move(scale), std::move(bias), n, group);
+    PlanLinear dn = make_plan_linear(kind2, std::move(w2), std::move(scale2), std::move(bias2), n2, group2);
+    TORCH_CHECK(gu.n % 2 == 0 && dn.k == gu.n / 2 && dn.n == gu.k, "MoeExperts.add_expert: shapes do not chain");
+    TORCH_CHECK(gate_up.empty() || (gu.k == gate_up[0].k && gu.n == gate_up[0].n),
+                "MoeExperts.add_expert: experts of one shape");
+    index.push_back(id);
+    gate_up.push_back(std::move(gu));
+    down.push_back(std::move(dn));
+  }
+
+  int64_t size() const { return static_cast<int64_t>(index.size()); }
+};
+
+at::Tensor moe_experts(const c10::intrusive_ptr<MoeExperts>& plan, const at::Tensor& x, const at::Tensor& ids,
+                       const at::Tensor& weights) {
+  TORCH_CHECK(plan->size() > 0, "moe_experts: an empty plan");
+  const int64_t M = x.size(0), H = plan->gate_up[0].k, I = plan->gate_up[0].n / 2, K = ids.size(1);
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == H && x.scalar_type() == at::kFloat && x.is_contiguous(),
+              "moe_experts: x [M, hidden] float32, contiguous");
+  TORCH_CHECK(ids.dim() == 2 && ids.size(0) == M && ids.scalar_type() == at::kLong && ids.is_contiguous() &&
+                  weights.sizes() == ids.sizes() && weights.scalar_type() == at::kFloat && weights.is_contiguous(),
+              "moe_experts: ids [M, k] int64 and weights [M, k] float32, contiguous");
+  // the (row, expert) pairs of this plan's experts, grouped by expert (ascending), rows ascending within
+  const int64_t E = plan->size();
+  const int64_t* idp = ids.data_ptr<int64_t>();
+  const float* wp = weights.data_ptr<float>();
+  const int64_t first_id = plan->index.front(), last_id = plan->index.back();
+  std::vector<int64_t> local(last_id - first_id + 1, -1);
+  for (int64_t e = 0; e < E; ++e) local[plan->index[e] - first_id] = e;
+  std::vector<int64_t> count(E + 1, 0);
+  for (int64_t i = 0; i < M * K; ++i) {
+    const int64_t g = idp[i];
+    if (g >= first_id && g <= last_id && local[g - first_id] >= 0) ++count[local[g - first_id] + 1];
+  }
+  std::vector<int64_t> start(E + 1, 0);
+  for (int64_t e = 0; e < E; ++e) start[e + 1] = start[e] + count[e + 1];
+  const int64_t P = start[E];
+  at::Tensor out = at::zeros({M, H}, x.options());
+  if (P == 0) return out;
+  std::vector<int64_t> row(P), fill(start.begin(), start.end() - 1);
+  std::vector<float> pw(P);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t j = 0; j < K; ++j) {
+      const int64_t g = idp[m * K + j];
+      if (g < first_id || g > last_id || local[g - first_id] < 0) continue;
+      const int64_t p = fill[local[g - first_id]]++;
+      row[p] = m;
+      pw[p] = wp[m * K + j];
+    }
+  // each row's pairs in expert order (for the sum), and the active experts with their phases' work items
+  std::vector<int64_t> row_start(M + 1, 0), row_pairs(P);
+  for (int64_t p = 0; p < P; ++p) ++row_start[row[p] + 1];
+  for (int64_t m = 0; m < M; ++m) row_start[m + 1] += row_start[m];
+  {
+    std::vector<int64_t> at(row_start.begin(), row_start.end() - 1);
+    for (int64_t p = 0; p < P; ++p) row_pairs[at[row[p]]++] = p;
+  }
+  std::vector<int64_t> active;
+  for (int64_t e = 0; e < E; ++e)
+    if (start[e + 1] > start[e]) active.push_back(e);
+  const int64_t A = static_cast<int64_t>(active.size());
+  std::vector<int64_t> gu_items(A + 1, 0), dn_items(A + 1, 0);  // prefix sums of output blocks per active expert
+  for (int64_t a = 0; a < A; ++a) {
+    gu_items[a + 1] = gu_items[a] + plan->gate_up[active[a]].blocks;
+    dn_items[a + 1] = dn_items[a] + plan->down[active[a]].blocks;
+  }
+  const auto opts = x.options();
+  at::Tensor xg = at::empty({P, H}, opts), gu = at::empty({P, 2 * I}, opts), act = at::empty({P, I}, opts);
+  at::Tensor y = at::empty({P, H}, opts);
+  float *xgp = xg.data_ptr<float>(), *gup = gu.data_ptr<float>(), *actp = act.data_ptr<float>();
+  float *yp = y.data_ptr<float>(), *outp = out.data_ptr<float>();
+  const float* xp = x.data_ptr<float>();
+  // int8 (VNNI) or bfloat16 copies of each active expert's input rows, per linear
+  std::vector<tpserve::Int8Rows> xq(A), aq(A);
+  for (int64_t a = 0; a < A; ++a) {
+    const int64_t e = active[a], c = start[e + 1] - start[e];
+    if (takes_rows(plan->gate_up[e])) tpserve::resize_rows(xq[a], c, H);
+    if (takes_bf16(plan->gate_up[e])) tpserve::resize_bf16_rows(xq[a], c, H);
+    if (takes_rows(plan->down[e])) tpserve::resize_rows(aq[a], c, I);
+    if (takes_bf16(plan->down[e])) tpserve::resize_bf16_rows(aq[a], c, I);
+  }
+  const int nt = std::max(1, at::get_num_threads());
+#pragma omp parallel num_threads(nt)
+  {
+    const int t = omp_get_thread_num(), T = omp_get_num_threads();
+    const auto share = [&](int64_t n, int64_t& lo, int64_t& hi) {
+      lo = n * t / T;
+      hi = n * (t + 1) / T;
+    };
+    // runs f(active expert a, its first pair, its pair count, blocks [b0, b1)) over this thread's share of the
+    // work items (the active experts' output blocks, laid end to end)
+    const auto blocks = [&](const std::vector<int64_t>& items, const auto& f) {
+      int64_t lo, hi;
+      share(items[A], lo, hi);
+      for (int64_t a = 0; a < A && lo < hi; ++a) {
+        const int64_t b0 = std::max(lo, items[a]) - items[a], b1 = std::min(hi, items[a + 1]) - items[a];
+        if (b0 < b1) f(a, start[active[a]], start[active[a] + 1] - start[active[a]], b0, b1);
+      }
+    };
+    int64_t lo, hi;
+    share(P, lo, hi);
+    for (int64_t p = lo; p < hi; ++p) std::copy(xp + row[p] * H, xp + row[p] * H + H, xgp + p * H);
+#pragma omp barrier
+    // the input rows' int8 / bfloat16 copies, per active expert (this thread's share of the experts)
+    share(A, lo, hi);
+    for (int64_t a = lo; a < hi; ++a) {
+      const int64_t e = active[a], s0 = start[e], c = start[e + 1] - s0;
+      if (takes_rows(plan->gate_up[e])) tpserve::quantize_rows(xgp + s0 * H, xq[a], 0, c, 0, H / 32);
+      if (takes_bf16(plan->gate_up[e])) tpserve::round_rows_bf16(xgp + s0 * H, xq[a], 0, c);
+    }
+#pragma omp barrier
+    blocks(gu_items, [&](int64_t a, int64_t s0, int64_t c, int64_t b0, int64_t b1) {
+      linear_range(plan->gate_up[active[a]], xgp + s0 * H, &xq[a], c, gup + s0 * 2 * I, b0, b1);
+    });
+#pragma omp barrier
+    share(P, lo, hi);
+    for (int64_t p = lo; p < hi; ++p) silu_mul_row(gup + p * 2 * I, gup + p * 2 * I + I, actp + p * I, I);
+#pragma omp barrier
+    share(A, lo, hi);
+    for (int64_t a = lo; a < hi; ++a) {
+      const int64_t e = active[a], s0 = start[e], c = start[e + 1] - s0;
+      if (takes_rows(plan->down[e])) tpserve::quantize_rows(actp + s0 * I, aq[a], 0, c, 0, I / 32);
+      if (takes_bf16(plan->down[e])) tpserve::round_rows_bf16(actp + s0 * I, aq[a], 0, c);
+    }
+#pragma omp barrier
+    blocks(dn_items, [&](int64_t a, int64_t s0, int64_t c, int64_t b0, int64_t b1) {
+      linear_range(plan->down[active[a]], actp + s0 * I, &aq[a], c, yp + s0 * H, b0, b1);
+    });
+#pragma omp barrier
+    share(M, lo, hi);  // each row: its experts' weighted outputs, summed in expert order
+    for (int64_t m = lo; m < hi; ++m) {
+      float* o = outp + m * H;
+      for (int64_t r = row_start[m]; r < row_start[m + 1]; ++r) {
+        const int64_t p = row_pairs[r];
+        const float w = pw[p];
+        const float* yr = yp + p * H;
+#pragma omp simd
+        for (int64_t i = 0; i < H; ++i) o[i] += yr[i] * w;
+      }
+    }
+  }
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(tpserve, m) {
@@ -469,6 +635,12 @@ TORCH_LIBRARY_FRAGMENT(tpserve, m) {
       .def("size", &DecodeLayers::size);
   m.def("decode_layers(__torch__.torch.classes.tpserve.DecodeLayers plan, Tensor(a!) h, Tensor x, Tensor cos, "
         "Tensor sin, Tensor slots, Tensor table, Tensor lens, int window) -> Tensor");
+  m.class_<MoeExperts>("MoeExperts")
+      .def(torch::init<>())
+      .def("add_expert", &MoeExperts::add_expert)
+      .def("size", &MoeExperts::size);
+  m.def("moe_experts(__torch__.torch.classes.tpserve.MoeExperts plan, Tensor x, Tensor ids, Tensor weights) -> "
+        "Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tpserve, CPU, m) {
@@ -477,4 +649,5 @@ TORCH_LIBRARY_IMPL(tpserve, CPU, m) {
   m.impl("silu_mul", &silu_mul);
   m.impl("argmax_rows", &argmax_rows);
   m.impl("decode_layers", &decode_layers);
+  m.impl("moe_experts", &moe_experts);
 }

@@ -182,25 +182,13 @@ class _DecodePlan:
     pool: torch.Tensor | None = None  # the first layer's cache pool when `compiled` was made
 
 
-def _plan_linear(lin) -> tuple | None:
-    """How decode_layers runs this linear: (kind, weight, scale, bias, n, group), or None (no compiled kernel)."""
-    empty = torch.empty(0)
-    if lin.blocked is not None:
-        return 0, lin.blocked, empty, lin.bias, lin._f32[1], 0
-    q = lin.qweight
-    if q is None or q.kernel is None:
-        return None
-    kind = {"int8": 1, "int4": 2, "bf16": 3}[q.mode]
-    return kind, q.data, q.scale if q.mode != "bf16" else empty, lin.bias, q.out_features, q.group
-
-
 def _compile_plan(plan: _DecodePlan, world_size: int) -> object:
     """The layers as one compiled DecodeLayers (sharding/csrc/decode_glue.cpp), where every linear has a compiled
     kernel and there is no all-reduce between them (TP=1); else None (the Python loop of _decode_fast)."""
     ops = kernels.decode_layers_ops()
     if ops is None or world_size != 1 or any(f.q_index is not None for f in plan.layers):
         return None
-    linears = [[_plan_linear(lin) for lin in (f.qkv, f.o_proj, f.gate_up, f.down)] for f in plan.layers]
+    linears = [[kernels.plan_linear(lin) for lin in (f.qkv, f.o_proj, f.gate_up, f.down)] for f in plan.layers]
     if any(spec is None for layer in linears for spec in layer):
         return None
     compiled = ops[0]()

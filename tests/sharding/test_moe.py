@@ -137,13 +137,21 @@ def test_quantized_experts_agree_with_float32(tmp_path):
     jobs = [{"model": str(folder), "prompts": [sequence], "max_tokens": 1, "prompt_logprobs": 1,
              "llm": {"quantization": q}} for q in (None, "int8", "int4")]
     f32, int8, int4 = run_llm(1, jobs)
+    # the same without the compiled grouped experts (decode_glue.cpp's moe_experts): the per-expert loop over the
+    # linear kernels, which devices without the compiled kernels and custom activations (gpt-oss) run
+    loop = run_llm(1, jobs, env={"TPSERVE_MOE_KERNEL": "0"})
 
-    def agreement(result):
-        pairs = [(a[0][0], b[0][0]) for a, b in zip(f32["outputs"][0]["prompt_top"], result["outputs"][0]["prompt_top"])]
+    def agreement(result, base=f32):
+        pairs = [(a[0][0], b[0][0]) for a, b in zip(base["outputs"][0]["prompt_top"], result["outputs"][0]["prompt_top"])]
         return sum(x == y for x, y in pairs) / len(pairs)
 
     assert agreement(int8) >= 0.9, agreement(int8)
     assert agreement(int4) >= 0.6, agreement(int4)
+    for compiled, looped in zip((f32, int8, int4), loop):  # the two paths: the same products, summed alike
+        assert agreement(looped, compiled) >= 0.98
+        worst = max(abs(a[0][1] - b[0][1]) for a, b in zip(compiled["outputs"][0]["prompt_top"],
+                                                            looped["outputs"][0]["prompt_top"]))
+        assert worst < 1e-3, worst
 
 
 def test_refused_configs(reference, tmp_path):
