@@ -393,11 +393,14 @@ class GroupedHeads:
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: PagedKVCache, meta: AttentionMetadata,
-           groups: "GroupedHeads | torch.Tensor | None", scale: float, softcap: float | None = None) -> torch.Tensor:
+           groups: "GroupedHeads | torch.Tensor | None", scale: float, softcap: float | None = None,
+           sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Store the step's k, v [N, kv_heads, head_dim] in the cache, then attend with its queries q [N, heads, head_dim].
 
     groups maps each local query head to its local KV head (GroupedHeads, or the kv_for_q tensor it is made from; None
-    when they are the same heads). Returns [N, heads * head_dim].
+    when they are the same heads). `sinks` (gpt-oss): float32 [heads], one learned logit per local query head that
+    joins every softmax's denominator and attends to nothing (transformers appends it as a last score column and drops
+    that column after the softmax). Returns [N, heads * head_dim].
     """
     cache.write(meta, k, v)
     n_tokens, heads, head_dim = q.shape
@@ -414,7 +417,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: PagedKVCach
         mask = p.mask
         if p.key_start:  # a sliding window: keys before the first query's window are never seen
             ks, vs, mask = ks[:, p.key_start :], vs[:, p.key_start :], mask[:, p.key_start :]
-        out[a:z] = _prefill_attention(q[a:z].transpose(0, 1), ks, vs, gh, mask, scale, softcap).transpose(0, 1)
+        out[a:z] = _prefill_attention(q[a:z].transpose(0, 1), ks, vs, gh, mask, scale, softcap, sinks).transpose(0, 1)
 
     if meta.decode_len:
         qd = q if meta.all_decode else q[meta.decode_tokens]  # [B, heads, d]
@@ -422,12 +425,16 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: PagedKVCach
         if gh.q_index is not None:
             qd = qd.index_select(1, gh.q_index)
         qd = qd.reshape(b, kv_heads, gh.group, head_dim)
-        kernel = kernels.paged_decode_attention() if softcap is None and qd.dtype == torch.float32 else None
+        plain = softcap is None and sinks is None  # the compiled kernel has neither soft-capping nor sinks
+        kernel = kernels.paged_decode_attention() if plain and qd.dtype == torch.float32 else None
         if kernel is not None and qd.device.type == "cpu":  # reads the blocks in place
             o = kernel(qd, cache.pool, meta.decode_table, meta.decode_lens, scale, meta.window or 0)
         else:
             kd, vd = cache.gather(meta.decode_blocks, meta.decode_range, b, meta.decode_len)  # [kv, B, T, d]
-            o = _decode_attention(qd, kd, vd, meta.decode_mask, scale, softcap)
+            sd = None
+            if sinks is not None:  # laid out as the grouped queries: [kv_heads, group] (padding repeats a head's)
+                sd = (sinks if gh.q_index is None else sinks.index_select(0, gh.q_index)).view(kv_heads, gh.group)
+            o = _decode_attention(qd, kd, vd, meta.decode_mask, scale, softcap, sd)
         o = o.reshape(b, kv_heads * gh.group, head_dim)
         if gh.out_index is not None:
             o = o.index_select(1, gh.out_index)
@@ -443,45 +450,73 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: PagedKVCach
 EXPLICIT_DECODE_MIN_BATCH = 4
 
 
-def _decode_attention(q, k, v, mask, scale, softcap):
+def _decode_attention(q, k, v, mask, scale, softcap, sinks=None):
     """q [B, kv_heads, group, d] (a KV head's query heads as its "query positions") against k/v [kv_heads, B, T, d];
-    mask [B, T] (True = attend) or None. Returns [B, kv_heads, group, d]."""
+    mask [B, T] (True = attend) or None; sinks [kv_heads, group] or None. Returns [B, kv_heads, group, d]."""
     b = q.shape[0]
-    if softcap is None and (q.dtype != torch.float32 or b < EXPLICIT_DECODE_MIN_BATCH or q.device.type != "cpu"):
+    if softcap is None and sinks is None and (q.dtype != torch.float32 or b < EXPLICIT_DECODE_MIN_BATCH
+                                              or q.device.type != "cpu"):
         m = None if mask is None else mask[:, None, None, :]
         return F.scaled_dot_product_attention(q, k.transpose(0, 1), v.transpose(0, 1), attn_mask=m, scale=scale)
     m = None if mask is None else mask[None, :, None, :]
-    return _explicit_attention(q.transpose(0, 1), k, v, m, scale, softcap).transpose(0, 1)
+    s = None if sinks is None else sinks[:, None, :, None]
+    return _explicit_attention(q.transpose(0, 1), k, v, m, scale, softcap, s).transpose(0, 1)
 
 
-def _explicit_attention(q, k, v, mask, scale, softcap):
-    """softmax(q k^T * scale [soft-capped], masked) v as plain matmuls; mask: True = attend (broadcastable)."""
+def _explicit_attention(q, k, v, mask, scale, softcap, sinks=None):
+    """softmax(q k^T * scale [soft-capped], masked) v as plain matmuls; mask: True = attend (broadcastable). sinks:
+    one more logit per row of scores (shaped to broadcast against scores[..., :1]), in the softmax only."""
     scores = torch.matmul(q, k.transpose(-1, -2)).mul_(scale)
     if softcap is not None:
         scores = torch.tanh(scores.div_(softcap)).mul_(softcap)
     if mask is not None:
         scores.masked_fill_(~mask, float("-inf"))
-    return torch.matmul(torch.softmax(scores.float(), dim=-1).to(q.dtype), v)
+    if sinks is None:
+        return torch.matmul(torch.softmax(scores.float(), dim=-1).to(q.dtype), v)
+    scores = scores.float()
+    scores = torch.cat([scores, sinks.float().expand(*scores.shape[:-1], 1)], dim=-1)  # as transformers does
+    return torch.matmul(torch.softmax(scores, dim=-1)[..., :-1].to(q.dtype), v)
 
 
-def _prefill_attention(q, k, v, gh: GroupedHeads, mask, scale, softcap):
+def _flash_with_lse():
+    """SDPA's fused CPU kernel (flash attention) as the op that also returns each query's log-sum-exp, or None."""
+    return getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def _sink_flash_attention(q, k, v, mask, scale, sinks):
+    """Attention with sinks on SDPA's fused CPU kernel: a sink s adds e^s to the softmax's denominator Z and
+    nothing to the numerator, so the output without it is scaled by Z / (Z + e^s) = sigmoid(lse - s), lse = log Z
+    (which the kernel returns). q [heads, n, d], k/v [heads or uniform KV heads, L, d], mask [n, L] or None."""
+    m = None
+    if mask is not None:  # the kernel takes an additive mask of the query's dtype
+        m = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, float("-inf"))
+    out, lse = _flash_with_lse()(q[None], k[None], v[None], 0.0, mask is None, attn_mask=m, scale=scale)
+    return out[0].mul_(torch.sigmoid(lse[0] - sinks.float()[:, None]).unsqueeze(-1).to(out.dtype))
+
+
+def _prefill_attention(q, k, v, gh: GroupedHeads, mask, scale, softcap, sinks=None):
     """q [heads, n, d] over k/v [kv_heads, L, d] (the sequence's keys up to its last query), causal or masked
     (mask [n, L], True = attend). Kept on SDPA's fused CPU kernel (flash attention), which takes only 4-D inputs: 3-D
     ones fall back to the path that materializes the scores (3-8x slower from 600 tokens on). Uniform GQA groups go
-    through enable_gqa (no copy); uneven ones (TP not dividing the heads) expand K/V to the query heads."""
+    through enable_gqa (no copy); uneven ones (TP not dividing the heads) expand K/V to the query heads. Sinks [heads]
+    stay on the fused kernel too (_sink_flash_attention), on CPU; elsewhere they take the explicit path."""
+    explicit = softcap is not None or (sinks is not None and (q.device.type != "cpu" or _flash_with_lse() is None))
     gqa = gh.kv_for_q is not None and gh.uniform
-    if gh.kv_for_q is not None and (not gh.uniform or softcap is not None):
+    if gh.kv_for_q is not None and (not gh.uniform or explicit):
         k, v = gh.expand(k), gh.expand(v)
         gqa = False
-    if softcap is not None:  # soft-capped scores (Gemma 2) are not expressible through SDPA: explicit, in blocks
+    if explicit:  # soft-capped scores (Gemma 2), or sinks without the CPU kernel's lse: explicit, in blocks
         n, t = q.shape[-2], k.shape[-2]
         if mask is None:
             mask = torch.ones(n, t, dtype=torch.bool, device=q.device).tril(t - n)
+        s = None if sinks is None else sinks.view(-1, 1, 1)
         out = q.new_empty(q.shape)
         for a in range(0, n, PREFILL_QUERY_BLOCK):  # bounded memory: a block of queries' scores at a time
             z = min(n, a + PREFILL_QUERY_BLOCK)
-            out[:, a:z] = _explicit_attention(q[:, a:z], k, v, mask[a:z], scale, softcap)
+            out[:, a:z] = _explicit_attention(q[:, a:z], k, v, mask[a:z], scale, softcap, s)
         return out
+    if sinks is not None:  # the kernel maps uniform GQA groups as enable_gqa does
+        return _sink_flash_attention(q, k, v, mask, scale, sinks)
     return F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask, is_causal=mask is None,
                                           scale=scale, enable_gqa=gqa)[0]
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from sharding.models.gemma import GemmaForCausalLM
 from sharding.models.gemma2 import Gemma2ForCausalLM
 from sharding.models.gpt2 import GPT2LMHeadModel
+from sharding.models.gpt_oss import GptOssForCausalLM
 from sharding.models.llama import LlamaForCausalLM
 from sharding.models.mixtral import MixtralForCausalLM
 from sharding.models.olmoe import OlmoeForCausalLM
@@ -26,6 +27,7 @@ MODELS: dict[str, type] = {
     "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "OlmoeForCausalLM": OlmoeForCausalLM,
+    "GptOssForCausalLM": GptOssForCausalLM,
 }
 
 # architectures refused with the reason, rather than "not supported"
