@@ -3,7 +3,7 @@
     python scripts/make_moe_checkpoint.py /data/qwen3moe-12l --layers 12     # random Qwen3-30B-A3B geometry, bf16
     # llama.cpp: convert_hf_to_gguf.py --outtype bf16, then llama-quantize to Q8_0 and Q4_0 (see BENCHMARKS.md)
     python scripts/bench_moe.py prefill --model /data/qwen3moe-12l --gguf '/data/qwen3moe-12l-{kind}.gguf' -q int8
-    python scripts/bench_moe.py layouts --model /data/qwen3moe-12l -q int8 --layouts tp1,tp2,ep2
+    python scripts/bench_moe.py layouts --model /data/qwen3moe-12l -q int8 --layouts tp1,tp2,ep2 --fresh
 
 prefill: the time to the first token of a --prompt-len prompt (fresh random token ids each time, so no prefix is
 cached) with tpserve's offline LLM at TP 1, against `llama-bench -p N -n 0` on the GGUF of the same weights at the
@@ -171,11 +171,25 @@ def peak_rss_gb(pid: int) -> float:
     return 0.0
 
 
+def fresh_memory() -> None:
+    """Drop the page cache and compact memory (root only), so that each load gets the huge pages a fresh host gives:
+    on a host whose memory the previous load fragmented, the same int4 engine ran at 15-23 ms per token."""
+    subprocess.run(["sync"], check=False)
+    for path, value in (("/proc/sys/vm/drop_caches", "3"), ("/proc/sys/vm/compact_memory", "1")):
+        try:
+            Path(path).write_text(value)
+        except OSError as e:
+            print(f"--fresh: cannot write {path} ({e})", flush=True)
+    time.sleep(2)
+
+
 def layouts(args) -> dict:
     names = args.layouts.split(",")
     rows = []
     for r in range(args.rounds):
         for name in (names if r % 2 == 0 else names[::-1]):  # one layout per fresh process: one copy in memory
+            if args.fresh:
+                fresh_memory()
             out = subprocess.run([sys.executable, __file__, "one", "--layout", name, "--model", args.model, "-q",
                                   args.quantization, "--seed", str(r)], capture_output=True, text=True, cwd=ROOT)
             if out.returncode:
@@ -215,6 +229,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layouts", default="tp1,tp2,ep2")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
+    ap.add_argument("--fresh", action="store_true",
+                    help="layouts: drop the page cache and compact memory before each load (needs root)")
     ap.add_argument("--output", default=None)
     args = ap.parse_args(argv)
     if args.what == "one":
