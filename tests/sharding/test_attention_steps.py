@@ -37,26 +37,19 @@ def decode_path(request, monkeypatch):
     return request.param
 
 
-@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 2), (3, 1), (5, 2)])
-@pytest.mark.parametrize("window,softcap", [(None, None), (5, None), (None, 2.0)])
-@pytest.mark.parametrize("block_size", [4, 16])
-def test_mixed_steps_equal_per_sequence_attention(heads, kv_heads, window, softcap, block_size, decode_path):
-    torch.manual_seed(0)
-    d, n_rows, max_len = 8, 6, 32
-    scale = 1 / math.sqrt(d)
+def run_mixed_steps(steps, heads: int, kv_heads: int, d: int, block_size: int, window, attend_step, check,
+                    n_rows: int = 6, max_len: int = 32) -> None:
+    """Run `steps` (lists of (row, new tokens)) through a paged cache whose blocks are scattered over the pool, as a
+    running server's are: attend_step(q, k, v, cache, meta, kv_for_q) -> [tokens, heads, d] for each step, then
+    check(out_rows, q_rows, keys, values, msg) per row of the step, with the row's keys/values so far (expanded to
+    the query heads)."""
     kv_for_q = None if heads == kv_heads else torch.tensor([h * kv_heads // heads for h in range(heads)])
     num_blocks = n_rows * max_len // block_size
     cache = PagedKVCache(num_blocks, block_size, kv_heads, d, torch.float32, torch.device("cpu"))
     table = torch.zeros(n_rows, max_len // block_size, dtype=torch.int64)
     free = list(range(num_blocks))
-    random.Random(0).shuffle(free)  # blocks scattered over the pool, as a running server's are
+    random.Random(0).shuffle(free)
     history: dict[int, tuple[list, list]] = {}  # row -> per-position k, v
-    # steps of (row, n new tokens): prefills join while others decode; row 4 prefills in two chunks (the second one
-    # after a cached prefix); the all-decode steps of >= 4 sequences take the batched-matmul path
-    steps = [[(0, 5)], [(0, 1), (3, 7)], [(0, 1), (3, 1), (1, 2)], [(1, 1), (3, 1)],
-             [(0, 1), (1, 1), (2, 9), (3, 1), (5, 1)], [(0, 1), (2, 1), (5, 1)], [(4, 3), (2, 1)], [(4, 6), (2, 1)],
-             [(0, 1), (1, 1), (2, 1), (3, 1), (5, 1)], [(0, 1), (1, 1), (2, 1), (3, 1), (4, 1), (5, 1)],
-             [(1, 1), (2, 1), (3, 1), (4, 1)], [(2, 1)]]
     for entries in steps:
         seq_table, updates, n_total = [], [], 0
         for row, n in entries:
@@ -74,7 +67,7 @@ def test_mixed_steps_equal_per_sequence_attention(heads, kv_heads, window, softc
         q = torch.randn(n_total, heads, d)
         k = torch.randn(n_total, kv_heads, d)
         v = torch.randn(n_total, kv_heads, d)
-        out = attend(q, k, v, cache, meta, kv_for_q, scale, softcap=softcap).view(n_total, heads, d)
+        out = attend_step(q, k, v, cache, meta, kv_for_q)
         at = 0
         for row, n, start, _ in seq_table:
             hk, hv = history.setdefault(row, ([], []))
@@ -82,9 +75,31 @@ def test_mixed_steps_equal_per_sequence_attention(heads, kv_heads, window, softc
             ks, vs = torch.stack(hk), torch.stack(hv)
             if kv_for_q is not None:
                 ks, vs = ks[:, kv_for_q], vs[:, kv_for_q]
-            ref = naive(q[at:at + n], ks, vs, scale, window, softcap)
-            torch.testing.assert_close(out[at:at + n], ref, msg=f"row {row} in step {seq_table}")
+            check(out[at:at + n], q[at:at + n], ks, vs, f"row {row} in step {seq_table}")
             at += n
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 2), (3, 1), (5, 2)])
+@pytest.mark.parametrize("window,softcap", [(None, None), (5, None), (None, 2.0)])
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_mixed_steps_equal_per_sequence_attention(heads, kv_heads, window, softcap, block_size, decode_path):
+    torch.manual_seed(0)
+    d = 8
+    scale = 1 / math.sqrt(d)
+    # steps of (row, n new tokens): prefills join while others decode; row 4 prefills in two chunks (the second one
+    # after a cached prefix); the all-decode steps of >= 4 sequences take the batched-matmul path
+    steps = [[(0, 5)], [(0, 1), (3, 7)], [(0, 1), (3, 1), (1, 2)], [(1, 1), (3, 1)],
+             [(0, 1), (1, 1), (2, 9), (3, 1), (5, 1)], [(0, 1), (2, 1), (5, 1)], [(4, 3), (2, 1)], [(4, 6), (2, 1)],
+             [(0, 1), (1, 1), (2, 1), (3, 1), (5, 1)], [(0, 1), (1, 1), (2, 1), (3, 1), (4, 1), (5, 1)],
+             [(1, 1), (2, 1), (3, 1), (4, 1)], [(2, 1)]]
+
+    def attend_step(q, k, v, cache, meta, kv_for_q):
+        return attend(q, k, v, cache, meta, kv_for_q, scale, softcap=softcap).view(q.shape)
+
+    def check(out, q, ks, vs, msg):
+        torch.testing.assert_close(out, naive(q, ks, vs, scale, window, softcap), msg=msg)
+
+    run_mixed_steps(steps, heads, kv_heads, d, block_size, window, attend_step, check)
 
 
 @pytest.mark.parametrize("window", [None, 6])

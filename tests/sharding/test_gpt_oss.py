@@ -12,7 +12,6 @@ transposed gate/up (interleaved) and down experts with their biases, and a swigl
 
 import json
 import math
-import random
 import re
 import shutil
 
@@ -205,62 +204,38 @@ def naive_sinks(q, k_all, v_all, scale, sinks, window=None):
 def test_attend_with_sinks(heads, kv_heads, window, monkeypatch):
     """attend(sinks=...) over mixed prefill/decode steps (prefills from 0 and after cached blocks, decode batches of
     1-5) equals the eager formula, on the fused prefill kernel and on the explicit fallback."""
+    from test_attention_steps import run_mixed_steps
+
     from sharding import attention
-    from sharding.attention import AttentionMetadata, PagedKVCache, attend
-    from sharding.step import LOGITS_LAST, Step
+    from sharding.attention import attend
 
     fused_calls = []
     monkeypatch.setattr(attention, "_sink_flash_attention",
                         lambda *a, _f=attention._sink_flash_attention: fused_calls.append(1) or _f(*a))
+    steps = [[(0, 5)], [(0, 1), (3, 7)], [(0, 1), (3, 1), (1, 2)], [(0, 1), (1, 1), (2, 9), (3, 1), (5, 1)],
+             [(4, 3), (2, 1)], [(4, 6), (2, 1)], [(0, 1), (1, 1), (2, 1), (3, 1), (4, 1), (5, 1)], [(2, 1)]]
     for fused in (True, False):
         if not fused:
             assert fused_calls  # the prefills took the fused kernel
             monkeypatch.setattr(attention, "_flash_with_lse", lambda: None)
             fused_calls.clear()
         torch.manual_seed(0)
-        d, block_size, n_rows, max_len = 8, 4, 6, 32
+        d = 8
         scale = 1 / math.sqrt(d)
         sinks = 2 * torch.randn(heads)
-        kv_for_q = None if heads == kv_heads else torch.tensor([h * kv_heads // heads for h in range(heads)])
-        num_blocks = n_rows * max_len // block_size
-        cache = PagedKVCache(num_blocks, block_size, kv_heads, d, torch.float32, torch.device("cpu"))
-        table = torch.zeros(n_rows, max_len // block_size, dtype=torch.int64)
-        free = list(range(num_blocks))
-        random.Random(0).shuffle(free)
-        history: dict[int, tuple[list, list]] = {}
-        steps = [[(0, 5)], [(0, 1), (3, 7)], [(0, 1), (3, 1), (1, 2)], [(0, 1), (1, 1), (2, 9), (3, 1), (5, 1)],
-                 [(4, 3), (2, 1)], [(4, 6), (2, 1)], [(0, 1), (1, 1), (2, 1), (3, 1), (4, 1), (5, 1)], [(2, 1)]]
-        worst_without = 0.0
-        for entries in steps:
-            seq_table, updates, n_total = [], [], 0
-            for row, n in entries:
-                start = len(history.get(row, ([], []))[0])
-                for index in range(-(-start // block_size), -(-(start + n) // block_size)):
-                    updates.append((row, index, free.pop()))
-                seq_table.append((row, n, start, LOGITS_LAST))
-                n_total += n
-            step = Step(torch.zeros(n_total, dtype=torch.int64), torch.tensor(seq_table, dtype=torch.int64),
-                        torch.tensor(updates, dtype=torch.int64) if updates else None)
-            if updates:
-                u = step.block_updates
-                table[u[:, 0], u[:, 1]] = u[:, 2]
-            meta = AttentionMetadata.build(step, table, block_size, None, window, torch.device("cpu"))
-            q = torch.randn(n_total, heads, d)
-            k, v = torch.randn(n_total, kv_heads, d), torch.randn(n_total, kv_heads, d)
-            out = attend(q, k, v, cache, meta, kv_for_q, scale, sinks=sinks).view(n_total, heads, d)
-            at = 0
-            for row, n, start, _ in seq_table:
-                hk, hv = history.setdefault(row, ([], []))
-                hk.extend(k[at:at + n]); hv.extend(v[at:at + n])
-                ks, vs = torch.stack(hk), torch.stack(hv)
-                if kv_for_q is not None:
-                    ks, vs = ks[:, kv_for_q], vs[:, kv_for_q]
-                ref = naive_sinks(q[at:at + n], ks, vs, scale, sinks, window)
-                torch.testing.assert_close(out[at:at + n], ref, msg=f"row {row} in step {seq_table}, fused {fused}")
-                without = naive_sinks(q[at:at + n], ks, vs, scale, torch.full_like(sinks, -math.inf), window)
-                worst_without = max(worst_without, float((without - ref).abs().max()))
-                at += n
-        assert worst_without > 0.1  # the sinks matter
+        worst_without = [0.0]
+
+        def attend_step(q, k, v, cache, meta, kv_for_q):
+            return attend(q, k, v, cache, meta, kv_for_q, scale, sinks=sinks).view(q.shape)
+
+        def check(out, q, ks, vs, msg):
+            ref = naive_sinks(q, ks, vs, scale, sinks, window)
+            torch.testing.assert_close(out, ref, msg=f"{msg}, fused {fused}")
+            without = naive_sinks(q, ks, vs, scale, torch.full_like(sinks, -math.inf), window)
+            worst_without[0] = max(worst_without[0], float((without - ref).abs().max()))
+
+        run_mixed_steps(steps, heads, kv_heads, d, 4, window, attend_step, check)
+        assert worst_without[0] > 0.1  # the sinks matter
     assert not fused_calls
 
 
