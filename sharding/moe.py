@@ -216,7 +216,7 @@ class SparseMoe(nn.Module):
         self.shared_gate = shared_gate
         self._act = act
         self.first = experts[0].index if experts else 0
-        # tokens routed to each expert since start (every rank counts alike; rank 0's are exported as metrics)
+        # tokens routed to each expert since start (counted on rank 0, which exports them as metrics)
         self.tokens_per_expert = torch.zeros(num_experts, dtype=torch.int64)
 
     def act(self, h: torch.Tensor) -> torch.Tensor:
@@ -250,15 +250,16 @@ class SparseMoe(nn.Module):
     def routed(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's share of the routed experts' weighted sum, [n, hidden] in x's dtype."""
         weights, ids = self.routing(self.router(x))
-        flat = ids.reshape(-1)
-        counts = torch.bincount(flat, minlength=self.num_experts)
-        self.tokens_per_expert += counts.cpu()
+        if self.dist.is_driver:  # the metric is exported by rank 0 only (server/metrics.py ExpertTokens)
+            self.tokens_per_expert += torch.bincount(ids.reshape(-1), minlength=self.num_experts).cpu()
         if x.dtype == torch.float32 and x.device.type == "cpu":
             if self._compiled is False:
                 self._compiled = self._compile()
             if self._compiled is not None:
                 return kernels.moe_experts_ops()[1](self._compiled, x.contiguous(), ids, weights.contiguous())
         k = ids.shape[1]
+        flat = ids.reshape(-1)
+        counts = torch.bincount(flat, minlength=self.num_experts)
         order = torch.argsort(flat, stable=True)  # the (token, expert) pairs grouped by expert, tokens ascending
         tokens = order // k
         pair_weights = weights.reshape(-1)[order].to(x.dtype).unsqueeze(1)
@@ -323,3 +324,12 @@ def routed_experts(config, prefix: str, num_experts: int, inter: int, dist: Dist
     first, stop = local_experts(num_experts, dist)
     elsewhere = {f"{prefix}.{e}.{n}.weight" for e in range(num_experts) if not first <= e < stop for n in names}
     return separate_experts(prefix, num_experts, inter, config.hidden_size, dist, dtype, device, names), elsewhere
+
+
+def sparse_moe(config, prefix: str, num_experts: int, inter: int, routing: Routing, dist: Dist, dtype: torch.dtype,
+               device: torch.device, names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"),
+               shared: nn.Module | None = None, shared_gate: ReplicatedLinear | None = None) -> SparseMoe:
+    """The usual MoE block under `{prefix}`: router `{prefix}.gate` (no bias), experts `{prefix}.experts`."""
+    router = ReplicatedLinear(f"{prefix}.gate", num_experts, config.hidden_size, False, device)
+    experts = routed_experts(config, f"{prefix}.experts", num_experts, inter, dist, dtype, device, names)
+    return SparseMoe(router, routing, experts, num_experts, dist, config.hidden_size, shared, shared_gate)

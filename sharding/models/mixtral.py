@@ -4,16 +4,14 @@
 from __future__ import annotations
 
 from sharding.models.llama import LlamaDecoderLayer, LlamaForCausalLM
-from sharding.moe import ReplicatedLinear, Routing, SparseMoe, check_moe_config, routed_experts
+from sharding.moe import Routing, check_moe_config, sparse_moe
 
 
 class MixtralDecoderLayer(LlamaDecoderLayer):
     def make_mlp(self, config, prefix, dist, dtype, device):
-        prefix, e = f"{prefix}.block_sparse_moe", config.num_local_experts
-        experts = routed_experts(config, f"{prefix}.experts", e, config.intermediate_size, dist, dtype, device,
-                                 names=("w1", "w3", "w2"))
-        return SparseMoe(ReplicatedLinear(f"{prefix}.gate", e, config.hidden_size, False, device),
-                         Routing(config.num_experts_per_tok, renormalize=True), experts, e, dist, config.hidden_size)
+        return sparse_moe(config, f"{prefix}.block_sparse_moe", config.num_local_experts, config.intermediate_size,
+                          Routing(config.num_experts_per_tok, renormalize=True), dist, dtype, device,
+                          names=("w1", "w3", "w2"))
 
 
 class MixtralForCausalLM(LlamaForCausalLM):

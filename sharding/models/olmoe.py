@@ -14,7 +14,7 @@ from loaders.checkpoint import Checkpoint
 from loaders.partition import shard_heads
 from sharding.layers import Replicated
 from sharding.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
-from sharding.moe import ReplicatedLinear, Routing, SparseMoe, check_moe_config, routed_experts
+from sharding.moe import Routing, check_moe_config, sparse_moe
 
 
 class _NormSlice(Replicated):
@@ -75,11 +75,9 @@ class OlmoeDecoderLayer(LlamaDecoderLayer):
     attention_cls = OlmoeAttention
 
     def make_mlp(self, config, prefix, dist, dtype, device):
-        prefix, e = f"{prefix}.mlp", config.num_experts
-        experts = routed_experts(config, f"{prefix}.experts", e, config.intermediate_size, dist, dtype, device)
         routing = Routing(config.num_experts_per_tok, renormalize=bool(getattr(config, "norm_topk_prob", False)))
-        return SparseMoe(ReplicatedLinear(f"{prefix}.gate", e, config.hidden_size, False, device), routing, experts,
-                         e, dist, config.hidden_size)
+        return sparse_moe(config, f"{prefix}.mlp", config.num_experts, config.intermediate_size, routing, dist, dtype,
+                          device)
 
 
 class OlmoeForCausalLM(LlamaForCausalLM):

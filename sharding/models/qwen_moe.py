@@ -11,7 +11,7 @@ from __future__ import annotations
 from sharding.models.llama import LlamaForCausalLM, LlamaMLP
 from sharding.models.qwen2 import Qwen2Attention, Qwen2DecoderLayer, reject_sliding_layers
 from sharding.models.qwen3 import Qwen3DecoderLayer
-from sharding.moe import ReplicatedLinear, Routing, SparseMoe, check_moe_config, routed_experts
+from sharding.moe import ReplicatedLinear, Routing, SparseMoe, check_moe_config, sparse_moe
 
 
 def is_sparse(config, layer_idx: int) -> bool:
@@ -20,16 +20,14 @@ def is_sparse(config, layer_idx: int) -> bool:
 
 
 def qwen_moe(config, prefix: str, dist, dtype, device, shared: bool) -> SparseMoe:
-    e, hidden = config.num_experts, config.hidden_size
-    router = ReplicatedLinear(f"{prefix}.gate", e, hidden, False, device)
-    experts = routed_experts(config, f"{prefix}.experts", e, config.moe_intermediate_size, dist, dtype, device)
     routing = Routing(config.num_experts_per_tok, renormalize=bool(getattr(config, "norm_topk_prob", False)))
     shared_mlp = shared_gate = None
     if shared and getattr(config, "shared_expert_intermediate_size", 0):
         shared_mlp = LlamaMLP(config, f"{prefix}.shared_expert", dist, dtype, device,
                               inter=config.shared_expert_intermediate_size)
-        shared_gate = ReplicatedLinear(f"{prefix}.shared_expert_gate", 1, hidden, False, device)
-    return SparseMoe(router, routing, experts, e, dist, hidden, shared_mlp, shared_gate)
+        shared_gate = ReplicatedLinear(f"{prefix}.shared_expert_gate", 1, config.hidden_size, False, device)
+    return sparse_moe(config, prefix, config.num_experts, config.moe_intermediate_size, routing, dist, dtype, device,
+                      shared=shared_mlp, shared_gate=shared_gate)
 
 
 class Qwen3MoeDecoderLayer(Qwen3DecoderLayer):
