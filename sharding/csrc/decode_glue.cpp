@@ -579,13 +579,18 @@ at::Tensor moe_experts(const c10::intrusive_ptr<MoeExperts>& plan, const at::Ten
     share(P, lo, hi);
     for (int64_t p = lo; p < hi; ++p) std::copy(xp + row[p] * H, xp + row[p] * H + H, xgp + p * H);
 #pragma omp barrier
-    // the input rows' int8 / bfloat16 copies, per active expert (this thread's share of the experts)
-    share(A, lo, hi);
-    for (int64_t a = lo; a < hi; ++a) {
-      const int64_t e = active[a], s0 = start[e], c = start[e + 1] - s0;
-      if (takes_rows(plan->gate_up[e])) tpserve::quantize_rows(xgp + s0 * H, xq[a], 0, c, 0, H / 32);
-      if (takes_bf16(plan->gate_up[e])) tpserve::round_rows_bf16(xgp + s0 * H, xq[a], 0, c);
-    }
+    // a linear's input rows as int8 / bfloat16 copies, per active expert (this thread's share of the experts)
+    const auto quantize = [&](const std::vector<PlanLinear>& lin, const float* src, int64_t width,
+                              std::vector<tpserve::Int8Rows>& rows) {
+      int64_t a0, a1;
+      share(A, a0, a1);
+      for (int64_t a = a0; a < a1; ++a) {
+        const int64_t e = active[a], s0 = start[e], c = start[e + 1] - s0;
+        if (takes_rows(lin[e])) tpserve::quantize_rows(src + s0 * width, rows[a], 0, c, 0, width / 32);
+        if (takes_bf16(lin[e])) tpserve::round_rows_bf16(src + s0 * width, rows[a], 0, c);
+      }
+    };
+    quantize(plan->gate_up, xgp, H, xq);
 #pragma omp barrier
     blocks(gu_items, [&](int64_t a, int64_t s0, int64_t c, int64_t b0, int64_t b1) {
       linear_range(plan->gate_up[active[a]], xgp + s0 * H, &xq[a], c, gup + s0 * 2 * I, b0, b1);
@@ -594,12 +599,7 @@ at::Tensor moe_experts(const c10::intrusive_ptr<MoeExperts>& plan, const at::Ten
     share(P, lo, hi);
     for (int64_t p = lo; p < hi; ++p) silu_mul_row(gup + p * 2 * I, gup + p * 2 * I + I, actp + p * I, I);
 #pragma omp barrier
-    share(A, lo, hi);
-    for (int64_t a = lo; a < hi; ++a) {
-      const int64_t e = active[a], s0 = start[e], c = start[e + 1] - s0;
-      if (takes_rows(plan->down[e])) tpserve::quantize_rows(actp + s0 * I, aq[a], 0, c, 0, I / 32);
-      if (takes_bf16(plan->down[e])) tpserve::round_rows_bf16(actp + s0 * I, aq[a], 0, c);
-    }
+    quantize(plan->down, actp, I, aq);
 #pragma omp barrier
     blocks(dn_items, [&](int64_t a, int64_t s0, int64_t c, int64_t b0, int64_t b1) {
       linear_range(plan->down[active[a]], actp + s0 * I, &aq[a], c, yp + s0 * H, b0, b1);
