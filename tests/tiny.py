@@ -91,3 +91,24 @@ def hf_greedy(folder: Path, prompt_ids: list[int], max_new_tokens: int) -> tuple
     tokens = out.sequences[0, len(prompt_ids):].tolist()
     logprobs = torch.log_softmax(torch.stack(out.logits, 0)[:, 0].float(), dim=-1)
     return tokens, logprobs
+
+
+def config_variant(src: Path, dst: Path, **config) -> str:
+    """A copy of checkpoint `src` at `dst` with config.json's fields overridden (a config to be refused)."""
+    import shutil
+
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg.update(config)
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return str(dst)
+
+
+def check_greedy(name: str, result: dict, ref: dict) -> None:
+    """A run_llm result equals transformers' (ref[name][1]: (tokens, logprobs) per prompt): the same greedy tokens,
+    the top log-probabilities within 1e-4 (fp32)."""
+    assert "error" not in result, (name, result)
+    for out, (tokens, logprobs) in zip(result["outputs"], ref[name][1], strict=True):
+        assert out["token_ids"] == tokens, name
+        worst = max(abs(float(logprobs[i, t]) - v) for i, step in enumerate(out["top_logprobs"]) for t, v in step)
+        assert worst < 1e-4, (name, worst)

@@ -21,7 +21,7 @@ from safetensors.torch import load_file, save_file
 
 import tiny
 from llm_runner import run_llm
-from tiny import hf_greedy, make_checkpoint
+from tiny import check_greedy, config_variant, hf_greedy, make_checkpoint
 
 PROMPTS = [list(range(5, 25)), [7, 3, 90, 14, 200, 31, 6, 55], [11, 12, 13]]
 MAX_TOKENS = 24
@@ -67,14 +67,6 @@ def reference(tmp_path_factory):
     return {name: (f, [hf_greedy(f, p, MAX_TOKENS) for p in PROMPTS]) for name, f in (("f32", folder), ("bf16", bf16))}
 
 
-def check(name, result, ref):
-    assert "error" not in result, (name, result)
-    for out, (tokens, logprobs) in zip(result["outputs"], ref[name][1], strict=True):
-        assert out["token_ids"] == tokens, name
-        worst = max(abs(float(logprobs[i, t]) - v) for i, step in enumerate(out["top_logprobs"]) for t, v in step)
-        assert worst < 1e-4, (name, worst)
-
-
 def check_teacher_forced(result, ref, tolerance: float):
     """A job scoring each prompt followed by transformers' greedy continuation (prompt_logprobs): the log-probability
     of every continuation token within `tolerance` of transformers', and the most likely token agreeing at 90 % of
@@ -118,7 +110,7 @@ def test_greedy_equals_transformers(reference, tp, ep):
                 "prompts": [p + tokens for p, (tokens, _) in zip(PROMPTS, reference["bf16"][1])]}
     results = run_llm(tp, jobs + ([auto] if auto else []), timeout=600)
     for spec, name, result in zip(jobs, names, results):
-        check(name, result, reference)
+        check_greedy(name, result, reference)
         if spec.get("repeat"):
             assert result["prefix_hit_tokens"] > 0
             assert result["repeats"] == [[o["token_ids"] for o in result["outputs"]]]
@@ -251,11 +243,7 @@ def test_refused_configs(reference, tmp_path):
     from sharding.models import model_class
 
     def start(name: str, **config):
-        folder = tmp_path / name
-        shutil.copytree(reference["f32"][0], folder)
-        cfg = json.loads((folder / "config.json").read_text())
-        cfg.update(config)
-        (folder / "config.json").write_text(json.dumps(cfg))
+        folder = config_variant(reference["f32"][0], tmp_path / name, **config)
         with Checkpoint(folder) as ckpt:
             config = load_config(ckpt)
             model = model_class(ckpt.architecture)(config, Dist(), torch.float32, torch.device("cpu"))

@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM
 import tiny
 from llm_runner import run_llm
 from test_more_architectures import randomize_vectors
-from tiny import hf_greedy, make_checkpoint
+from tiny import check_greedy, config_variant, hf_greedy, make_checkpoint
 
 PROMPTS = [list(range(5, 25)), [7, 3, 90, 14, 200, 31, 6, 55]]
 MAX_TOKENS = 24
@@ -68,14 +68,6 @@ def reference(tmp_path_factory):
     return ref
 
 
-def check(arch, result, ref):
-    assert "error" not in result, (arch, result)
-    for out, (tokens, logprobs) in zip(result["outputs"], ref[arch][1], strict=True):
-        assert out["token_ids"] == tokens, arch
-        worst = max(abs(float(logprobs[i, t]) - v) for i, step in enumerate(out["top_logprobs"]) for t, v in step)
-        assert worst < 1e-4, (arch, worst)
-
-
 # (tp, expert parallel): the checkpoints each launch serves. Every architecture runs at TP 1, at TP 2 both ways, and
 # at TP 3 and TP 4 one way each (the other way for the next architecture), to keep the suite's launches few; the
 # fused layout runs where its expert slices are read (TP 1) and where whole experts are (EP 2, EP 3).
@@ -97,7 +89,7 @@ def test_greedy_equals_transformers(reference, tp, ep):
              "llm": {"enable_expert_parallel": ep}} for a in archs]
     results = run_llm(tp, jobs, timeout=600)
     for arch, result in zip(archs, results, strict=True):
-        check(arch, result, reference)
+        check_greedy(arch, result, reference)
         share = result["bytes_read"] / result["checkpoint_bytes"]
         assert share == 1.0 if tp == 1 else share < 1 / tp + 0.1, (arch, tp, ep, share)
 
@@ -171,12 +163,7 @@ def test_quantized_experts_agree_with_float32(tmp_path):
 
 def test_refused_configs(reference, tmp_path):
     def variant(arch: str, name: str, **config) -> str:
-        folder = tmp_path / name
-        shutil.copytree(reference[arch][0], folder)
-        cfg = json.loads((folder / "config.json").read_text())
-        cfg.update(config)
-        (folder / "config.json").write_text(json.dumps(cfg))
-        return str(folder)
+        return config_variant(reference[arch][0], tmp_path / name, **config)
 
     dense = make_checkpoint(tmp_path / "dense", "llama")
     cases = [

@@ -8,7 +8,6 @@ because transformers initialises them to 0 or 1, which would hide a norm offset 
 
 import io
 import json
-import shutil
 
 import pytest
 import torch
@@ -17,7 +16,7 @@ from transformers import AutoTokenizer
 
 import tiny
 from llm_runner import run_llm
-from tiny import CHAT_TEMPLATE, TEXT, hf_greedy, make_checkpoint
+from tiny import CHAT_TEMPLATE, TEXT, config_variant, hf_greedy, make_checkpoint
 
 PROMPTS = ["The capital of France is", "Hello world! How are you today? I am fine, thank you. Tensor"]
 MAX_TOKENS = 32
@@ -156,12 +155,7 @@ def rejected_variants(ref, tmp_path) -> list[tuple[dict, str]]:
     cases = []
 
     def variant(arch: str, name: str, **config) -> str:
-        folder = tmp_path / name
-        shutil.copytree(ref[arch][0], folder)
-        cfg = json.loads((folder / "config.json").read_text())
-        cfg.update(config)
-        (folder / "config.json").write_text(json.dumps(cfg))
-        return str(folder)
+        return config_variant(ref[arch][0], tmp_path / name, **config)
 
     cases.append(({"model": str(ref["phi3_longrope"][0])}, "max_model_len (256) must not exceed 64"))
     cases.append(({"model": variant("gpt2", "gpt2_upcast", reorder_and_upcast_attn=True)}, "reorder_and_upcast_attn"))
