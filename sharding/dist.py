@@ -60,20 +60,85 @@ class Layout:
         return rank // (self.tp * self.pp), rank // self.tp % self.pp, rank % self.tp
 
 
+class Group:
+    """Some ranks' process group, made straight over the store under a name of its own rather than inside
+    torch.distributed's default world: a replica's groups can then be made again, under a new generation's name,
+    with processes started after the others (sharding/runner.py: a respawned replica). `rank` is this process's
+    place in `members` (global ranks, in order); the methods take and return that group's own ranks."""
+
+    def __init__(self, store, name: str, members: list[int], global_rank: int, timeout: datetime.timedelta,
+                 backend: str = "gloo"):
+        self.name, self.members = name, list(members)
+        self.rank, self.size = self.members.index(global_rank), len(self.members)
+        prefixed = dist.PrefixStore(name, store)
+        if backend == "gloo":
+            self.pg = dist.ProcessGroupGloo(prefixed, self.rank, self.size, timeout)
+        else:  # a CUDA build's NCCL group (not exercised on this project's CPU-only CI)
+            self.pg = dist.ProcessGroupNCCL(prefixed, self.rank, self.size)
+
+    def local(self, global_rank: int) -> int:
+        return self.members.index(global_rank)
+
+    def broadcast(self, t: torch.Tensor, src: int = 0) -> torch.Tensor:
+        opts = dist.BroadcastOptions()
+        opts.rootRank = src
+        self.pg.broadcast([t], opts).wait()
+        return t
+
+    def all_reduce(self, t: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = op
+        self.pg.allreduce([t], opts).wait()
+        return t
+
+    def gather(self, t: torch.Tensor, dst: int = 0) -> list[torch.Tensor] | None:
+        outs = [torch.empty_like(t) for _ in range(self.size)] if self.rank == dst else []
+        opts = dist.GatherOptions()
+        opts.rootRank = dst
+        self.pg.gather([outs] if outs else [], [t], opts).wait()
+        return outs or None
+
+    def send(self, t: torch.Tensor, dst: int) -> None:
+        self.pg.send([t], dst, 0).wait()
+
+    def isend(self, t: torch.Tensor, dst: int):
+        return self.pg.send([t], dst, 0)
+
+    def recv(self, t: torch.Tensor, src: int) -> torch.Tensor:
+        self.pg.recv([t], src, 0).wait()
+        return t
+
+
+def link_members(layout: "Layout", replica: int) -> list[int]:
+    """A replica's link group: global rank 0 (which drives every replica) and the replica's own ranks. It carries
+    the steps and logits between rank 0 and the replica, the activations between its stages and its start-up
+    agreements; nothing in it touches another replica, so a dead replica's links fail alone."""
+    base = layout.rank_of(replica, 0, 0)
+    return sorted({0, *range(base, base + layout.tp * layout.pp)})
+
+
+def tp_members(layout: "Layout", replica: int, stage: int) -> list[int]:
+    return [layout.rank_of(replica, stage, t) for t in range(layout.tp)]
+
+
 @dataclass
 class Dist:
     rank: int = 0  # in the TP group
     world_size: int = 1  # of the TP group
     local_world_size: int = 1  # ranks on this host
     device: torch.device = field(default_factory=default_device)
-    cpu_group: object | None = None  # the TP group (gloo)
-    device_group: object | None = None  # the TP group (the device's backend)
+    cpu_group: Group | None = None  # the TP group (gloo)
+    device_group: Group | None = None  # the TP group (the device's backend)
     fast_all_reduce: object | None = None  # the TP group's same-host shared-memory collectives, when set up
     layout: Layout = field(default_factory=Layout)
     global_rank: int = 0
-    world_group: object | None = None  # every rank (gloo): status exchanges and point-to-point messages
+    links: dict[int, Group] = field(default_factory=dict)  # replica -> its link group (rank 0 has one per replica)
     layer_partition: str | None = None  # TPSERVE_PP_LAYER_PARTITION
     expert_parallel: bool = False  # MoE layers: the TP group's ranks own whole experts (sharding/moe.py)
+    store: object | None = None  # the rendezvous store every group is made over
+    timeout: datetime.timedelta = datetime.timedelta(seconds=600)
+    generation: int = 0  # of this rank's replica: 0 at start, +1 each time the replica is respawned
+    shm_ok: bool = False  # the shared-memory collectives may be used for this rank's TP group
 
     @property
     def is_first(self) -> bool:
@@ -121,17 +186,23 @@ class Dist:
         return self.layout.rank_of(d if dp_rank is None else dp_rank, p if pp_rank is None else pp_rank,
                                    t if tp_rank is None else tp_rank)
 
-    # ---- point to point (CPU tensors, over the world's gloo group) ---------------------------------------------
+    def _link(self, peer: int) -> Group:
+        """The link group that joins this rank and `peer`: the peer's replica's (rank 0's side) or this rank's."""
+        return self.links[self.dp_rank if peer == 0 else self.layout.coords(peer)[0]]
+
+    # ---- point to point (CPU tensors, over the link groups; ranks are global) ----------------------------------
     def send(self, t: torch.Tensor, dst: int) -> None:
-        dist.send(t.contiguous(), dst, group=self.world_group)
+        link = self._link(dst)
+        link.send(t.contiguous(), link.local(dst))
 
     def isend(self, t: torch.Tensor, dst: int):
         """Start sending; the caller keeps `t` alive and waits on the returned work before reusing it."""
-        return dist.isend(t, dst, group=self.world_group)
+        link = self._link(dst)
+        return link.isend(t, link.local(dst))
 
     def recv(self, t: torch.Tensor, src: int) -> torch.Tensor:
-        dist.recv(t, src, group=self.world_group)
-        return t
+        link = self._link(src)
+        return link.recv(t, link.local(src))
 
     # ---- collectives -------------------------------------------------------------------------------------------
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
@@ -140,8 +211,7 @@ class Dist:
             return t
         if self.fast_all_reduce is not None:
             return self.fast_all_reduce.all_reduce(t)
-        dist.all_reduce(t, group=self.device_group)
-        return t
+        return self.device_group.all_reduce(t)
 
     # ---- sequence parallelism: the token axis split over the TP group ------------------------------------------
     def token_split(self, n: int) -> tuple[int, int]:
@@ -176,8 +246,7 @@ class Dist:
         if self.fast_all_reduce is not None:  # ranks on one host: through the shared-memory segment
             bufs = self.fast_all_reduce.gather(t, dst=0)
         else:
-            bufs = [torch.empty_like(t) for _ in range(self.world_size)] if self.is_first else None
-            dist.gather(t, bufs, group=self.device_group, group_dst=0)
+            bufs = self.device_group.gather(t, dst=0)
         if not self.is_first:
             return None
         return torch.cat([b[..., :n] for b, n in zip(bufs, sizes)], dim=-1)
@@ -189,44 +258,125 @@ class Dist:
             if self.fast_all_reduce is not None:
                 self.fast_all_reduce.broadcast(t, src=0)
             else:
-                dist.broadcast(t, group=self.cpu_group, group_src=0)
+                self.cpu_group.broadcast(t, src=0)
         return t
 
-    def all_reduce_control(self, t: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.MIN) -> torch.Tensor:
-        """Over every rank of the world (start-up agreements)."""
-        if self.global_world_size > 1:
-            dist.all_reduce(t, op=op, group=self.world_group)
-        return t
+    # ---- start-up agreements over the link groups --------------------------------------------------------------
+    def _agree_links(self) -> list[Group]:
+        """The links an agreement runs over: every replica's on rank 0 (in replica order), this rank's own
+        elsewhere. Every rank of a replica agrees with rank 0, which alone hears every replica."""
+        return [self.links[r] for r in sorted(self.links)] if self.is_driver else [self.links[self.dp_rank]]
+
+    def failed_ranks(self, ok: bool, links: list[Group] | None = None) -> list[int]:
+        """Every rank says whether it succeeded; returns the global ranks that did not, of the links this rank is
+        in (all of them on rank 0). No rank waits for one that failed: a failure is a vote like any other."""
+        failed: set[int] = set()
+        for link in links if links is not None else self._agree_links():
+            status = torch.zeros(link.size, dtype=torch.int64)
+            status[link.rank] = 1 if ok else 0
+            link.all_reduce(status, dist.ReduceOp.SUM)
+            failed.update(link.members[i] for i in range(link.size) if status[i] == 0)
+        return sorted(failed)
+
+    def agree_min(self, value: int, links: list[Group] | None = None) -> int:
+        """The smallest `value` of every rank (rank 0: of every replica), known to every rank: a MIN over each
+        link, then rank 0 tells each link the overall result."""
+        links = links if links is not None else self._agree_links()
+        if self.global_world_size == 1:
+            return value
+        out = value
+        for link in links:
+            t = torch.tensor([value], dtype=torch.int64)
+            out = min(out, int(link.all_reduce(t, dist.ReduceOp.MIN)[0]))
+        for link in links:
+            t = torch.tensor([out], dtype=torch.int64)
+            out = int(link.broadcast(t, src=0)[0])
+        return out
 
     def shutdown(self) -> None:
         if self.fast_all_reduce is not None:
             self.fast_all_reduce.close()
             self.fast_all_reduce = None
-        if dist.is_initialized():  # (world_size is the TP size: a -pp or -dp group at TP 1 has one too)
-            try:
-                dist.destroy_process_group()
-            except Exception:  # noqa: BLE001 - best effort at exit
-                pass
+        # the groups go with the process (a gloo group waits for nothing when it is dropped at exit)
 
 
-def _same_host_groups(groups: list[list[int]], world_group) -> set[int]:
-    """Indices of the groups whose ranks all run on this rank's host (hostname + boot id, exchanged once)."""
+def _group_name(kind: str, replica: int, generation: int) -> str:
+    """A group's name in the store: a replica's groups get new names each time it is respawned (its generation),
+    and each torchrun restart (which keeps its agent's store) starts a namespace of its own."""
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return f"tpserve/{restart}/r{replica}/g{generation}/{kind}"
+
+
+def _same_host(store, name: str, members: list[int], global_rank: int) -> bool:
+    """Whether every member runs on this host (hostname + boot id, exchanged through the store)."""
     me = socket.gethostname()
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
             me += ":" + f.read().strip()
     except OSError:
         pass
-    hosts: list = [None] * dist.get_world_size()
-    dist.all_gather_object(hosts, me, group=world_group)
-    return {i for i, g in enumerate(groups) if len({hosts[r] for r in g}) == 1}
+    store.set(f"{name}/host/{global_rank}", me)
+    return all(store.get(f"{name}/host/{r}").decode() == me for r in members)
+
+
+@dataclass
+class ReplicaGroups:
+    """What one rank holds of one replica's groups (of one generation): the link, and the TP group (with its
+    shared-memory collectives) when this rank is one of the replica's ranks."""
+
+    replica: int
+    generation: int
+    link: Group
+    cpu_group: Group | None = None
+    device_group: Group | None = None
+    fast_all_reduce: object | None = None
+
+
+def make_replica_groups(d: Dist, replica: int, generation: int) -> ReplicaGroups:
+    """Make (with the other members, who call this too) this rank's groups of a replica: every member blocks here
+    until all have arrived. Rank 0 calls it for each replica at start, and again for a respawned one."""
+    layout, me = d.layout, d.global_rank
+    backend = "nccl" if d.device.type == "cuda" else "gloo"
+    link = Group(d.store, _group_name("link", replica, generation), link_members(layout, replica), me, d.timeout)
+    out = ReplicaGroups(replica, generation, link)
+    dp_rank, pp_rank, tp_rank = layout.coords(me)
+    if dp_rank != replica or layout.tp == 1:
+        return out
+    members = tp_members(layout, replica, pp_rank)
+    name = _group_name(f"tp{pp_rank}", replica, generation)
+    out.cpu_group = link if members == link.members else Group(d.store, name, members, me, d.timeout)
+    out.device_group = out.cpu_group if backend == "gloo" else Group(d.store, name + "/device", members, me,
+                                                                     d.timeout, backend)
+    if d.shm_ok and _same_host(d.store, name, members, me):
+        try:
+            out.fast_all_reduce = shm_allreduce.ShmAllReduce(tp_rank, layout.tp, out.cpu_group,
+                                                             timeout_s=d.timeout.total_seconds())
+        except RuntimeError as e:  # raised on every rank of the group alike, so they fall back together
+            if os.environ.get("TPSERVE_SHM_ALLREDUCE") == "1":
+                raise
+            logger.warning("rank %d: %s; all-reduce goes through gloo", me, e)
+    return out
+
+
+def install_groups(d: Dist, groups: ReplicaGroups) -> None:
+    """Use these groups from now on (a respawned replica's, on rank 0: from the thread that steps)."""
+    d.links[groups.replica] = groups.link
+    if groups.cpu_group is not None:
+        if d.fast_all_reduce is not None:
+            d.fast_all_reduce.close()
+        d.cpu_group, d.device_group, d.fast_all_reduce = groups.cpu_group, groups.device_group, groups.fast_all_reduce
+    if d.global_rank != 0:
+        d.generation = groups.generation
 
 
 def init_dist(layout: Layout | None = None, timeout_s: float | None = None) -> Dist:
-    """Join the process group described by the environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT).
+    """Join the ranks described by the environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT; a respawned
+    replica's ranks also TPSERVE_GENERATION).
 
     torchrun and tpserve's own launcher both set these. Without them this process is a single rank. `layout` splits
-    the world (default: all of it tensor parallel); every rank creates every TP group, in the same order.
+    the world (default: all of it tensor parallel). There is no world-wide group: rank 0 hosts (or under torchrun,
+    joins) the rendezvous store, and every group is made over it by name (make_replica_groups): each replica's link
+    to rank 0 and each stage's TP group, so that one replica's failure leaves the others' groups intact.
     """
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
@@ -247,33 +397,13 @@ def init_dist(layout: Layout | None = None, timeout_s: float | None = None) -> D
     shm_ok = shm_allreduce.wanted(backend, local_world_size, local_world_size)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group(backend=backend, rank=rank, world_size=world_size, timeout=timeout)
-    world_group = dist.group.WORLD if backend == "gloo" else dist.new_group(backend="gloo", timeout=timeout)
+    store, _, _ = next(dist.rendezvous("env://", rank, world_size, timeout=timeout))
+    generation = int(os.environ.get("TPSERVE_GENERATION", "0"))
     dp_rank, pp_rank, tp_rank = layout.coords(rank)
-    if layout.tp == world_size:
-        cpu_group, device_group, mine, groups = world_group, dist.group.WORLD, 0, [list(range(world_size))]
-    else:
-        groups = [[layout.rank_of(d, p, t) for t in range(layout.tp)] for d in range(layout.dp)
-                  for p in range(layout.pp)]
-        mine = dp_rank * layout.pp + pp_rank
-        cpu_group = device_group = None
-        for i, g in enumerate(groups):  # every rank creates every group, in the same order
-            c = dist.new_group(g, backend="gloo", timeout=timeout)
-            dv = c if backend == "gloo" else dist.new_group(g, backend=backend, timeout=timeout)
-            if i == mine:
-                cpu_group, device_group = c, dv
-    d = Dist(tp_rank, layout.tp, local_world_size, device, cpu_group, device_group, layout=layout, global_rank=rank,
-             world_group=world_group, layer_partition=partition)
-    on_host = _same_host_groups(groups, world_group) if layout.tp > 1 else set()
-    use_shm = layout.tp > 1 and mine in on_host and shm_ok
-    if use_shm:
-        try:
-            d.fast_all_reduce = shm_allreduce.ShmAllReduce(tp_rank, layout.tp, cpu_group,
-                                                           timeout_s=timeout.total_seconds())
-        except RuntimeError as e:  # raised on every rank of the group alike, so they fall back together
-            if os.environ.get("TPSERVE_SHM_ALLREDUCE") == "1":
-                raise
-            logger.warning("rank %d: %s; all-reduce goes through gloo", rank, e)
+    d = Dist(tp_rank, layout.tp, local_world_size, device, layout=layout, global_rank=rank,
+             layer_partition=partition, store=store, timeout=timeout, generation=generation, shm_ok=shm_ok)
+    for replica in range(layout.dp) if rank == 0 else [dp_rank]:
+        install_groups(d, make_replica_groups(d, replica, generation if replica == dp_rank else 0))
     logger.debug("rank %d/%d (dp %d, pp %d, tp %d) on %s (%s), %d threads, all-reduce via %s", rank, world_size,
                  dp_rank, pp_rank, tp_rank, device, backend, torch.get_num_threads(),
                  "shared memory" if d.fast_all_reduce is not None else backend)

@@ -23,7 +23,7 @@ from loaders.checkpoint import Checkpoint, CheckpointError
 from loaders.config import load_config
 from sharding import hugepages, kernels
 from sharding.attention import AttentionMetadata, PagedKVCache, RotaryTable
-from sharding.dist import Dist, Layout
+from sharding.dist import Dist, Layout, ReplicaGroups, make_replica_groups
 from sharding.layers import ParallelLMHead
 from sharding.models import model_class
 from sharding.progress import LoadProgress, StartPhases
@@ -263,9 +263,7 @@ class ModelRunner:
         if budget is None:  # a share of the machine, but no more than a full batch of full-length sequences can use
             seqs = self.cfg.max_num_seqs * self.cfg.pipeline_parallel_size  # every lane's batch (server/engine.py)
             budget = min(default_kv_budget(self.cfg, self.dist), seqs * blocks_per_seq * per_block)
-        count = torch.tensor([budget // per_block], dtype=torch.int64)
-        self.dist.all_reduce_control(count, op=torch.distributed.ReduceOp.MIN)
-        num_blocks = int(count[0])
+        num_blocks = self.dist.agree_min(budget // per_block)
         if num_blocks < blocks_per_seq and self.cfg.max_model_len is None and num_blocks > 0:
             # the default length does not fit the budget: serve what the pool holds (an explicit length is refused)
             logger.warning("the KV cache holds %d tokens: --max-model-len lowered from its default %d to %d",
@@ -365,28 +363,47 @@ class ModelRunner:
             self.dist.send(t, dst)
         return []
 
-    def _command(self, cmd: int) -> None:
-        """A command to every rank: by broadcast to replica 0's first stage, point to point to the other replicas'
-        first stages; every stage passes it on to the next."""
+    def _command(self, cmd: int, replicas: list[int] | None = None) -> None:
+        """A command to every rank of `replicas` (default: all): by broadcast to replica 0's first stage, point to
+        point to the other replicas' first stages; every stage passes it on to the next."""
         d = self._message
         d[:HEADER] = torch.tensor([cmd, 0, 0, 0], dtype=torch.int64)
+        replicas = list(range(self.dist.layout.dp)) if replicas is None else replicas
         works = []
-        for replica in range(1, self.dist.layout.dp):
-            t = d.clone()
-            works.append((self.dist.isend(t, self.dist.layout.rank_of(replica, 0, 0)), t))
-        if self.dist.world_size > 1:
-            self.dist.broadcast_control(d)
-        if self.dist.pp_size > 1:
-            t = d.clone()
-            works.append((self.dist.isend(t, self.dist.peer(pp_rank=1)), t))
+        for replica in replicas:
+            if replica:
+                t = d.clone()
+                works.append((self.dist.isend(t, self.dist.layout.rank_of(replica, 0, 0)), t))
+        if 0 in replicas:
+            if self.dist.world_size > 1:
+                self.dist.broadcast_control(d)
+            if self.dist.pp_size > 1:
+                t = d.clone()
+                works.append((self.dist.isend(t, self.dist.peer(pp_rank=1)), t))
         for w, _ in works:
             w.wait()
 
-    def heartbeat(self) -> None:
-        self._command(CMD_NOOP)
+    def heartbeat(self, replicas: list[int] | None = None) -> None:
+        self._command(CMD_NOOP, replicas)
 
-    def stop_workers(self) -> None:
-        self._command(CMD_SHUTDOWN)
+    def stop_workers(self, replicas: list[int] | None = None) -> None:
+        self._command(CMD_SHUTDOWN, replicas)
+
+    def rejoin(self, replica: int, generation: int) -> tuple[ReplicaGroups, int]:
+        """Rank 0's side of a respawned replica's start (called from a thread of its own while the engine serves the
+        other replicas): make the replica's groups of this generation with its new processes, then agree with them
+        as at start (they load their shards meanwhile; sharding/runner.py: start_rank). Returns the groups, which
+        the stepping thread installs (dist.install_groups), and the replica's block count: no more than before."""
+        groups = make_replica_groups(self.dist, replica, generation)
+        links = [groups.link]
+        for what in ("start", None, "allocate the KV cache"):
+            if what is None:
+                count = self.dist.agree_min(self.num_blocks, links)
+                continue
+            failed = self.dist.failed_ranks(True, links)
+            if failed:
+                raise RuntimeError(f"rank(s) {', '.join(map(str, failed))} of replica {replica} failed to {what}")
+        return groups, count
 
     # ---- ranks > 0 ---------------------------------------------------------------------------------------------
     def _receive(self) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -471,10 +488,7 @@ def _agree(dist: Dist, what: str, fn):
     except Exception as e:  # noqa: BLE001 - reported below, after the others have heard of it
         error = e
         logger.error("rank %d failed to %s: %s", dist.global_rank, what, e)
-    status = torch.zeros(dist.global_world_size, dtype=torch.int64)
-    status[dist.global_rank] = 1 if error is None else 0
-    dist.all_reduce_control(status, op=torch.distributed.ReduceOp.SUM)
-    failed = [r for r in range(dist.global_world_size) if status[r] == 0]
+    failed = dist.failed_ranks(error is None)
     if error is not None:
         raise error
     if failed:

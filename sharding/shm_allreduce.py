@@ -1,7 +1,7 @@
 """A shared-memory all-reduce (and broadcast, gather) for CPU ranks on one host: a few us per hidden-size vector
 where gloo takes 0.2-0.5 ms.
 
-Set-up: rank 0 creates a file in /dev/shm, sends its name to the others over the (gloo) CPU group, every rank maps
+Set-up: rank 0 creates a file in /dev/shm, sends its name to the others over the (gloo) TP group (a dist.Group), every rank maps
 it and reports success through a gloo all-reduce (which is also the barrier), then rank 0 unlinks the name at once:
 the mapping lives on while mapped, and no /dev/shm entry can outlive a SIGKILL beyond that millisecond window.
 
@@ -47,6 +47,7 @@ import torch.distributed as dist
 
 SHM_DIR = "/dev/shm"
 LINE = 8  # int64s per 64-byte cache line
+NAME_BYTES = 128  # the segment's name, as rank 0 sends it to the others
 
 
 def wanted(backend: str, world_size: int, local_world_size: int) -> bool:
@@ -98,7 +99,10 @@ class ShmAllReduce:
                     os.close(fd)
             except OSError as e:
                 name[0], error = "", f"rank 0 could not create {size} bytes in {SHM_DIR}: {e}"
-        dist.broadcast_object_list(name, group=group, group_src=0)
+        sent = torch.zeros(NAME_BYTES, dtype=torch.uint8)  # the name, over the group (sharding/dist.py: Group)
+        sent[: len(name[0])] = torch.tensor(list(name[0].encode()), dtype=torch.uint8)
+        group.broadcast(sent, src=0)
+        name[0] = bytes(sent[sent != 0].tolist()).decode()
         path = os.path.join(SHM_DIR, name[0])
         if name[0]:
             try:
@@ -113,7 +117,7 @@ class ShmAllReduce:
             self._flags = memoryview(self._mm)[: self._header].cast("q")
             self._flags[LINE * world_size + rank] = os.getpid()
         ok = torch.tensor([0 if error else 1])
-        dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)  # also the barrier: everyone has mapped it
+        group.all_reduce(ok, dist.ReduceOp.MIN)  # also the barrier: everyone has mapped it
         if rank == 0 and name[0]:
             os.unlink(path)
         if not ok.item():
