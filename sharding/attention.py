@@ -22,7 +22,10 @@ import torch
 import torch.nn.functional as F
 
 from sharding import kernels
-from sharding.step import HIDDEN, HIDDEN_FIRST, HIDDEN_SUM, LOGITS_ALL, LOGITS_LAST, Step
+from sharding.lora import LoraRows, lora_rows
+from sharding.step import FLAG_BITS, HIDDEN, HIDDEN_FIRST, HIDDEN_SUM, LOGITS_ALL, LOGITS_LAST, Step
+
+
 def rope_inv_freq(config) -> tuple[torch.Tensor, float]:
     """Inverse frequencies and attention scaling, as transformers computes them for this config."""
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
@@ -147,6 +150,7 @@ class AttentionMetadata:
     seq_parallel: bool = False  # this step runs sequence parallel: between layers a rank holds its tokens only
     write_rows: dict = field(default_factory=dict)  # per cache geometry: flat row of each (token, K/V head)
     pool: Pool | None = None  # embedding sequences' pooled rows, returned beside the logits
+    lora: "LoraRows | None" = None  # the tokens of each LoRA adapter slot (sharding/lora.py); None: base rows only
 
     @staticmethod
     def build(step: Step, block_table: torch.Tensor, block_size: int, rotary: "RotaryTable | None",
@@ -210,6 +214,7 @@ class AttentionMetadata:
             logits_indices=logits_indices.to(device),
             all_decode=all_decode,
             pool=_pool(ends, ns, flags),
+            lora=lora_rows(flags, ns),
         )
         return meta.windowed(sliding_window)
 
@@ -230,7 +235,7 @@ class AttentionMetadata:
         first = int(blocks[0])
         contiguous = bool((blocks == np.arange(first, first + blocks.size)).all())
         positions = torch.from_numpy(starts.copy())
-        if bool((flags == LOGITS_LAST).all()):
+        if bool(((flags & FLAG_BITS) == LOGITS_LAST).all()):
             logits_indices = torch.arange(n_seqs)
         else:
             ones = torch.ones(n_seqs, dtype=torch.int64)
@@ -259,6 +264,7 @@ class AttentionMetadata:
             all_decode=True,
             pool=_pool(torch.arange(1, n_seqs + 1), torch.ones(n_seqs, dtype=torch.int64), table[:, 3])
             if bool((flags & HIDDEN).any()) else None,
+            lora=lora_rows(flags, None),
         ).windowed(sliding_window)  # the decode mask, where lengths differ or a window cuts
 
     def windowed(self, window: int | None) -> "AttentionMetadata":

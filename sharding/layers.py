@@ -68,7 +68,17 @@ class _Linear(nn.Module):
                 return
             self.weight = None  # the packed copy is the weight now (a tied embedding keeps its own reference)
 
+    lora = None  # sharding/lora.py LoraLinear: this linear's LoRA adapters (column/row-parallel, when enabled)
+
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x @ W^T (+ bias), plus the LoRA deltas of the step's adapter rows when it has any (sharding/lora.py). Every
+        path through a linear (module forward, the decode fast path) goes through here, so none skips an adapter."""
+        lora = self.lora
+        if lora is None or lora.ctx.rows is None:
+            return self._base_matmul(x, bias)
+        return lora.apply(x, self._base_matmul(x, bias))
+
+    def _base_matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if self.qweight is not None:
             return quant.linear(x, self.qweight, bias)
         if self.blocked is not None:
@@ -168,7 +178,8 @@ class RowParallelLinear(_Linear):
             self.bias.data.copy_(ckpt.read(p.name + ".bias"))
 
     def forward(self, x: torch.Tensor, scatter: bool = False) -> torch.Tensor:
-        """scatter: sequence parallelism; the sum is reduce-scattered over the tokens (this rank's rows only)."""
+        """scatter: sequence parallelism; the sum is reduce-scattered over the tokens (this rank's rows only). A LoRA
+        delta (x_local @ A[:, cols]^T @ B^T) joins the partial product before the reduce (sharding/lora.py)."""
         partial = self.matmul(x)
         y = self.dist.reduce_scatter_tokens(partial) if scatter else self.dist.all_reduce(partial)
         return y + self.bias if self.bias is not None else y

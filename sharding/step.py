@@ -12,6 +12,9 @@ LOGITS_ALL for every one of its tokens (prompt logprobs), neither for a prefill 
 An embedding sequence (prefill only) asks for one row of final-normed hidden states instead, pooled over its tokens
 of this step: HIDDEN_LAST its last token, HIDDEN_FIRST its first (CLS), HIDDEN_SUM the sum of all of them (mean
 pooling over chunks: rank 0 adds the chunks' sums and divides). The last stage returns those rows beside the logits.
+The bits of `flags` from LORA_SHIFT up hold the sequence's LoRA adapter slot (0: the base model; sharding/lora.py):
+`with_lora(flags, slot)` sets them, `lora_slot(flags)` reads them, `flags & FLAG_BITS` is the rest. A step without
+adapter rows is byte-identical to one from before adapters existed.
 
 On the wire: one int64 message of a fixed size known to every rank (`message_size`): a header [cmd, N, S, U], then
 the payload ids[N], (row, n, start, flags)[S], (row, index, block)[U]; positions are derived. Every decode step fits,
@@ -36,6 +39,20 @@ HIDDEN_LAST = 4
 HIDDEN_SUM = 8
 HIDDEN_FIRST = 16
 HIDDEN = HIDDEN_LAST | HIDDEN_SUM | HIDDEN_FIRST
+LORA_SHIFT = 16  # flags >> LORA_SHIFT: the sequence's LoRA adapter slot, 0 for the base model
+FLAG_BITS = (1 << LORA_SHIFT) - 1  # the logits / hidden bits above
+
+
+def with_lora(flags: int, slot: int) -> int:
+    """`flags` with the sequence's adapter slot set (0: the base model)."""
+    if slot < 0:
+        raise ValueError(f"adapter slot {slot} must be >= 0")
+    return (flags & FLAG_BITS) | (slot << LORA_SHIFT)
+
+
+def lora_slot(flags: int) -> int:
+    """The adapter slot a sequence's flags carry (0: the base model)."""
+    return flags >> LORA_SHIFT
 
 SEQ_FIELDS = 4  # row, n_tokens, start_pos, flags
 UPDATE_FIELDS = 3  # row, index in the row, block id

@@ -54,6 +54,8 @@ class Gemma2ForCausalLM(GemmaForCausalLM):
         return None  # the runner's metadata is causal for every layer; the sliding layers narrow it (window_meta)
 
     def forward(self, ids: torch.Tensor, meta: AttentionMetadata, hidden: torch.Tensor | None = None):
+        if self.lora is not None:  # LoRA adapter rows of this step (sharding/lora.py)
+            self.lora.rows = meta.lora
         windows = {layer.self_attn.window for layer in self.layers} - {None}
         metas = {None: meta, **{w: window_meta(meta, w) for w in windows}}
         h = self.embed(ids) if self.first_stage else hidden

@@ -178,6 +178,8 @@ class GptOssForCausalLM(LlamaForCausalLM):
                              f"only, so max_model_len ({n}) must not exceed {limit}")
 
     def forward(self, ids: torch.Tensor, meta: AttentionMetadata, hidden: torch.Tensor | None = None):
+        if self.lora is not None:  # LoRA adapter rows of this step (sharding/lora.py)
+            self.lora.rows = meta.lora
         windows = {layer.self_attn.window for layer in self.layers} - {None}
         metas = {None: meta, **{w: window_meta(meta, w) for w in windows}}
         h = self.embed(ids, scatter=meta.seq_parallel) if self.first_stage else hidden

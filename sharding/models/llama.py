@@ -26,6 +26,7 @@ from sharding import kernels
 from sharding.attention import (AttentionMetadata, GroupedHeads, PagedKVCache, apply_rotary, attend,
                                 stage_output)
 from sharding.dist import Dist
+from sharding.lora import LoraContext
 from sharding.layers import (ColumnParallelLinear, ParallelLMHead, Piece, RMSNorm, RowParallelLinear,
                              VocabParallelEmbedding)
 
@@ -288,7 +289,7 @@ class LlamaForCausalLM(nn.Module):
             plan.compiled = _compile_plan(plan, self.dist.world_size)
             plan.run = kernels.decode_layers_ops()[1] if plan.compiled is not None else None
             plan.pool = plan.layers[0].attn.cache.pool
-        if plan.compiled is not None:
+        if plan.compiled is not None and meta.lora is None:  # its linears read raw weights: no adapter rows
             x = plan.run(plan.compiled, h, x, meta.cos, meta.sin, meta.slots, meta.decode_table, meta.decode_lens,
                          window)
             return stage_output(x, meta, self.lm_head)
@@ -304,7 +305,12 @@ class LlamaForCausalLM(nn.Module):
             x = add_rms_norm_(h, d, f.next_norm.weight, f.next_norm.eps)
         return stage_output(x, meta, self.lm_head)  # x: the final norm of every token's hidden state
 
+    supports_lora = True  # sharding/lora.py: every linear of its layers is a column- or row-parallel one
+    lora: LoraContext | None = None  # set by sharding.lora.LoraManager; each step's adapter rows go through it
+
     def forward(self, ids: torch.Tensor, meta: AttentionMetadata, hidden: torch.Tensor | None = None):
+        if self.lora is not None:
+            self.lora.rows = meta.lora
         if meta.all_decode and not meta.seq_parallel and meta.cos is not None:
             if self._plan is False:
                 self._plan = self._decode_plan()
