@@ -22,7 +22,6 @@ import time
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
@@ -38,25 +37,28 @@ def timed(fn, t: torch.Tensor, iters: int, warmup: int) -> list[float]:
 
 
 def rank_main(rank: int, world: int, port: int, args, queue) -> None:
-    from sharding.shm_allreduce import ShmAllReduce
+    import os
+
+    from sharding.dist import init_dist
 
     try:
-        torch.set_num_threads(1)
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-        shm = ShmAllReduce(rank, world, dist.group.WORLD)
+        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                          TPSERVE_THREADS="1", TPSERVE_SHM_ALLREDUCE="1")
+        d = init_dist()
+        shm, group = d.fast_all_reduce, d.cpu_group
+        barrier = lambda: group.all_reduce(torch.zeros(1))  # noqa: E731
         rows = []
         for size in args.sizes:
             t = torch.randn(size)
-            for name, fn in (("gloo", lambda x: dist.all_reduce(x)), ("shm", shm.all_reduce)):
+            for name, fn in (("gloo", group.all_reduce), ("shm", shm.all_reduce)):
                 iters = args.iters if name == "shm" else max(200, args.iters // 5)
-                dist.barrier()
+                barrier()
                 us = sorted(timed(fn, t, iters, warmup=max(20, iters // 10)))
                 rows.append(dict(world=world, size=size, backend=name, iters=iters,
                                  median_us=statistics.median(us), p90_us=us[int(0.9 * (len(us) - 1))]))
-        shm.close()
-        dist.barrier()
+        barrier()
         queue.put((rank, rows))
-        dist.destroy_process_group()
+        d.shutdown()
     except Exception as e:  # noqa: BLE001
         queue.put((rank, repr(e)))
 

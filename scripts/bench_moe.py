@@ -156,7 +156,7 @@ def one_layout(args) -> dict:
     outs = llm.generate(prompts, params)
     tok_s = sum(len(o.token_ids) for o in outs) / (time.perf_counter() - t0)
     step = active_bytes(llm)
-    others = [peak_rss_gb(p.pid) for p in (llm.workers.procs if llm.workers else [])]
+    others = [peak_rss_gb(p.pid) for p in (llm.workers.procs.values() if llm.workers else [])]
     llm.close()
     return dict(layout=args.layout, load_s=load_s, batch1_ms=ms, batch8_tok_s=tok_s, **step,
                 rank0_gb_s=step["total_bytes"] / ms / 1e6,

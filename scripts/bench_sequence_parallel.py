@@ -42,7 +42,7 @@ def child(model: str, sp: bool, tokens: int, repeats: int, out: str) -> None:
     os.environ.setdefault("TPSERVE_THREADS", "1")
     with LLM(model, tensor_parallel_size=2, sequence_parallel=sp, max_model_len=tokens + 16,
              max_num_batched_tokens=tokens + 16, enable_prefix_caching=False, max_num_seqs=2) as llm:
-        pids = [os.getpid()] + [p.pid for p in llm.workers.procs]
+        pids = [os.getpid()] + [p.pid for p in llm.workers.procs.values()]
         vocab = llm.runner.vocab_size
         one = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
         llm.generate([[5, 6, 7, 8]], one)

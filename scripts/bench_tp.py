@@ -97,7 +97,7 @@ def child(args: argparse.Namespace) -> None:
     t0 = time.perf_counter()
     llm = LLM(args.model, tensor_parallel_size=args.tp, max_num_seqs=32, max_model_len=256)
     ready = time.perf_counter() - t0
-    pids = [os.getpid()] + [p.pid for p in llm.workers.procs]
+    pids = [os.getpid()] + [p.pid for p in llm.workers.procs.values()]
     out = dict(tp=args.tp, threads=int(os.environ["TPSERVE_THREADS"]), ready_s=ready,
                load_s=llm.runner.load_seconds, peak_mb=[vm_hwm_mb(p) for p in pids], load_before=args.load)
     runner = llm.runner

@@ -125,7 +125,16 @@ def build_app(state: ServerState) -> FastAPI:
             return JSONResponse({"status": "failed", "reason": state.engine.dead}, status_code=503)
         if state.draining:
             return JSONResponse({"status": "draining"}, status_code=503)
-        return {"status": "ok"}
+        e = state.engine
+        if not e.down:
+            return {"status": "ok"}
+        # a replica is out of rotation (server/supervisor.py): still healthy while another one serves
+        body = {"status": "degraded" if e.replicas_alive else "recovering", "replicas": len(e.pools),
+                "replicas_alive": e.replicas_alive, "down": {str(r): why for r, why in sorted(e.down.items())},
+                "replica_failures": e.replica_failures}
+        if state.supervisor is not None:
+            body["restarting"] = sorted(state.supervisor.restarting)
+        return JSONResponse(body, status_code=200 if e.replicas_alive else 503)
 
     @app.get("/metrics")
     async def metrics():
@@ -138,8 +147,10 @@ def build_app(state: ServerState) -> FastAPI:
             m.replica_running.labels(str(replica)).set(running)
             m.replica_waiting.labels(str(replica)).set(waiting)
             m.replica_kv_usage.labels(str(replica)).set(e.kv_usage(replica))
-        m.sync_counter(m.prefix_queries, "prefix_queries", sum(p.prefix_query_tokens for p in e.pools))
-        m.sync_counter(m.prefix_hits, "prefix_hits", sum(p.prefix_hit_tokens for p in e.pools))
+        m.sync_counter(m.prefix_queries, "prefix_queries", e.prefix_query_tokens)
+        m.sync_counter(m.prefix_hits, "prefix_hits", e.prefix_hit_tokens)
+        m.replicas_alive.set(e.replicas_alive)
+        m.sync_counter(m.replica_failures, "replica_failures", e.replica_failures)
         m.sync_counter(m.preemptions, "preemptions", e.num_preemptions)
         if e.speculator is not None:
             m.sync_counter(m.spec_drafts, "spec_drafts", e.spec_drafts)

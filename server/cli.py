@@ -142,6 +142,7 @@ def serve(args) -> int:
     from server.embeddings import pooling_config
     from server.responses_api import ResponseStore
     from server.speculative import parse_speculative_config
+    from server.supervisor import Supervisor
     from server.engine import Engine, EngineThread
     from server.launcher import kill_workers, launch, torchrun_worker_signals
     from server.tokenizer import load_tokenizer
@@ -200,10 +201,16 @@ def serve(args) -> int:
                         pooling=pooling, responses=ResponseStore(args.responses_store_max_bytes,
                                                                  args.responses_store_max_count))
     engine.step_listeners.append(lambda dt, _: state.metrics.step_seconds.observe(dt))
-    workers.on_death = engine.fail
+    supervisor = None
+    if workers.procs:  # ranks this process spawned: a dead or hung replica is isolated and (by default) restarted
+        supervisor = Supervisor(engine, runner, workers, cfg, restart=args.restart_failed_ranks,
+                                max_restarts=args.max_rank_restarts, window_s=args.rank_restart_window)
+        state.supervisor = supervisor
+    else:
+        workers.on_death = lambda rank, msg: engine.fail(msg)
     workers.watch()
     engine.start(compute)
-    engine.watchdog(args.step_timeout)
+    engine.watchdog(args.step_timeout, supervisor.on_hang if supervisor is not None else None)
     app = build_app(state)
 
     class DrainingServer(uvicorn.Server):
@@ -248,10 +255,13 @@ def serve(args) -> int:
     try:
         server.run()
     finally:
+        if supervisor is not None:
+            supervisor.close()
         engine.stop()
-        if engine.dead is None and dist.global_world_size > 1:
+        live = [r for r in range(dist.layout.dp) if r not in engine.down]
+        if engine.dead is None and dist.global_world_size > 1 and live:
             try:  # on the engine thread, which owns the collectives (free once the loop has stopped)
-                compute.submit(runner.stop_workers).result(timeout=10)
+                compute.submit(runner.stop_workers, live).result(timeout=10)
             except Exception:  # noqa: BLE001 - a rank already gone, or the loop never came back
                 exit_code["code"] = exit_code["code"] or 1
         workers.close(timeout=10)
@@ -328,7 +338,16 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--max-connections", type=int, default=1024, help="open connections before uvicorn answers 503")
     s.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds to finish requests on SIGTERM")
     s.add_argument("--step-timeout", type=float, default=120.0,
-                   help="seconds without a step result before the ranks are declared hung and the server stops")
+                   help="seconds without a step result before the ranks are declared hung: their replica's ranks are "
+                        "killed and restarted (see --restart-failed-ranks), else the server stops")
+    s.add_argument("--restart-failed-ranks", action=argparse.BooleanOptionalAction, default=True,
+                   help="start a replica's ranks again when one of them dies or hangs; its requests continue on the "
+                        "other replicas or wait for it (default on; ranks started by torchrun are left to torchrun)")
+    s.add_argument("--max-rank-restarts", type=int, default=3, metavar="N",
+                   help="a replica that fails more than N times within --rank-restart-window is not restarted: the "
+                        "server exits non-zero (default 3)")
+    s.add_argument("--rank-restart-window", type=float, default=600.0, metavar="SECONDS",
+                   help="the window --max-rank-restarts counts failures in (default 600)")
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     g = sub.add_parser("generate", help="generate offline (no HTTP)")
     add_engine_args(g)

@@ -30,7 +30,7 @@ import torch
 from server.block_manager import BlockManager
 from server.grammar import Grammars
 from server.sampling import SampleRow, sample
-from server.scheduler import Batch, Scheduled, Scheduler, Sequence
+from server.scheduler import WAITING, Batch, Scheduled, Scheduler, Sequence
 from server.speculative import SpeculativeConfig, Speculator
 from sharding.runner import Launched, ModelRunner
 from sharding.step import HIDDEN, HIDDEN_FIRST, HIDDEN_LAST, HIDDEN_SUM, LOGITS_ALL, LOGITS_LAST, Step
@@ -162,10 +162,19 @@ class Engine:
         self.blocks = self.pools[0]
         step_tokens = max_num_batched_tokens or max(DEFAULT_MAX_NUM_BATCHED_TOKENS, runner.cfg.max_num_seqs)
         seqs = runner.cfg.max_num_seqs
-        self.lanes = [Lane(r * layout.pp + v, r, Scheduler(seqs, step_tokens, self.pools[r],
-                                                           max_prefill_tokens_while_decoding,
-                                                           attention_depth_tokens(runner.config), first_row=v * seqs))
-                      for r in range(layout.dp) for v in range(layout.pp)]
+
+        def scheduler(replica: int, v: int) -> Scheduler:  # (again for a respawned replica: an empty one)
+            return Scheduler(seqs, step_tokens, self.pools[replica], max_prefill_tokens_while_decoding,
+                             attention_depth_tokens(runner.config), first_row=v * seqs)
+        self._new_scheduler = scheduler
+        self.lanes = [Lane(r * layout.pp + v, r, scheduler(r, v)) for r in range(layout.dp) for v in range(layout.pp)]
+        # fault isolation (server/supervisor.py): replicas out of rotation, and the sequences that wait for one
+        self.down: dict[int, str] = {}  # replica -> why it is down
+        self.replica_failures = 0
+        self._parked: deque[Sequence] = deque()  # no replica serves: they wait for one to come back
+        self.on_replica_failure: Callable[[int, str], None] | None = None  # the supervisor respawns it
+        self._waiting_on: int | None = None  # the replica whose launch or result the engine waits for
+        self._past = {"preemptions": 0, "prefix_queries": 0, "prefix_hits": 0}  # of replaced schedulers and pools
         self.scheduler = self.lanes[0].scheduler  # the step budget and caps every lane shares (for the start line)
         self.speculative = speculative
         draft = None
@@ -212,11 +221,24 @@ class Engine:
 
     @property
     def num_waiting(self) -> int:
-        return sum(len(lane.scheduler.waiting) for lane in self.lanes) + self._inbox.qsize()
+        return (sum(len(lane.scheduler.waiting) for lane in self.lanes) + self._inbox.qsize()
+                + len(self._parked))
+
+    @property
+    def replicas_alive(self) -> int:
+        return len(self.pools) - len(self.down)
 
     @property
     def num_preemptions(self) -> int:
-        return sum(lane.scheduler.num_preemptions for lane in self.lanes)
+        return self._past["preemptions"] + sum(lane.scheduler.num_preemptions for lane in self.lanes)
+
+    @property
+    def prefix_query_tokens(self) -> int:
+        return self._past["prefix_queries"] + sum(p.prefix_query_tokens for p in self.pools)
+
+    @property
+    def prefix_hit_tokens(self) -> int:
+        return self._past["prefix_hits"] + sum(p.prefix_hit_tokens for p in self.pools)
 
     def kv_usage(self, replica: int | None = None) -> float:
         """Fraction of KV-cache blocks held by sequences (cached free blocks count as free): of one replica's
@@ -245,14 +267,30 @@ class Engine:
                 if self.dead:
                     self._finish(seq, "error")
                 else:
-                    lane = min(self.lanes, key=lambda x: x.load)  # the least loaded lane (the first of equals)
-                    seq.lane = lane.index
-                    lane.scheduler.add(seq)
-            elif not seq.finished:
-                self._finish(seq, "abort")
+                    self._place(seq)
+            elif kind == "abort":
+                if not seq.finished:
+                    self._finish(seq, "abort")
+            elif kind == "down":
+                self._replica_down(*seq)
+            elif kind == "up":
+                self._replica_up(*seq)
+
+    def _place(self, seq: Sequence) -> None:
+        """Give a sequence to the least loaded lane of a live replica (the first of equals), or park it while no
+        replica serves."""
+        live = [lane for lane in self.lanes if lane.replica not in self.down]
+        if not live:
+            self._parked.append(seq)
+            return
+        lane = min(live, key=lambda x: x.load)
+        seq.lane = lane.index
+        lane.scheduler.add(seq)
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         seq.finish_reason = reason
+        if seq in self._parked:
+            self._parked.remove(seq)
         self.lanes[seq.lane].scheduler.free(seq)
         if self.speculator is not None:
             self.speculator.release(seq)
@@ -268,7 +306,7 @@ class Engine:
         self._step_started = time.monotonic()
         try:
             for lane in self._launch_order if launch else ():
-                if not lane.busy:
+                if not lane.busy and lane.replica not in self.down:
                     batch = lane.scheduler.schedule()
                     if batch.items:
                         self._launch(lane, batch)
@@ -278,6 +316,92 @@ class Engine:
             return True
         finally:
             self._step_started = None
+            self._waiting_on = None
+
+    def _runner_call(self, replica: int, fn, *args) -> tuple[object, bool]:
+        """(result, True) of a runner call that talks to one replica's ranks (a launch, a result, a heartbeat).
+        When it fails and the supervisor finds that the replica's ranks died (or killed them for hanging), the
+        replica leaves rotation and its sequences go to the others: (None, False). Without a supervisor (the
+        offline LLM, torchrun), or when no rank of the replica died (rank 0's own failure), the error is raised and
+        fails the engine, as before."""
+        self._waiting_on = replica
+        try:
+            return fn(*args), True
+        except Exception as e:  # noqa: BLE001 - judged below
+            reason = f"replica {replica}: {type(e).__name__}: {e}"
+            if self.on_replica_failure is None or self.dead or not self.on_replica_failure(replica, reason):
+                raise
+            self._replica_down(replica, reason)
+            return None, False
+        finally:
+            self._waiting_on = None
+
+    # ---- fault isolation ---------------------------------------------------------------------------------------
+    def replica_down(self, replica: int, reason: str) -> None:
+        """From any thread (the supervisor saw a rank of it exit): take the replica out of rotation."""
+        self._inbox.put(("down", (replica, reason)))
+        self._wake.set()
+
+    def replica_up(self, replica: int, groups, num_blocks: int) -> None:
+        """From any thread (the supervisor, once a respawned replica has joined): back into rotation."""
+        self._inbox.put(("up", (replica, groups, num_blocks)))
+        self._wake.set()
+
+    def _replica_down(self, replica: int, reason: str) -> None:
+        """On the engine thread. Its steps in flight are dropped (their results will not come), its pool is
+        forgotten (the blocks held its dead ranks' K/V), and every sequence it held goes back to a live replica as a
+        recompute preemption: prompt plus the tokens already generated, so the stream continues where it stopped
+        (server/scheduler.py). A sequence whose client left is finished, not recomputed."""
+        if replica in self.down:
+            return
+        logger.error("replica %d is out of rotation: %s", replica, reason)
+        self.down[replica] = reason
+        self.replica_failures += 1
+        self._inflight = deque(f for f in self._inflight if f.lane.replica != replica)
+        moved: list[Sequence] = []
+        for lane in self.lanes:
+            if lane.replica != replica:
+                continue
+            moved += [s for s in list(lane.scheduler.running) + list(lane.scheduler.waiting) if not s.finished]
+            lane.busy = False
+        self._reset_replica(replica, self.runner.num_blocks)
+        for seq in sorted(moved, key=lambda s: s.arrival):
+            seq.status, seq.row, seq.num_computed = WAITING, -1, 0
+            seq.num_preemptions += 1
+            self._past["preemptions"] += 1
+            self._place(seq)
+        if moved:
+            logger.warning("%d sequence(s) of replica %d recompute elsewhere%s", len(moved), replica,
+                           "" if self.replicas_alive else " once a replica serves again")
+
+    def _reset_replica(self, replica: int, num_blocks: int) -> None:
+        """A fresh pool (an empty prefix cache) and empty schedulers for a replica."""
+        old = self.pools[replica]
+        self._past["prefix_queries"] += old.prefix_query_tokens
+        self._past["prefix_hits"] += old.prefix_hit_tokens
+        self.pools[replica] = BlockManager(num_blocks, self.runner.block_size, old.enable_prefix_caching)
+        if replica == 0:
+            self.blocks = self.pools[0]
+        for lane in self.lanes:
+            if lane.replica == replica:
+                propose = lane.scheduler.propose
+                self._past["preemptions"] += lane.scheduler.num_preemptions
+                lane.scheduler = self._new_scheduler(replica, lane.index % self.runner.dist.layout.pp)
+                lane.scheduler.propose = propose
+        if replica == 0:
+            self.scheduler = self.lanes[0].scheduler
+
+    def _replica_up(self, replica: int, groups, num_blocks: int) -> None:
+        from sharding.dist import install_groups
+
+        install_groups(self.runner.dist, groups)
+        self._reset_replica(replica, num_blocks)
+        self.down.pop(replica, None)
+        logger.warning("replica %d serves again", replica)
+        parked, self._parked = self._parked, deque()
+        for seq in parked:
+            if not seq.finished:
+                self._place(seq)
 
     def _launch(self, lane: Lane, batch: Batch) -> None:
         t0 = time.perf_counter()
@@ -298,12 +422,16 @@ class Engine:
                 rows.extend((seq.row, 1, item.start + 1 + j, LOGITS_LAST) for j in range(len(item.drafts)))
         updates = torch.tensor(batch.block_updates, dtype=torch.int64) if batch.block_updates else None
         step = Step(torch.tensor(ids, dtype=torch.int64), torch.tensor(rows, dtype=torch.int64), updates)
-        launched = self.runner.launch(step, lane.replica)
+        launched, ok = self._runner_call(lane.replica, self.runner.launch, step, lane.replica)
+        if not ok:
+            return
         lane.busy = True
         self._inflight.append(InFlight(lane, batch, table, launched, len(ids), t0))
 
     def _complete(self, f: InFlight) -> None:
-        logits = self.runner.collect(f.launched)
+        logits, ok = self._runner_call(f.lane.replica, self.runner.collect, f.launched)
+        if not ok:
+            return
         f.lane.busy = False
         f.lane.scheduler.finished_step(f.batch)
         sampling, rows, at, pooled_at, verify = [], [], 0, 0, []
@@ -546,7 +674,9 @@ class Engine:
                     continue
                 if time.monotonic() - last >= HEARTBEAT_S:
                     self._step_started = time.monotonic()
-                    self.runner.heartbeat()
+                    for replica in range(len(self.pools)):
+                        if replica not in self.down:
+                            self._runner_call(replica, self.runner.heartbeat, [replica])
                     self._step_started = None
                     last = time.monotonic()
         except Exception as e:  # noqa: BLE001 - a dead rank or a failed collective: nothing can step any more
@@ -555,15 +685,21 @@ class Engine:
             if self._loop_done is not None:
                 self._loop_done.set()
 
-    def watchdog(self, step_timeout: float) -> None:
-        """A thread that declares the engine dead when one step (or heartbeat) has not returned in time: a hung
-        rank leaves rank 0 inside a collective, and nothing else would notice."""
+    def watchdog(self, step_timeout: float, on_hang: Callable[[int, str], bool] | None = None) -> None:
+        """A thread that notices a step (or heartbeat) that has not returned in time: a hung rank leaves rank 0
+        inside a collective, and nothing else would notice. `on_hang(replica, reason)` may deal with it (the
+        supervisor kills the replica's ranks, which turns the hang into the failure of a dead replica) and returns
+        True; else the engine is declared dead."""
         def loop() -> None:
+            handled: float | None = None
             while self.dead is None and not self._stop.is_set():
-                started = self._step_started
-                if started is not None and time.monotonic() - started > step_timeout:
-                    self.fail(f"no step result from the ranks within {step_timeout:.0f} s (a rank hangs)")
-                    return
+                started, replica = self._step_started, self._waiting_on
+                if started is not None and time.monotonic() - started > step_timeout and started != handled:
+                    reason = f"no step result from the ranks within {step_timeout:.0f} s (a rank hangs)"
+                    if replica is None or on_hang is None or not on_hang(replica, reason):
+                        self.fail(reason)
+                        return
+                    handled = started
                 time.sleep(0.2)
 
         threading.Thread(target=loop, name="tpserve-watchdog", daemon=True).start()
@@ -578,6 +714,8 @@ class Engine:
         for lane in self.lanes:
             for seq in list(lane.scheduler.running) + list(lane.scheduler.waiting):
                 self._finish(seq, "error")
+        for seq in list(self._parked):
+            self._finish(seq, "error")
         self._drain_inbox()
         if self.on_fatal is not None:
             self.on_fatal(reason)

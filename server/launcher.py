@@ -87,12 +87,37 @@ def validate(cfg: EngineConfig, tp: int) -> None:
 
 @dataclass
 class Workers:
-    """The ranks > 0 this process spawned, and a watcher that reports one that exits on its own."""
+    """The ranks > 0 this process spawned (global rank -> process), how to spawn one again, and a watcher that
+    reports each one that exits on its own, once."""
 
-    procs: list[subprocess.Popen] = field(default_factory=list)
-    on_death: Callable[[str], None] | None = None
+    procs: dict[int, subprocess.Popen] = field(default_factory=dict)
+    on_death: Callable[[int, str], None] | None = None  # (global rank, message), from the watcher thread
+    argv: list[str] = field(default_factory=list)  # the worker command line's EngineConfig part
+    env: dict[str, str] = field(default_factory=dict)  # the rendezvous environment (without RANK)
     _closing: bool = False
     _watching: bool = False
+    _expected: set = field(default_factory=set)  # processes killed on purpose: not reported
+
+    def spawn(self, rank: int, generation: int = 0, argv: list[str] | None = None) -> subprocess.Popen:
+        """Start global rank `rank` (again, for a respawned replica: a later generation of its groups). Call from a
+        thread that lives as long as the process: PR_SET_PDEATHSIG fires when the creating thread exits."""
+        env = dict(os.environ, **self.env, RANK=str(rank), LOCAL_RANK=str(rank))
+        if generation:
+            env["TPSERVE_GENERATION"] = str(generation)
+        self.procs[rank] = p = subprocess.Popen([sys.executable, "-m", "sharding.worker", *(argv or self.argv)],
+                                                env=env, preexec_fn=_die_with_parent)
+        return p
+
+    def kill(self, ranks: list[int], wait: float = 5.0) -> None:
+        """SIGKILL these ranks' processes (a SIGSTOPped one too) and reap them; the watcher stays quiet about them."""
+        procs = [self.procs[r] for r in ranks if r in self.procs]
+        for p in procs:
+            self._expected.add(p)
+            if p.poll() is None:
+                p.send_signal(signal.SIGKILL)
+        for p in procs:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(wait)
 
     def watch(self) -> None:
         """Start the watcher once (later calls only keep it; it reads `on_death` when a rank dies); none without
@@ -102,15 +127,17 @@ class Workers:
         self._watching = True
 
         def loop() -> None:
+            reported: set = set()
             while not self._closing:
-                for rank, p in enumerate(self.procs, start=1):
+                for rank, p in list(self.procs.items()):
                     code = p.poll()
-                    if code is not None and not self._closing:
-                        msg = f"rank {rank} (pid {p.pid}) exited with code {code}"
-                        logger.error("%s", msg)
-                        if self.on_death is not None:
-                            self.on_death(msg)
-                        return
+                    if code is None or p in reported or p in self._expected or self._closing:
+                        continue
+                    reported.add(p)
+                    msg = f"rank {rank} (pid {p.pid}) exited with code {code}"
+                    logger.error("%s", msg)
+                    if self.on_death is not None:
+                        self.on_death(rank, msg)
                 time.sleep(0.1)
 
         threading.Thread(target=loop, name="tpserve-rank-watch", daemon=True).start()
@@ -118,13 +145,14 @@ class Workers:
     def close(self, timeout: float = 10.0) -> None:
         """Wait for the ranks to leave (after a shutdown message), then terminate and kill what is left."""
         self._closing = True
+        procs = list(self.procs.values())
         deadline = time.monotonic() + timeout
-        for p in self.procs:
+        for p in procs:
             try:
                 p.wait(max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 p.terminate()
-        for p in self.procs:
+        for p in procs:
             try:
                 p.wait(2.0)
             except subprocess.TimeoutExpired:
@@ -149,15 +177,13 @@ def spawn_workers(cfg: EngineConfig, tp: int) -> tuple[Workers, dict[str, str]]:
     world = world_size(cfg, tp)
     rdzv = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(world),
                 LOCAL_WORLD_SIZE=str(world))
-    workers = Workers()
+    workers = Workers(argv=cfg.to_argv(), env=rdzv)
     for rank in range(1, world):
-        workers.procs.append(subprocess.Popen(
-            [sys.executable, "-m", "sharding.worker", *cfg.to_argv()],
-            env=dict(os.environ, **rdzv, RANK=str(rank), LOCAL_RANK=str(rank)), preexec_fn=_die_with_parent))
+        workers.spawn(rank)
     return workers, dict(rdzv, RANK="0", LOCAL_RANK="0")
 
 
-def _fail_fast(msg: str) -> None:
+def _fail_fast(rank: int, msg: str) -> None:
     """Before the engine exists a dead rank leaves rank 0 waiting in the rendezvous: stop the process."""
     print(f"tpserve: {msg} while starting; stopping", file=sys.stderr, flush=True)
     os._exit(1)
@@ -202,6 +228,6 @@ def launch(cfg: EngineConfig, tp: int):
 
 
 def kill_workers(workers: Workers) -> None:
-    for p in workers.procs:
+    for p in workers.procs.values():
         if p.poll() is None:
             p.send_signal(signal.SIGKILL)

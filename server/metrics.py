@@ -24,6 +24,10 @@ class Metrics:
                                      ["replica"], registry=r)
         self.replica_kv_usage = Gauge("tpserve_replica_kv_cache_usage_ratio", "KV-cache block usage, per replica",
                                       ["replica"], registry=r)
+        self.replicas_alive = Gauge("tpserve_replicas_alive", "Replicas in rotation (--data-parallel-size when all "
+                                    "serve)", registry=r)
+        self.replica_failures = Counter("tpserve_replica_failures", "Replicas taken out of rotation because a rank "
+                                        "died or hung", registry=r)
         self.prefix_queries = Counter("tpserve_prefix_cache_queries",
                                       "Prompt tokens looked up in the prefix cache (at admission)", registry=r)
         self.prefix_hits = Counter("tpserve_prefix_cache_hits",

@@ -44,6 +44,7 @@ class ServerState:
     pooling: object = None  # /v1/embeddings' pooling (server/embeddings.py PoolingConfig; build_app resolves it)
     responses: object = None  # stored responses (server/responses_api.py ResponseStore; build_app makes one)
     metrics: Metrics = field(default_factory=Metrics)
+    supervisor: object = None  # server/supervisor.py, when this process spawned the ranks
     draining: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
 

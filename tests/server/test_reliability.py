@@ -181,8 +181,10 @@ def kill_mid_stream(s, pid: int) -> tuple[list[str], float]:
     return events, t_kill
 
 
-def test_sigkill_of_a_rank_fails_fast(server_factory, checkpoints):
-    s = server_factory(checkpoints("llama"), 2, "--max-model-len", "256")
+def test_sigkill_of_a_rank_fails_fast_without_restarts(server_factory, checkpoints):
+    """--no-restart-failed-ranks and one replica: a dead rank fails the server at once (a restart is in
+    tests/server/test_fault_tolerance.py)."""
+    s = server_factory(checkpoints("llama"), 2, "--max-model-len", "256", "--no-restart-failed-ranks")
     workers = children(s.proc.pid)
     assert len(workers) == 1
     events, t_kill = kill_mid_stream(s, workers[0])
