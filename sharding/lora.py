@@ -16,8 +16,10 @@ A step says each sequence's slot in its flags (sharding/step.py: with_lora); Att
 `LoraRows` (for each slot present, the step's tokens of that slot), which the model's forward hands to its
 `LoraContext`. Every adapted linear's `matmul` then adds, per slot present, (x[rows] @ A^T) @ (B^T * scale) to its
 output rows (a grouped shrink and expand over that adapter's rows only; S-LoRA / Punica's idea). A step without
-adapter rows has no LoraRows: its linears check one attribute and do nothing else, and the compiled one-call decode
-step (TP=1) still runs; a step with adapter rows takes the per-layer decode loop, whose linears see the adapters.
+adapter rows has no LoraRows: its linears check one attribute and do nothing else. The decode fast paths see the
+adapters too: the per-layer loop through the linears' `matmul`, the compiled one-call step of TP=1
+(sharding/csrc/decode_glue.cpp: decode_layers) through each linear's adapters registered with it (`set_lora`) and the
+rows' slots passed per step; loading or unloading rebuilds that step at its next use (LlamaForCausalLM.lora_changed).
 """
 
 from __future__ import annotations
@@ -225,7 +227,13 @@ class LoraManager:
         for _, lora in self.columns + self.rows:
             lora.slots[slot] = loaded.get(lora)
         self.adapters[slot] = info
+        self._changed()
         return info
+
+    def _changed(self) -> None:
+        changed = getattr(self.model, "lora_changed", None)
+        if changed is not None:
+            changed()  # the compiled decode step holds the adapters: rebuilt at its next use
 
     def unload(self, slot: int) -> None:
         """Free `slot` (its tensors are dropped; steps must no longer name it)."""
@@ -233,6 +241,7 @@ class LoraManager:
         for _, lora in self.columns + self.rows:
             lora.slots[slot] = None
         self.adapters.pop(slot, None)
+        self._changed()
 
     def nbytes(self, slot: int | None = None) -> int:
         """Bytes of adapter tensors held on this rank (in `slot`, or in every slot)."""

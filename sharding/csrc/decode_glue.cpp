@@ -198,11 +198,18 @@ struct PlanLinear {
   int64_t n, group, k, blocks;
 };
 
+// One LoRA adapter of one linear (sharding/lora.py): A^T [K, R] and B^T * scale [R, N], float32
+struct PlanLora {
+  at::Tensor at, bt;
+  int64_t r = 0;
+};
+
 struct PlanLayer {
   PlanLinear qkv, o, gate_up, down;
   at::Tensor pool, post_w, next_w;
   int64_t heads, kv_heads;
   double scale, post_eps, next_eps;
+  std::vector<PlanLora> lora[4];  // per linear (qkv, o, gate_up, down), by adapter slot (r == 0: none)
 };
 
 // A linear as the compiled steps run it (kind 0 float32 in blocks of 32 columns, 1 int8, 2 int4, 3 bf16), checked
@@ -275,8 +282,65 @@ struct DecodeLayers : torch::CustomClassHolder {
     pending.clear();
   }
 
+  // the adapter in `slot` of linear `which` (0 qkv, 1 o, 2 gate_up, 3 down) of layer `layer`: A^T [K, R] and
+  // B^T * scale [R, N] float32 (kept referenced), or none (at/bt None)
+  void set_lora(int64_t layer, int64_t which, int64_t slot, std::optional<at::Tensor> at,
+                std::optional<at::Tensor> bt) {
+    TORCH_CHECK(layer >= 0 && layer < size() && which >= 0 && which < 4 && slot > 0, "set_lora: no such linear");
+    PlanLayer& l = layers[layer];
+    const PlanLinear& lin = which == 0 ? l.qkv : which == 1 ? l.o : which == 2 ? l.gate_up : l.down;
+    auto& slots = l.lora[which];
+    if (static_cast<int64_t>(slots.size()) <= slot) slots.resize(slot + 1);
+    if (!at.has_value() || !bt.has_value()) {
+      slots[slot] = PlanLora{};
+      return;
+    }
+    TORCH_CHECK(at->dim() == 2 && bt->dim() == 2 && at->size(0) == lin.k && at->size(1) == bt->size(0) &&
+                    bt->size(1) == lin.n && at->size(1) > 0 && at->scalar_type() == at::kFloat &&
+                    bt->scalar_type() == at::kFloat && at->is_contiguous() && bt->is_contiguous(),
+                "set_lora: A^T [K, R] and B^T [R, N] float32, contiguous, matching the linear");
+    slots[slot] = PlanLora{*at, *bt, at->size(1)};
+  }
+
   int64_t size() const { return static_cast<int64_t>(layers.size()); }
 };
+
+// y[m, c0..c1) += (x[m] @ A^T) @ B^T[:, c0..c1) for every row m whose adapter slot (rs[m] > 0) this linear has; u:
+// scratch. Each thread computes the shrink of its rows whole (R values: cheap) and expands its own output columns.
+void lora_range(const std::vector<PlanLora>& lo, const int64_t* rs, const float* x, int64_t M, int64_t K, float* y,
+                int64_t N, int64_t c0, int64_t c1, std::vector<float>& u) {
+  if (rs == nullptr || lo.empty() || c0 >= c1) return;
+  for (int64_t m = 0; m < M; ++m) {
+    const int64_t s = rs[m];
+    if (s <= 0 || s >= static_cast<int64_t>(lo.size()) || lo[s].r == 0) continue;
+    const int64_t R = lo[s].r;
+    const float* A = lo[s].at.data_ptr<float>();
+    const float* Bt = lo[s].bt.data_ptr<float>();
+    u.assign(R, 0.0f);
+    float* up = u.data();
+    const float* xr = x + m * K;
+    for (int64_t k = 0; k < K; ++k) {
+      const float xv = xr[k];
+      const float* ar = A + k * R;
+#pragma omp simd
+      for (int64_t j = 0; j < R; ++j) up[j] += xv * ar[j];
+    }
+    float* yr = y + m * N;
+    for (int64_t j = 0; j < R; ++j) {
+      const float uj = up[j];
+      const float* br = Bt + j * N;
+#pragma omp simd
+      for (int64_t c = c0; c < c1; ++c) yr[c] += uj * br[c];
+    }
+  }
+}
+
+// output columns [c0, c1) of linear l's output blocks [b0, b1)
+void block_columns(const PlanLinear& l, int64_t b0, int64_t b1, int64_t& c0, int64_t& c1) {
+  const int64_t per = l.kind == 0 ? tpserve::F32_BLOCK : l.kind == 3 ? tpserve::bf16_rows() : tpserve::int_rows();
+  c0 = std::min(b0 * per, l.n);
+  c1 = std::min(b1 * per, l.n);
+}
 
 // whether linear l multiplies its input quantized to int8 (int8 and int4 weights on CPUs with AVX-512 VNNI)
 // whether linear l multiplies its input rounded to bfloat16 (bf16 weights on CPUs with AVX-512 BF16)
@@ -306,7 +370,8 @@ void linear_range(const PlanLinear& l, const float* x, const tpserve::Int8Rows* 
 
 at::Tensor decode_layers(const c10::intrusive_ptr<DecodeLayers>& plan, at::Tensor h, const at::Tensor& x,
                          const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& slots,
-                         const at::Tensor& table, const at::Tensor& lens, int64_t window) {
+                         const at::Tensor& table, const at::Tensor& lens, int64_t window,
+                         const std::optional<at::Tensor>& lora_slots) {
   // every check before the team starts: an exception inside an OpenMP region cannot be caught
   const auto& layers = plan->layers;
   TORCH_CHECK(!layers.empty(), "decode_layers: an empty plan");
@@ -323,6 +388,10 @@ at::Tensor decode_layers(const c10::intrusive_ptr<DecodeLayers>& plan, at::Tenso
                   table.scalar_type() == at::kLong && slots.is_contiguous() && lens.is_contiguous() &&
                   table.is_contiguous(),
               "decode_layers: slots [B], lens [B], table [B, blocks] int64");
+  TORCH_CHECK(!lora_slots.has_value() || (lora_slots->dim() == 1 && lora_slots->size(0) == B &&
+                                           lora_slots->scalar_type() == at::kLong && lora_slots->is_contiguous()),
+              "decode_layers: lora_slots [B] int64");
+  const int64_t* rs = lora_slots.has_value() ? lora_slots->data_ptr<int64_t>() : nullptr;  // rows' adapter slots
   const int64_t* sp = slots.data_ptr<int64_t>();
   const int64_t* lp = lens.data_ptr<int64_t>();
   const int64_t* tp = table.data_ptr<int64_t>();
@@ -368,7 +437,7 @@ at::Tensor decode_layers(const c10::intrusive_ptr<DecodeLayers>& plan, at::Tenso
     tpserve::resize_bf16_rows(xq_act, B, max_gu / 2);
   }
   const int nt = std::max(1, at::get_num_threads());
-  std::vector<std::vector<float>> scores(nt);
+  std::vector<std::vector<float>> scores(nt), lora_u(nt);
   const float* x0 = x.data_ptr<float>();
 
 #pragma omp parallel num_threads(nt)
@@ -379,7 +448,16 @@ at::Tensor decode_layers(const c10::intrusive_ptr<DecodeLayers>& plan, at::Tenso
       a = n * t / T;
       b = n * (t + 1) / T;
     };
-    int64_t a, b;
+    int64_t a, b, c0, c1;
+    // linear `which` of layer l over this thread's output blocks [a, b): the base product, then the adapters' deltas
+    const auto linear = [&](const PlanLayer& l, int which, const PlanLinear& lin, const float* in,
+                            const tpserve::Int8Rows* inq, float* y) {
+      linear_range(lin, in, inq, B, y, a, b);
+      if (rs != nullptr && !l.lora[which].empty()) {
+        block_columns(lin, a, b, c0, c1);
+        lora_range(l.lora[which], rs, in, B, lin.k, y, lin.n, c0, c1, lora_u[t]);
+      }
+    };
     const auto quantize = [&](const PlanLinear& l, const float* src, tpserve::Int8Rows& rows, int64_t r0, int64_t r1) {
       if (takes_rows(l)) tpserve::quantize_rows(src, rows, r0, r1, 0, l.k / 32);
       if (takes_bf16(l)) tpserve::round_rows_bf16(src, rows, r0, r1);
@@ -403,7 +481,7 @@ at::Tensor decode_layers(const c10::intrusive_ptr<DecodeLayers>& plan, at::Tenso
       float* vc = kc + kvh * per_head * D;
       // q, k, v
       share(l.qkv.blocks, a, b);
-      linear_range(l.qkv, xin, &xq_x, B, qkvp, a, b);
+      linear(l, 0, l.qkv, xin, &xq_x, qkvp);
 #pragma omp barrier
       // rotary, the cache write and attention, per (sequence, KV head)
       share(B * kvh, a, b);
@@ -435,13 +513,13 @@ at::Tensor decode_layers(const c10::intrusive_ptr<DecodeLayers>& plan, at::Tenso
 #pragma omp barrier
       }
       share(l.o.blocks, a, b);
-      linear_range(l.o, attp, &xq_att, B, obp, a, b);
+      linear(l, 1, l.o, attp, &xq_att, obp);
 #pragma omp barrier
       residual_norm(obp, l.post_w, l.post_eps);  // the post-attention norm
       quantize(l.gate_up, outp, xq_x, a, b);
 #pragma omp barrier
       share(l.gate_up.blocks, a, b);
-      linear_range(l.gate_up, outp, &xq_x, B, gup, a, b);
+      linear(l, 2, l.gate_up, outp, &xq_x, gup);
 #pragma omp barrier
       const int64_t I = l.gate_up.n / 2;
       share(B, a, b);
@@ -449,7 +527,7 @@ at::Tensor decode_layers(const c10::intrusive_ptr<DecodeLayers>& plan, at::Tenso
       quantize(l.down, actp, xq_act, a, b);
 #pragma omp barrier
       share(l.down.blocks, a, b);
-      linear_range(l.down, actp, &xq_act, B, ddp, a, b);
+      linear(l, 3, l.down, actp, &xq_act, ddp);
 #pragma omp barrier
       residual_norm(ddp, l.next_w, l.next_eps);  // the next layer's input norm (or the final norm)
       if (li + 1 < layers.size()) quantize(layers[li + 1].qkv, outp, xq_x, a, b);
@@ -632,9 +710,10 @@ TORCH_LIBRARY_FRAGMENT(tpserve, m) {
       .def(torch::init<>())
       .def("add_linear", &DecodeLayers::add_linear)
       .def("add_layer", &DecodeLayers::add_layer)
+      .def("set_lora", &DecodeLayers::set_lora)
       .def("size", &DecodeLayers::size);
   m.def("decode_layers(__torch__.torch.classes.tpserve.DecodeLayers plan, Tensor(a!) h, Tensor x, Tensor cos, "
-        "Tensor sin, Tensor slots, Tensor table, Tensor lens, int window) -> Tensor");
+        "Tensor sin, Tensor slots, Tensor table, Tensor lens, int window, Tensor? lora_slots=None) -> Tensor");
   m.class_<MoeExperts>("MoeExperts")
       .def(torch::init<>())
       .def("add_expert", &MoeExperts::add_expert)

@@ -8,7 +8,8 @@ Decode fast path (CPU, float32): a step of decode tokens only runs each layer as
 compiled ops between them (sharding/csrc/decode_glue.cpp), instead of ~40 torch ops and the module calls around them:
 the same arithmetic, without the per-op dispatch that dominated everything but the linears at batch 1. At TP=1 the
 layers run as one compiled call instead (decode_layers: one OpenMP team through every phase of every layer; see
-_compile_plan), bitwise the same. Models whose layers differ from Llama's between the linears (Qwen 3's q/k norms,
+_compile_plan), bitwise the same (LoRA adapter rows: within float32 rounding, their deltas summed in another order).
+Models whose layers differ from Llama's between the linears (Qwen 3's q/k norms,
 Gemma's) take the module path; see _decode_plan.
 """
 
@@ -200,6 +201,10 @@ def _compile_plan(plan: _DecodePlan, world_size: int) -> object:
             a = f.attn
             compiled.add_layer(a.cache.pool, a.num_heads, a.num_kv_heads, a.scale, f.post_norm.weight,
                                f.post_norm.eps, f.next_norm.weight, f.next_norm.eps)
+            for which, lin in enumerate((f.qkv, f.o_proj, f.gate_up, f.down)):  # LoRA adapters (sharding/lora.py)
+                for slot, w in enumerate(lin.lora.slots if lin.lora is not None else ()):
+                    if w is not None:
+                        compiled.set_lora(compiled.size() - 1, which, slot, *w)
     except RuntimeError as e:  # a layout the compiled step does not take: the Python loop serves it
         logger.warning("decode layers not compiled (%s); the per-op decode path runs", str(e).splitlines()[0][:200])
         return None
@@ -289,9 +294,9 @@ class LlamaForCausalLM(nn.Module):
             plan.compiled = _compile_plan(plan, self.dist.world_size)
             plan.run = kernels.decode_layers_ops()[1] if plan.compiled is not None else None
             plan.pool = plan.layers[0].attn.cache.pool
-        if plan.compiled is not None and meta.lora is None:  # its linears read raw weights: no adapter rows
+        if plan.compiled is not None:  # (with the adapters of every slot: lora_changed rebuilds it)
             x = plan.run(plan.compiled, h, x, meta.cos, meta.sin, meta.slots, meta.decode_table, meta.decode_lens,
-                         window)
+                         window, meta.lora.token_slots if meta.lora is not None else None)
             return stage_output(x, meta, self.lm_head)
         for f in plan.layers:
             qkv = f.qkv.matmul(x, f.qkv.bias)
@@ -307,6 +312,12 @@ class LlamaForCausalLM(nn.Module):
 
     supports_lora = True  # sharding/lora.py: every linear of its layers is a column- or row-parallel one
     lora: LoraContext | None = None  # set by sharding.lora.LoraManager; each step's adapter rows go through it
+
+    def lora_changed(self) -> None:
+        """An adapter was loaded or unloaded (sharding/lora.py): the compiled decode step, which holds the adapters'
+        tensors, is rebuilt at its next use."""
+        if self._plan:
+            self._plan.pool = None
 
     def forward(self, ids: torch.Tensor, meta: AttentionMetadata, hidden: torch.Tensor | None = None):
         if self.lora is not None:
