@@ -34,18 +34,20 @@ def rank_pid(server_pid: int, rank: int) -> int:
 
 
 def body(i: int, seed: int | None = None) -> dict:
-    b = {"prompt": PROMPTS[i], "max_tokens": TOKENS, "ignore_eos": True, "temperature": 0}
+    b = {"prompt": PROMPTS[i], "max_tokens": TOKENS, "ignore_eos": True, "temperature": 0, "logprobs": 1}
     if seed is not None:
         b.update(temperature=1.0, seed=seed)
     return b
 
 
-def undisturbed(s, seeds) -> list[str]:
+def undisturbed(s, seeds, logprobs: list | None = None) -> list[str]:
     out = []
     for i, seed in enumerate(seeds):
         r = httpx.post(s.url + "/v1/completions", json=body(i, seed), timeout=120)
         assert r.status_code == 200, r.text
         out.append(r.json()["choices"][0]["text"])
+        if logprobs is not None:
+            logprobs.append(r.json()["choices"][0]["logprobs"]["token_logprobs"])
     return out
 
 
@@ -55,6 +57,7 @@ def streams_with_a_fault(s, seeds, fault, after: int = 4):
     two chunks of any stream)."""
     health: list[int] = []
     counts = [0] * len(seeds)
+    logprobs: list[list[float]] = [[] for _ in seeds]
     started = asyncio.Event()
 
     async def one(client, i):
@@ -69,6 +72,7 @@ def streams_with_a_fault(s, seeds, fault, after: int = 4):
                 assert "error" not in event, event
                 if event["choices"]:
                     text += event["choices"][0]["text"]
+                    logprobs[i] += event["choices"][0]["logprobs"]["token_logprobs"]
                     now = time.monotonic()
                     gap = max(gap, now - last) if last is not None else 0.0
                     last = now
@@ -95,6 +99,7 @@ def streams_with_a_fault(s, seeds, fault, after: int = 4):
         return results
 
     results = asyncio.run(run())
+    streams_with_a_fault.logprobs = logprobs
     return [r[0] for r in results], [r[1] for r in results], health, max(r[2] for r in results)
 
 
@@ -126,11 +131,14 @@ SEEDS = [None, None, 7, 11]  # greedy and seeded sampling, on both replicas (the
 
 
 def test_dead_replica_streams_continue_on_the_other_one_with_the_same_text(dp2):
-    expected = undisturbed(dp2, SEEDS)
+    want_logprobs: list = []
+    expected = undisturbed(dp2, SEEDS, want_logprobs)
     victim = rank_pid(dp2.proc.pid, 1)
     texts, usage, health, _ = streams_with_a_fault(dp2, SEEDS, lambda: os.kill(victim, signal.SIGKILL))
     assert texts == expected  # greedy and seeded: no token lost, repeated or changed
     assert usage == [TOKENS] * len(SEEDS)  # each token counted once
+    for got, want in zip(streams_with_a_fault.logprobs, want_logprobs):  # one logprob per token, the same ones
+        assert len(got) == TOKENS and max(abs(a - b) for a, b in zip(got, want)) < 1e-3
     assert health and set(health) == {200}, health  # replica 0 served throughout
     assert metric(dp2, "tpserve_replica_failures_total") == 1
     info = wait_health(dp2, "ok")  # replica 1 was restarted
@@ -165,3 +173,34 @@ def test_tp2_group_is_respawned_and_then_gives_up_after_the_limit(server_factory
     os.kill(rank_pid(s.proc.pid, 1), signal.SIGKILL)
     assert s.proc.wait(timeout=60) != 0
     assert "not restarting it" in s.log.read_text()
+
+
+def test_sigkill_of_rank_0_takes_the_respawned_ranks_with_it(dp2):
+    """The respawned rank was started by the supervisor's thread: it still dies with rank 0 (PR_SET_PDEATHSIG)."""
+    wait_health(dp2, "ok")
+    respawned = rank_pid(dp2.proc.pid, 1)
+    os.kill(dp2.proc.pid, signal.SIGKILL)
+    dp2.proc.wait(timeout=10)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and os.path.exists(f"/proc/{respawned}"):
+        if "zombie" in open(f"/proc/{respawned}/status").read().lower():
+            break
+        time.sleep(0.1)
+    assert not os.path.exists(f"/proc/{respawned}") or "zombie" in open(f"/proc/{respawned}/status").read().lower()
+
+
+def test_sigterm_during_a_respawn_drains_and_exits_0(server_factory, checkpoints):
+    s = server_factory(checkpoints("llama"), 2, "--max-model-len", "256", "--shutdown-timeout", "60")
+    expected = undisturbed(s, SEEDS[:1])
+    victim = rank_pid(s.proc.pid, 1)
+
+    def fault():
+        os.kill(victim, signal.SIGKILL)
+        time.sleep(0.3)  # the supervisor is starting rank 1 again
+        s.proc.send_signal(signal.SIGTERM)
+
+    texts, usage, _, _ = streams_with_a_fault(s, SEEDS[:1], fault)
+    assert texts == expected and usage == [TOKENS]
+    assert s.proc.wait(timeout=60) == 0
+    assert "restarted in" in s.log.read_text()
+    assert not children(s.proc.pid)
