@@ -4,7 +4,6 @@ stage, and a SIGTERM to the whole process group."""
 import asyncio
 import os
 import signal
-import time
 
 import httpx
 import pytest
