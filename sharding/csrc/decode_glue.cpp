@@ -202,6 +202,8 @@ struct PlanLinear {
 struct PlanLora {
   at::Tensor at, bt;
   int64_t r = 0;
+  std::vector<int64_t> lo, hi;  // per row j of B^T: its nonzero columns lie in [lo[j], hi[j]) (a fused linear's
+                                // B^T is block-diagonal over its pieces: the zeros are never read)
 };
 
 struct PlanLayer {
@@ -299,7 +301,16 @@ struct DecodeLayers : torch::CustomClassHolder {
                     bt->size(1) == lin.n && at->size(1) > 0 && at->scalar_type() == at::kFloat &&
                     bt->scalar_type() == at::kFloat && at->is_contiguous() && bt->is_contiguous(),
                 "set_lora: A^T [K, R] and B^T [R, N] float32, contiguous, matching the linear");
-    slots[slot] = PlanLora{*at, *bt, at->size(1)};
+    PlanLora p{*at, *bt, at->size(1), {}, {}};
+    const float* b = bt->data_ptr<float>();
+    for (int64_t j = 0; j < p.r; ++j) {
+      int64_t lo = 0, hi = lin.n;
+      while (lo < hi && b[j * lin.n + lo] == 0.0f) ++lo;
+      while (hi > lo && b[j * lin.n + hi - 1] == 0.0f) --hi;
+      p.lo.push_back(lo);
+      p.hi.push_back(hi);
+    }
+    slots[slot] = std::move(p);
   }
 
   int64_t size() const { return static_cast<int64_t>(layers.size()); }
@@ -329,8 +340,9 @@ void lora_range(const std::vector<PlanLora>& lo, const int64_t* rs, const float*
     for (int64_t j = 0; j < R; ++j) {
       const float uj = up[j];
       const float* br = Bt + j * N;
+      const int64_t e = std::min(c1, lo[s].hi[j]);
 #pragma omp simd
-      for (int64_t c = c0; c < c1; ++c) yr[c] += uj * br[c];
+      for (int64_t c = std::max(c0, lo[s].lo[j]); c < e; ++c) yr[c] += uj * br[c];
     }
   }
 }
