@@ -15,8 +15,9 @@ import uuid
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -26,7 +27,9 @@ from server.grammar import Grammars
 from server.pending import PendingRequest, ServerState, admit, gather
 from server.prepare import (check_length, check_model, decode_prompt, logit_bias, output_constraint, render_chat,
                             sampling_params, tokenize_prompts, with_seed)
-from server.protocol import APIError, ChatCompletionRequest, CompletionRequest
+from server.lora import RUNTIME_UPDATES_ENV, runtime_updates_allowed
+from server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, LoadLoraAdapterRequest,
+                             UnloadLoraAdapterRequest)
 from server.responses import EventStream, chat_response, completion_response, stream_chat, stream_completion
 from server.responses_api import ResponseStore
 
@@ -150,6 +153,15 @@ def build_app(state: ServerState) -> FastAPI:
         m.sync_counter(m.prefix_queries, "prefix_queries", e.prefix_query_tokens)
         m.sync_counter(m.prefix_hits, "prefix_hits", e.prefix_hit_tokens)
         m.replicas_alive.set(e.replicas_alive)
+        if state.loras is not None:
+            m.lora_loaded.set(state.loras.loaded)
+            running: dict[str, int] = {a.name: 0 for a in state.loras.models()}
+            for lane in e.lanes:
+                for seq in list(lane.scheduler.running):
+                    if seq.lora is not None:
+                        running[seq.lora.name] = running.get(seq.lora.name, 0) + 1
+            for name, n in running.items():
+                m.lora_running.labels(name).set(n)
         m.sync_counter(m.replica_failures, "replica_failures", e.replica_failures)
         m.sync_counter(m.preemptions, "preemptions", e.num_preemptions)
         if e.speculator is not None:
@@ -160,20 +172,60 @@ def build_app(state: ServerState) -> FastAPI:
                 m.sync_counter(m.spec_accepted_per_pos.labels(str(pos)), f"spec_accepted_{pos}", n)
         return Response(generate_latest(m.registry), media_type=CONTENT_TYPE_LATEST)
 
+    def lora_card(adapter) -> dict:
+        return {"id": adapter.name, "object": "model", "created": state.created, "owned_by": "tpserve",
+                "root": adapter.path, "parent": state.model_name, "max_model_len": state.max_model_len}
+
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": state.model_name, "object": "model", "created": state.created,
-                                            "owned_by": "tpserve", "max_model_len": state.max_model_len}]}
+        data = [{"id": state.model_name, "object": "model", "created": state.created, "owned_by": "tpserve",
+                 "root": state.model_name, "parent": None, "max_model_len": state.max_model_len}]
+        if state.loras is not None:
+            data += [lora_card(a) for a in state.loras.models()]
+        return {"object": "list", "data": data}
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str):
-        check_model(state, model_id)
+        adapter = check_model(state, model_id)
+        if adapter is not None:
+            return lora_card(adapter)
         return {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "tpserve"}
+
+    # ---- LoRA adapters at runtime (server/lora.py; vLLM's endpoints, behind its switch) -------------------------
+    def runtime_lora() -> None:
+        if not runtime_updates_allowed():
+            raise APIError(404, f"runtime LoRA updating is off (set {RUNTIME_UPDATES_ENV}=1 to enable "
+                                "/v1/load_lora_adapter and /v1/unload_lora_adapter)", "not_found_error",
+                           code="not_found")
+        if state.loras is None:
+            raise APIError(400, "this server was started without --enable-lora", code="lora_disabled")
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(body: LoadLoraAdapterRequest):
+        runtime_lora()
+        try:  # rank 0's check of the folder (headers only), off the event loop
+            adapter = await run_in_threadpool(state.loras.check, body.lora_name, body.lora_path,
+                                              body.base_model_name)
+            state.loras.register(adapter)
+        except ValueError as e:
+            raise APIError(400, str(e), param="lora_path" if "already" not in str(e) else "lora_name") from None
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(body: UnloadLoraAdapterRequest):
+        runtime_lora()
+        try:
+            adapter = state.loras.retire(body.lora_name)
+        except KeyError:
+            raise APIError(404, f"The LoRA adapter '{body.lora_name}' is not loaded", "not_found_error",
+                           param="lora_name", code="lora_not_found") from None
+        await asyncio.wrap_future(state.engine.call_soon(lambda: state.engine.lora_retire(adapter)))
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
 
     # ---- completions ---------------------------------------------------------------------------------------
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
-        check_model(state, body.model)
+        lora = check_model(state, body.model)
         if body.suffix:
             raise APIError(400, "suffix (text insertion) is not supported by this server", param="suffix")
         prompts = tokenize_prompts(state, body.prompt)
@@ -186,6 +238,7 @@ def build_app(state: ServerState) -> FastAPI:
         constraint, _ = output_constraint(state, body)
         compiled = await state.engine.grammars.compile(constraint) if constraint else None
         req = PendingRequest(state, asyncio.get_running_loop(), body.stream)
+        req.lora = lora
         for p_i, ids in enumerate(prompts):
             for c in range(body.n):
                 req.add(ids, with_seed(params, c), p_i * body.n + c, Grammars.state(compiled) if compiled else None)
@@ -200,7 +253,7 @@ def build_app(state: ServerState) -> FastAPI:
     # ---- chat ----------------------------------------------------------------------------------------------
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request):
-        check_model(state, body.model)
+        lora = check_model(state, body.model)
         constraint, parse_tools = output_constraint(state, body)
         ids = render_chat(state, body)
         max_tokens = body.max_completion_tokens or body.max_tokens or (state.max_model_len - len(ids))
@@ -211,6 +264,7 @@ def build_app(state: ServerState) -> FastAPI:
         check_length(state, ids, max_tokens)
         compiled = await state.engine.grammars.compile(constraint) if constraint else None
         req = PendingRequest(state, asyncio.get_running_loop(), body.stream)
+        req.lora = lora
         for c in range(body.n):
             req.add(ids, with_seed(params, c), c, Grammars.state(compiled) if compiled else None)
         admit(state, req)

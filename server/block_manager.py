@@ -64,12 +64,13 @@ class BlockManager:
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def lookup(self, token_ids: list[int]) -> list[int]:
-        """Block ids of the longest cached run of full blocks matching a prefix of token_ids (never the last token)."""
+    def lookup(self, token_ids: list[int], root: bytes | None = None) -> list[int]:
+        """Block ids of the longest cached run of full blocks matching a prefix of token_ids (never the last token).
+        `root` starts the chain: a LoRA adapter's own (server/lora.py), so no two adapters share K/V."""
         if not self.enable_prefix_caching:
             return []
         hit: list[int] = []
-        parent = _ROOT_HASH
+        parent = root or _ROOT_HASH
         bs = self.block_size
         for i in range((len(token_ids) - 1) // bs):
             parent = _chain_hash(parent, token_ids[i * bs:(i + 1) * bs])
@@ -132,8 +133,9 @@ class BlockManager:
         seq = self._seqs.get(key)
         return list(seq.blocks) if seq is not None else []
 
-    def cache_blocks(self, key: object, token_ids: list[int], num_computed: int) -> None:
-        """Register the full blocks among the first num_computed tokens that are not registered yet."""
+    def cache_blocks(self, key: object, token_ids: list[int], num_computed: int, root: bytes | None = None) -> None:
+        """Register the full blocks among the first num_computed tokens that are not registered yet (their chain
+        started at `root`, as in lookup)."""
         seq = self._seqs.get(key)
         if not self.enable_prefix_caching or seq is None:
             return
@@ -142,7 +144,7 @@ class BlockManager:
         assert num_full <= len(seq.blocks), "computed tokens beyond the block table"
         bs = self.block_size
         for i in range(len(seq.hashes), num_full):
-            parent = seq.hashes[-1] if seq.hashes else _ROOT_HASH
+            parent = seq.hashes[-1] if seq.hashes else (root or _ROOT_HASH)
             block_hash = _chain_hash(parent, token_ids[i * bs:(i + 1) * bs])
             seq.hashes.append(block_hash)
             block = self._blocks[seq.blocks[i]]

@@ -121,7 +121,23 @@ def engine_config(args):
                         pipeline_parallel_size=args.pipeline_parallel_size, data_parallel_size=args.data_parallel_size,
                         sequence_parallel=args.sequence_parallel, quantization=args.quantization,
                         quantization_group_size=args.quantization_group_size,
-                        enable_expert_parallel=args.enable_expert_parallel)
+                        enable_expert_parallel=args.enable_expert_parallel, **lora_config(args))
+
+
+def lora_config(args) -> dict:
+    """The LoRA flags (serve only) as EngineConfig fields, checked."""
+    if not getattr(args, "enable_lora", False):
+        if getattr(args, "lora_modules", None):
+            raise SystemExit("tpserve: error: --lora-modules needs --enable-lora")
+        return {}
+    positive("--max-loras", args.max_loras)
+    positive("--max-lora-rank", args.max_lora_rank)
+    cpu = args.max_cpu_loras if args.max_cpu_loras is not None else args.max_loras
+    positive("--max-cpu-loras", cpu)
+    if cpu < args.max_loras:
+        raise SystemExit(f"tpserve: error: --max-cpu-loras ({cpu}) must be at least --max-loras ({args.max_loras}): "
+                         "every adapter of a step needs a slot")
+    return dict(enable_lora=True, max_cpu_loras=cpu, max_lora_rank=args.max_lora_rank)
 
 
 def describe_cache(runner, engine) -> str:
@@ -159,6 +175,20 @@ def serve(args) -> int:
         from server.draft import check_draft  # (the draft's vocabulary, before any rank starts)
 
         check_draft(speculative.model, AutoConfig.from_pretrained(cfg.model), load_tokenizer(cfg.model))
+    name = args.served_model_name or os.path.basename(os.path.normpath(cfg.model))
+    loras = None
+    if cfg.enable_lora:  # every adapter checked against the base checkpoint before any rank starts
+        from loaders.checkpoint import Checkpoint
+        from server.lora import LoraRegistry, parse_lora_modules
+        from sharding.lora import supports_lora
+        from sharding.models import model_class
+
+        with Checkpoint(cfg.model) as ckpt:
+            if not supports_lora(model_class(ckpt.architecture)):
+                raise ValueError(f"--enable-lora: LoRA adapters are not supported for {ckpt.architecture} yet")
+        loras = LoraRegistry(cfg.model, name, args.max_loras, cfg.max_cpu_loras, cfg.max_lora_rank)
+        for lora_name, path, base in parse_lora_modules(args.lora_modules):
+            loras.register(loras.check(lora_name, path, base))
     pooling = None
     if os.path.isdir(cfg.model):  # checked before any rank starts: a pipeline this server cannot pool is refused
         try:
@@ -172,7 +202,6 @@ def serve(args) -> int:
     tokenizer = load_tokenizer(cfg.model)
     if pooling is None:
         pooling = pooling_config(cfg.model, runner.config, args.pooling, args.normalize_embeddings)
-    name = args.served_model_name or os.path.basename(os.path.normpath(cfg.model))
     exit_code = {"code": 0}
     server_ref: dict = {}
 
@@ -195,11 +224,14 @@ def serve(args) -> int:
                     max_prefill_tokens_while_decoding=args.max_prefill_tokens_while_decoding,
                     speculative=speculative)
     engine.grammars.compile_timeout = args.grammar_compile_timeout
+    if loras is not None:
+        engine.enable_lora(loras)
     state = ServerState(engine, tokenizer, name, runner.vocab_size, api_key=api_key,
                         max_queued_requests=args.max_queued_requests, max_body_bytes=args.max_body_bytes,
                         tool_call_parser=args.tool_call_parser,
                         pooling=pooling, responses=ResponseStore(args.responses_store_max_bytes,
-                                                                 args.responses_store_max_count))
+                                                                 args.responses_store_max_count),
+                        loras=loras)
     engine.step_listeners.append(lambda dt, _: state.metrics.step_seconds.observe(dt))
     supervisor = None
     if workers.procs:  # ranks this process spawned: a dead or hung replica is isolated and (by default) restarted
@@ -340,6 +372,16 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--step-timeout", type=float, default=120.0,
                    help="seconds without a step result before the ranks are declared hung: their replica's ranks are "
                         "killed and restarted (see --restart-failed-ranks), else the server stops")
+    s.add_argument("--enable-lora", action="store_true",
+                   help="serve LoRA adapters of the base model, picked by a request's `model` (docs/lora.md)")
+    s.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
+                   help="adapters to serve: name=path (a local PEFT folder) or JSON "
+                        "{\"name\": ..., \"path\": ..., \"base_model_name\": ...}")
+    s.add_argument("--max-loras", type=int, default=1, help="distinct adapters in one step (default 1)")
+    s.add_argument("--max-lora-rank", type=int, default=16, help="the largest adapter rank accepted (default 16)")
+    s.add_argument("--max-cpu-loras", type=int, default=None,
+                   help="adapters kept loaded on the ranks; the least recently used one is evicted and read again "
+                        "when needed (default: --max-loras)")
     s.add_argument("--restart-failed-ranks", action=argparse.BooleanOptionalAction, default=True,
                    help="start a replica's ranks again when one of them dies or hangs; its requests continue on the "
                         "other replicas or wait for it (default on; ranks started by torchrun are left to torchrun)")

@@ -145,7 +145,7 @@ def encode(vec: torch.Tensor, encoding_format: str) -> list[float] | str:
 def add_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/v1/embeddings")
     async def embeddings(body: EmbeddingRequest, request: Request):
-        check_model(state, body.model)
+        lora = check_model(state, body.model)
         cfg: PoolingConfig = state.pooling
         if body.dimensions is not None:
             if cfg.dimensions is None:
@@ -157,7 +157,7 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
         req = PendingRequest(state, asyncio.get_running_loop())
         params = SamplingParams(max_tokens=1)
         for i, ids in enumerate(prompts):
-            seq = Sequence(ids, params, IncrementalDetokenizer(state.tokenizer, [], []), emit=req.emit,
+            seq = Sequence(ids, params, IncrementalDetokenizer(state.tokenizer, [], []), emit=req.emit, lora=lora,
                            pooling=cfg.pooling)
             req.index[seq.seq_id] = i
             req.emitted_tokens[seq.seq_id] = 0

@@ -33,7 +33,7 @@ from server.sampling import SampleRow, sample
 from server.scheduler import WAITING, Batch, Scheduled, Scheduler, Sequence
 from server.speculative import SpeculativeConfig, Speculator
 from sharding.runner import Launched, ModelRunner
-from sharding.step import HIDDEN, HIDDEN_FIRST, HIDDEN_LAST, HIDDEN_SUM, LOGITS_ALL, LOGITS_LAST, Step
+from sharding.step import HIDDEN, HIDDEN_FIRST, HIDDEN_LAST, HIDDEN_SUM, LOGITS_ALL, LOGITS_LAST, Step, with_lora
 
 logger = logging.getLogger(__name__)
 
@@ -175,6 +175,7 @@ class Engine:
         self.on_replica_failure: Callable[[int, str], None] | None = None  # the supervisor respawns it
         self._waiting_on: int | None = None  # the replica whose launch or result the engine waits for
         self._past = {"preemptions": 0, "prefix_queries": 0, "prefix_hits": 0}  # of replaced schedulers and pools
+        self.loras = None  # server/lora.py LoraRegistry, with --enable-lora (enable_lora)
         self.scheduler = self.lanes[0].scheduler  # the step budget and caps every lane shares (for the start line)
         self.speculative = speculative
         draft = None
@@ -275,6 +276,20 @@ class Engine:
                 self._replica_down(*seq)
             elif kind == "up":
                 self._replica_up(*seq)
+            elif kind == "call":  # a function for this thread (the LoRA endpoints), and the future of its result
+                fn, future = seq
+                if future.set_running_or_notify_cancel():
+                    try:
+                        future.set_result(fn())
+                    except Exception as e:  # noqa: BLE001 - handed to the caller
+                        future.set_exception(e)
+
+    def call_soon(self, fn: Callable[[], object]) -> Future:
+        """Run fn() on the engine thread between steps (from any thread); its result arrives in the future."""
+        future: Future = Future()
+        self._inbox.put(("call", (fn, future)))
+        self._wake.set()
+        return future
 
     def _place(self, seq: Sequence) -> None:
         """Give a sequence to the least loaded lane of a live replica (the first of equals), or park it while no
@@ -336,6 +351,48 @@ class Engine:
         finally:
             self._waiting_on = None
 
+    # ---- LoRA adapters (server/lora.py) -------------------------------------------------------------------------
+    def enable_lora(self, registry) -> None:
+        self.loras = registry
+        for lane in self.lanes:
+            lane.scheduler.admit = self._admit
+
+    def _live(self) -> list[int]:
+        return [r for r in range(len(self.pools)) if r not in self.down]
+
+    def _admit(self, seq: Sequence, running: list[Sequence]) -> bool:
+        """May this waiting sequence join its lane's batch now: no more than --max-loras adapters in the step, and
+        its adapter in a slot (read into one now if needed)."""
+        adapter = seq.lora
+        active = {s.lora for s in running if s.lora is not None}
+        if adapter not in active and len(active) >= self.loras.max_loras:
+            return False
+        try:
+            return self.loras.slot_for(adapter, self._lora_in_use, self._lora_load) > 0
+        except Exception as e:  # noqa: BLE001 - rank 0 could not read it (its folder changed since the check)
+            logger.error("LoRA adapter %s could not be read: %s", adapter.name, e)
+            self._finish(seq, "error")
+            return False
+
+    def _lora_in_use(self, adapter) -> bool:
+        return any(s.lora is adapter for lane in self.lanes for s in lane.scheduler.running)
+
+    def _lora_load(self, slot: int, path: str) -> None:
+        self.runner.lora_load(slot, path, [], True)  # rank 0's own part first: raises with nothing sent
+        for replica in self._live():
+            self._runner_call(replica, self.runner.lora_load, slot, path, [replica], False)
+
+    def lora_retire(self, adapter) -> None:
+        """On the engine thread: an unloaded adapter's slot is freed now if no sequence runs with it, else when it is
+        next needed (its sequences in flight finish with it)."""
+        if adapter.slot and not self._lora_in_use(adapter) and not any(
+                s.lora is adapter for lane in self.lanes for s in lane.scheduler.waiting):
+            slot = adapter.slot
+            self.runner.lora_unload(slot, [])
+            for replica in self._live():
+                self._runner_call(replica, self.runner.lora_unload, slot, [replica])
+            self.loras.slots[slot], adapter.slot = None, 0
+
     # ---- fault isolation ---------------------------------------------------------------------------------------
     def replica_down(self, replica: int, reason: str) -> None:
         """From any thread (the supervisor saw a rank of it exit): take the replica out of rotation."""
@@ -384,10 +441,10 @@ class Engine:
             self.blocks = self.pools[0]
         for lane in self.lanes:
             if lane.replica == replica:
-                propose = lane.scheduler.propose
+                propose, admit = lane.scheduler.propose, lane.scheduler.admit
                 self._past["preemptions"] += lane.scheduler.num_preemptions
                 lane.scheduler = self._new_scheduler(replica, lane.index % self.runner.dist.layout.pp)
-                lane.scheduler.propose = propose
+                lane.scheduler.propose, lane.scheduler.admit = propose, admit
         if replica == 0:
             self.scheduler = self.lanes[0].scheduler
 
@@ -397,6 +454,12 @@ class Engine:
         install_groups(self.runner.dist, groups)
         self._reset_replica(replica, num_blocks)
         self.down.pop(replica, None)
+        if self.loras is not None:  # the new ranks read every adapter the others hold, before they serve
+            for slot, adapter in enumerate(self.loras.slots):
+                if adapter is not None and replica not in self.down:
+                    self._runner_call(replica, self.runner.lora_load, slot, adapter.path, [replica], False)
+            if replica in self.down:
+                return
         logger.warning("replica %d serves again", replica)
         parked, self._parked = self._parked, deque()
         for seq in parked:
@@ -415,11 +478,15 @@ class Engine:
                 flags = LOGITS_LAST if item.samples else 0
                 if seq.wants_prompt_logprobs and item.start <= len(seq.prompt_ids) - 2:
                     flags |= LOGITS_ALL
+            slot = seq.lora.slot if seq.lora is not None else 0  # its adapter's slot (sharding/step.py)
+            if slot:
+                flags = with_lora(flags, slot)
             table.append((seq.row, item.n, item.start, flags))
             rows.append(table[-1])
             if item.drafts:  # verification: one decode row per draft, at the next positions of the same cache row
                 ids.extend(item.drafts)
-                rows.extend((seq.row, 1, item.start + 1 + j, LOGITS_LAST) for j in range(len(item.drafts)))
+                rows.extend((seq.row, 1, item.start + 1 + j, with_lora(LOGITS_LAST, slot))
+                            for j in range(len(item.drafts)))
         updates = torch.tensor(batch.block_updates, dtype=torch.int64) if batch.block_updates else None
         step = Step(torch.tensor(ids, dtype=torch.int64), torch.tensor(rows, dtype=torch.int64), updates)
         launched, ok = self._runner_call(lane.replica, self.runner.launch, step, lane.replica)

@@ -28,6 +28,10 @@ class Metrics:
                                     "serve)", registry=r)
         self.replica_failures = Counter("tpserve_replica_failures", "Replicas taken out of rotation because a rank "
                                         "died or hung", registry=r)
+        self.lora_loaded = Gauge("tpserve_lora_adapters_loaded", "LoRA adapters held in the ranks' slots",
+                                 registry=r)
+        self.lora_running = Gauge("tpserve_lora_requests_running", "Sequences running, per LoRA adapter", ["adapter"],
+                                  registry=r)
         self.prefix_queries = Counter("tpserve_prefix_cache_queries",
                                       "Prompt tokens looked up in the prefix cache (at admission)", registry=r)
         self.prefix_hits = Counter("tpserve_prefix_cache_hits",

@@ -45,6 +45,7 @@ class ServerState:
     responses: object = None  # stored responses (server/responses_api.py ResponseStore; build_app makes one)
     metrics: Metrics = field(default_factory=Metrics)
     supervisor: object = None  # server/supervisor.py, when this process spawned the ranks
+    loras: object = None  # server/lora.py LoraRegistry, with --enable-lora
     draining: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -105,6 +106,7 @@ class PendingRequest:
         self.index: dict[int, int] = {}  # seq_id -> choice index
         self.emitted_tokens: dict[int, int] = {}
         self.token_times: dict[int, float] = {}  # seq_id -> when its latest token came
+        self.lora = None  # the LoRA adapter the request's `model` named (server/prepare.py check_model)
 
     def emit(self, seq: Sequence, text: str, finished: bool) -> None:  # engine thread
         n = len(seq.output_ids)
@@ -124,7 +126,7 @@ class PendingRequest:
     def add(self, prompt_ids: list[int], params: SamplingParams, choice: int,
             grammar: GrammarState | None = None) -> None:
         detok = IncrementalDetokenizer(self.state.tokenizer, prompt_ids, params.stop, params.skip_special_tokens)
-        seq = Sequence(prompt_ids, params, detok, emit=self.emit, grammar=grammar)
+        seq = Sequence(prompt_ids, params, detok, emit=self.emit, grammar=grammar, lora=self.lora)
         self.index[seq.seq_id] = choice
         self.emitted_tokens[seq.seq_id] = 0
         self.seqs.append(seq)

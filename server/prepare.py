@@ -19,10 +19,18 @@ from server.structured import constraint_from_request
 from server.tool_parser import check_tools, render_messages, template_supports_tools, tools_constraint
 
 
-def check_model(state: ServerState, name: str | None) -> None:
-    if name is not None and name != state.model_name:
-        raise APIError(404, f"The model `{name}` does not exist. This server serves `{state.model_name}`.",
+def check_model(state: ServerState, name: str | None):
+    """The request's LoRA adapter (server/lora.py Adapter) when `model` names one, None for the base model; 404 for
+    any other name."""
+    if name is None or name == state.model_name:
+        return None
+    adapter = state.loras.resolve(name) if state.loras is not None else None
+    if adapter is None:
+        also = f" (or one of its LoRA adapters: {', '.join(a.name for a in state.loras.models())})" if (
+            state.loras is not None and state.loras.models()) else ""
+        raise APIError(404, f"The model `{name}` does not exist. This server serves `{state.model_name}`{also}.",
                        "not_found_error", param="model", code="model_not_found")
+    return adapter
 
 
 def tokenize_prompts(state: ServerState, prompt, param: str = "prompt",

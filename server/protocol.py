@@ -363,3 +363,16 @@ class ChatCompletionRequest(ChatTemplateFields, SamplingFields):
     parallel_tool_calls: bool = True
     functions: list[JsonObject] | None = None  # the deprecated forms: refused with a pointer to tools
     function_call: Any = None
+
+
+class LoadLoraAdapterRequest(RequestBody):
+    """POST /v1/load_lora_adapter (vLLM's shape): a name for the adapter and its local PEFT folder."""
+
+    lora_name: str = Field(min_length=1, max_length=256)
+    lora_path: str = Field(min_length=1, max_length=4096)
+    base_model_name: str | None = None
+
+
+class UnloadLoraAdapterRequest(RequestBody):
+    lora_name: str = Field(min_length=1, max_length=256)
+    lora_int_id: int | None = None  # vLLM's; the name decides here

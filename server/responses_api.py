@@ -539,7 +539,7 @@ class ResponseEvents(EventStream):
 def add_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/v1/responses")
     async def create(body: ResponsesRequest, request: Request):
-        check_model(state, body.model)
+        lora = check_model(state, body.model)
         owner = owner_of(request)
         history: list[dict] = []
         if body.previous_response_id is not None:
@@ -560,6 +560,7 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
             raise responses_error(e) from None
         run = Run(state, body, chat, messages, ids, parse_tools, owner)
         req = PendingRequest(state, asyncio.get_running_loop(), body.stream)
+        req.lora = lora
         req.add(ids, params, 0, Grammars.state(compiled) if compiled else None)
         admit(state, req)
         if body.store:  # visible (in progress) at once: GET shows it, cancel can stop it

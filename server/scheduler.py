@@ -65,6 +65,7 @@ class Sequence:
     pooling: str | None = None  # an embedding sequence (prefill only): "last", "mean" or "cls" (server/embeddings.py)
     pooled: torch.Tensor | None = None  # its pooled hidden state: the sum so far under "mean", then the result
     spec: object = None  # its speculation state (server/speculative.py SpecState), when the server speculates
+    lora: object = None  # its LoRA adapter (server/lora.py Adapter), None for the base model
     arrival: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
     last_token_time: float | None = None
@@ -144,6 +145,9 @@ class Scheduler:
         self.num_preemptions = 0
         # speculative decoding: (sequence, running sequences, token budget left) -> draft tokens (server/engine.py)
         self.propose: Callable[[Sequence, int, int], list[int]] | None = None
+        # LoRA: (waiting sequence, running sequences) -> whether it may join the batch now: its adapter in a slot and
+        # no more than --max-loras adapters in one step (server/engine.py); one that may not keeps its place
+        self.admit: Callable[[Sequence, list[Sequence]], bool] | None = None
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -189,17 +193,23 @@ class Scheduler:
             items.append(Scheduled(seq, seq.num_computed, n, drafts))
             i += 1
         # admit waiting sequences while rows, budget and blocks allow (none after a preemption: blocks are short)
+        held: list[Sequence] = []  # waiting ones `admit` turned down this step: they keep their places
         while self.waiting and not preempted and self.free_rows and prefill_budget > 0:
-            seq = self.waiting[0]
+            seq = self.waiting.popleft()
+            if seq.lora is not None and self.admit is not None and not self.admit(seq, self.running):
+                if not seq.finished:
+                    held.append(seq)
+                continue
             computed: list[int] = []
+            root = seq.lora.cache_root if seq.lora is not None else None
             if self.blocks.enable_prefix_caching and not seq.computes_every_token:
-                computed = self.blocks.lookup(seq.token_ids)
+                computed = self.blocks.lookup(seq.token_ids, root)
             num_cached = len(computed) * self.blocks.block_size
             n = min(len(seq.token_ids) - num_cached, self._chunk(prefill_budget, num_cached, decoding))
             new = self.blocks.allocate(seq, num_cached + n, computed)
             if new is None:
+                self.waiting.appendleft(seq)
                 break  # wait for blocks; running sequences are never preempted for a waiting one
-            self.waiting.popleft()
             self.blocks.record_prefix_query(len(seq.token_ids), num_cached)
             seq.status, seq.row, seq.num_computed = RUNNING, heapq.heappop(self.free_rows), num_cached
             if not seq.num_preemptions:
@@ -208,6 +218,7 @@ class Scheduler:
             self._record(seq, new, updates)
             prefill_budget -= n
             items.append(Scheduled(seq, num_cached, n))
+        self.waiting.extendleft(reversed(held))
         return Batch(items, updates)
 
     def _chunk(self, budget: int, depth: int, decoding: int) -> int:
@@ -252,7 +263,8 @@ class Scheduler:
             if seq.status != RUNNING:
                 continue
             seq.num_computed = item.start + item.n
-            self.blocks.cache_blocks(seq, seq.token_ids, seq.num_computed)
+            self.blocks.cache_blocks(seq, seq.token_ids, seq.num_computed,
+                                     seq.lora.cache_root if seq.lora is not None else None)
 
     def free(self, seq: Sequence) -> None:
         """The sequence is finished or aborted: give its blocks and row back."""

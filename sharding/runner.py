@@ -29,6 +29,12 @@ from sharding.models import model_class
 from sharding.progress import LoadProgress, StartPhases
 from sharding.step import CMD_NOOP, CMD_SHUTDOWN, CMD_STEP, HEADER, Step
 
+# commands with a payload of their own between steps (header [cmd, payload size, 0, 0]): a LoRA adapter into a slot
+# (the payload: sharding/lora.py encode_load, a slot and a local path each rank reads its own byte ranges from) or out
+CMD_LORA_LOAD = 4
+CMD_LORA_UNLOAD = 5
+PAYLOAD_COMMANDS = (CMD_LORA_LOAD, CMD_LORA_UNLOAD)
+
 logger = logging.getLogger(__name__)
 
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -52,6 +58,9 @@ class EngineConfig:
     quantization: str | None = None  # weight-only int8 / int4 linears (sharding/quant.py)
     quantization_group_size: int = 32  # int4: inputs per scale
     enable_expert_parallel: bool = False  # MoE: each TP rank owns whole experts instead of a slice of each
+    enable_lora: bool = False  # LoRA adapter slots on every linear (sharding/lora.py)
+    max_cpu_loras: int = 1  # adapters kept loaded at once: the slots
+    max_lora_rank: int = 16
 
     def layout(self, world_size: int) -> Layout:
         pp, dp = self.pipeline_parallel_size, self.data_parallel_size
@@ -224,6 +233,11 @@ class ModelRunner:
         self.vocab_size = self.config.vocab_size
         self._sliding_window = self.model.sliding_window()
         self.thread_id = threading.get_ident()  # steps are fastest on this thread (server/engine.py: EngineThread)
+        self.lora = None  # this rank's adapter slots (sharding/lora.py), with --enable-lora
+        if cfg.enable_lora:
+            from sharding.lora import LoraManager
+
+            self.lora = LoraManager(self.model, cfg.max_cpu_loras, cfg.max_lora_rank)
         self.block_size = cfg.block_size
         self.num_blocks = 0
         self.block_table = torch.zeros(0, 0, dtype=torch.int64)
@@ -363,25 +377,51 @@ class ModelRunner:
             self.dist.send(t, dst)
         return []
 
-    def _command(self, cmd: int, replicas: list[int] | None = None) -> None:
+    def _pack_command(self, cmd: int, payload: torch.Tensor | None) -> list[torch.Tensor]:
+        """A command's message, and its payload as a second one when it does not fit in the first."""
+        message = torch.zeros_like(self._message)
+        n = 0 if payload is None else payload.numel()
+        message[:HEADER] = torch.tensor([cmd, n, 0, 0], dtype=torch.int64)
+        if n and HEADER + n <= message.numel():
+            message[HEADER : HEADER + n] = payload
+            return [message]
+        return [message] + ([payload.contiguous()] if n else [])
+
+    def _command(self, cmd: int, replicas: list[int] | None = None, payload: torch.Tensor | None = None) -> None:
         """A command to every rank of `replicas` (default: all): by broadcast to replica 0's first stage, point to
         point to the other replicas' first stages; every stage passes it on to the next."""
-        d = self._message
-        d[:HEADER] = torch.tensor([cmd, 0, 0, 0], dtype=torch.int64)
+        parts = self._pack_command(cmd, payload)
         replicas = list(range(self.dist.layout.dp)) if replicas is None else replicas
         works = []
         for replica in replicas:
             if replica:
-                t = d.clone()
-                works.append((self.dist.isend(t, self.dist.layout.rank_of(replica, 0, 0)), t))
+                works += [(self.dist.isend(t, self.dist.layout.rank_of(replica, 0, 0)), t) for t in parts]
         if 0 in replicas:
             if self.dist.world_size > 1:
-                self.dist.broadcast_control(d)
+                for t in parts:
+                    self.dist.broadcast_control(t)
             if self.dist.pp_size > 1:
-                t = d.clone()
-                works.append((self.dist.isend(t, self.dist.peer(pp_rank=1)), t))
+                works += [(self.dist.isend(t, self.dist.peer(pp_rank=1)), t) for t in parts]
         for w, _ in works:
             w.wait()
+
+    # LoRA adapters (server/lora.py decides which adapter is in which slot; rank 0 validated the folder first)
+    def lora_load(self, slot: int, path: str, replicas: list[int], local: bool = True) -> None:
+        """Rank 0 reads its own blocks of the adapter into `slot` (`local`; raising, with nothing sent, if it
+        cannot), then tells `replicas`' ranks to read theirs. A rank that then fails to read exits (its replica is
+        restarted and given every loaded adapter again: server/engine.py)."""
+        from sharding.lora import encode_load
+
+        if local:
+            self.lora.load(slot, path)
+        if self.dist.global_world_size > 1 and replicas:
+            self._command(CMD_LORA_LOAD, replicas, encode_load(slot, path))
+
+    def lora_unload(self, slot: int, replicas: list[int]) -> None:
+        if not replicas:
+            self.lora.unload(slot)
+        if self.dist.global_world_size > 1 and replicas:
+            self._command(CMD_LORA_UNLOAD, replicas, torch.tensor([slot], dtype=torch.int64))
 
     def heartbeat(self, replicas: list[int] | None = None) -> None:
         self._command(CMD_NOOP, replicas)
@@ -423,9 +463,10 @@ class ModelRunner:
             if d.first_stage and d.world_size > 1:  # pass it on to this replica's TP group
                 d.broadcast_control(message)
         header = message[:HEADER]
-        if int(header[0]) != CMD_STEP:
+        cmd = int(header[0])
+        if cmd not in (CMD_STEP, *PAYLOAD_COMMANDS):
             return message, None
-        size = Step.payload_size(header)
+        size = Step.payload_size(header) if cmd == CMD_STEP else int(header[1])
         if HEADER + size <= message.numel():
             payload = message[HEADER : HEADER + size]  # used before the next message overwrites it
         else:
@@ -437,7 +478,7 @@ class ModelRunner:
                 if d.first_stage and d.world_size > 1:
                     d.broadcast_control(payload)
         hidden = None
-        if not d.first_stage:
+        if not d.first_stage and cmd == CMD_STEP:
             hidden = torch.empty(int(header[1]), self.config.hidden_size, dtype=self.dtype)
             d.recv(hidden, src)
         return torch.cat([header, payload]), hidden
@@ -454,6 +495,13 @@ class ModelRunner:
                 if cmd == CMD_SHUTDOWN:
                     return
                 continue
+            if cmd in PAYLOAD_COMMANDS:
+                payload = message[HEADER:]
+                if not d.last_stage:
+                    for t in self._pack_command(cmd, payload):
+                        d.send(t, d.peer(pp_rank=d.pp_rank + 1))
+                self._apply_command(cmd, payload)
+                continue
             assert cmd == CMD_STEP, f"unknown command {cmd}"
             step = Step.unpack(header, message[HEADER:])
             out = self.execute(step, hidden)
@@ -465,6 +513,22 @@ class ModelRunner:
                     d.send(logits.cpu(), 0)  # the logits, to rank 0, which samples (gloo: from host memory)
                 if pooled is not None:
                     d.send(pooled.cpu(), 0)  # embedding sequences' pooled rows
+
+
+    def _apply_command(self, cmd: int, payload: torch.Tensor) -> None:
+        """A LoRA load or unload on this rank. A rank that cannot read its part of an adapter rank 0 could read
+        leaves: its replica is restarted (server/supervisor.py) rather than serve without the adapter."""
+        from sharding.lora import decode_load
+
+        try:
+            if cmd == CMD_LORA_LOAD:
+                slot, path = decode_load(payload)
+                self.lora.load(slot, path)
+            else:
+                self.lora.unload(int(payload[0]))
+        except Exception as e:  # noqa: BLE001 - fatal for this rank, see above
+            logger.error("rank %d could not apply LoRA command %d: %s; leaving", self.dist.global_rank, cmd, e)
+            os._exit(1)
 
 
 @dataclass(slots=True)
@@ -513,7 +577,7 @@ def leave_shutdown_to_rank0() -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
-def worker_main(argv: list[str] | None = None) -> int:
+def worker_main(argv: list[str] | None = None, started: float | None = None) -> int:
     """Entry of ranks > 0 (`python -m sharding.worker`)."""
     import sys
 
@@ -528,6 +592,9 @@ def worker_main(argv: list[str] | None = None) -> int:
     except Exception:  # noqa: BLE001 - the message was logged; rank 0 reports the failure
         dist.shutdown()
         return 1
+    if dist.generation and started is not None:  # a respawned replica's rank (server/supervisor.py): where its start went
+        logger.warning("rank %d started again (generation %d) in %.1f s since its process began: %s",
+                       dist.global_rank, dist.generation, time.monotonic() - (started or 0.0), runner.phases.summary())
     try:
         runner.worker_loop()
     except Exception as e:  # noqa: BLE001 - rank 0 went away or a collective failed: leave, loudly

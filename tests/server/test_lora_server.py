@@ -1,0 +1,164 @@
+"""LoRA adapters through a real server at TP 2 (server/lora.py): picked by `model` on every endpoint, equal to PEFT,
+mixed with the base model in one step, kept apart in the prefix cache, evicted and read again past --max-cpu-loras,
+loaded and unloaded at runtime under load, and every bad adapter refused with a 400 while the server keeps serving."""
+
+import asyncio
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "sharding"))
+from test_lora import LLAMA_ALL, make_adapter, reference  # noqa: E402 (tests/sharding/test_lora.py)
+from tiny import make_checkpoint  # noqa: E402
+
+TOKENS = 12
+PROMPT = list(range(5, 45))  # 40 tokens: two full blocks of 16, so the prefix cache has something to share
+
+
+@pytest.fixture(scope="module")
+def lora_setup(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("lora_server")
+    base = make_checkpoint(tmp / "base", "llama", intermediate_size=128)
+    adapters = {"a": make_adapter(base, tmp / "a", seed=1, target_modules=LLAMA_ALL),
+                "b": make_adapter(base, tmp / "b", seed=2, r=4, lora_alpha=8, target_modules=["q_proj", "v_proj",
+                                                                                             "down_proj"]),
+                "c": make_adapter(base, tmp / "c", seed=3, use_rslora=True, target_modules=["o_proj", "up_proj"])}
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(base))
+    refs = {name: [tok.decode([t]) for t in reference(base, path, PROMPT, TOKENS)[0]]
+            for name, path in [(None, None), *adapters.items()]}
+    assert len({tuple(t) for t in refs.values()}) == 4, "each adapter must change the answer"
+    return base, adapters, refs, tmp
+
+
+@pytest.fixture(scope="module")
+def srv(server_factory, lora_setup):
+    base, adapters, _, _ = lora_setup
+    return server_factory(base, 2, "--max-model-len", "128", "--enable-lora", "--max-loras", "2",
+                          "--max-cpu-loras", "2", "--lora-modules", f"a={adapters['a']}",
+                          json.dumps({"name": "b", "path": str(adapters["b"])}),
+                          env={"TPSERVE_ALLOW_RUNTIME_LORA_UPDATING": "1"})
+
+
+def complete(srv, model, prompt=PROMPT, **kw):
+    r = httpx.post(srv.url + "/v1/completions", timeout=120, json={
+        "model": model, "prompt": prompt, "max_tokens": TOKENS, "temperature": 0, "ignore_eos": True,
+        "logprobs": 0, **kw})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def tokens(response) -> list[str]:
+    """The completion's tokens, one string each (its logprobs)."""
+    return response["choices"][0]["logprobs"]["tokens"]
+
+
+def metric(srv, name: str) -> float:
+    for line in httpx.get(srv.url + "/metrics").text.splitlines():
+        if line.startswith(name):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(name)
+
+
+def test_models_lists_adapters_with_their_parent(srv):
+    data = httpx.get(srv.v1 + "/models").json()["data"]
+    assert [m["id"] for m in data] == [srv.model_name, "a", "b"]
+    assert all(m["parent"] == srv.model_name for m in data[1:]) and data[0]["parent"] is None
+    assert httpx.get(srv.v1 + "/models/a").json()["parent"] == srv.model_name
+
+
+def test_adapters_and_base_in_one_step_equal_peft(srv, lora_setup):
+    _, _, refs, _ = lora_setup
+
+    async def run():
+        async with httpx.AsyncClient(base_url=srv.url, timeout=120) as client:
+            bodies = [{"model": m, "prompt": PROMPT, "max_tokens": TOKENS, "temperature": 0, "ignore_eos": True,
+                       "logprobs": 0} for m in (srv.model_name, "a", "b")]
+            return await asyncio.gather(*(client.post("/v1/completions", json=b) for b in bodies))
+
+    before = metric(srv, "tpserve_step_seconds_count")
+    base, a, b = [r.json() for r in asyncio.run(run())]
+    steps = metric(srv, "tpserve_step_seconds_count") - before
+    assert tokens(base) == refs[None] and tokens(a) == refs["a"] and tokens(b) == refs["b"]
+    assert steps < 3 * TOKENS, steps  # the three decoded side by side, not one after the other
+    # the chat endpoint picks the adapter too
+    chat = httpx.post(srv.v1 + "/chat/completions", timeout=60, json={
+        "model": "b", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "temperature": 0})
+    assert chat.status_code == 200 and chat.json()["usage"]["completion_tokens"] >= 1
+
+
+def test_prefix_cache_is_kept_apart_per_adapter(srv, lora_setup):
+    _, _, refs, _ = lora_setup
+    prompt = PROMPT
+    for model, ref in (("a", refs["a"]), ("b", refs["b"]), (srv.model_name, refs[None]), ("a", refs["a"])):
+        got = complete(srv, model, prompt)
+        assert tokens(got) == ref, model  # K/V cached under another adapter would change the answer
+
+
+def test_eviction_beyond_max_cpu_loras_and_runtime_load_unload(srv, lora_setup):
+    _, adapters, refs, _ = lora_setup
+    r = httpx.post(srv.v1 + "/load_lora_adapter", json={"lora_name": "c", "lora_path": str(adapters["c"])})
+    assert r.status_code == 200, r.text
+    assert httpx.post(srv.v1 + "/load_lora_adapter", json={"lora_name": "c", "lora_path": str(adapters["c"])}
+                      ).status_code == 400  # the name is taken
+    # three adapters, two slots: each use of the third evicts the least recently used, which is read again later
+    for model in ("c", "a", "b", "c", "a"):
+        assert tokens(complete(srv, model)) == refs[model], model
+    assert metric(srv, "tpserve_lora_adapters_loaded") == 2
+
+    async def unload_under_load():
+        async with httpx.AsyncClient(base_url=srv.url, timeout=120) as client:
+            long = asyncio.create_task(client.post("/v1/completions", json={
+                "model": "c", "prompt": PROMPT, "max_tokens": 60, "temperature": 0, "ignore_eos": True}))
+            await asyncio.sleep(0.3)
+            unloaded = await client.post("/v1/unload_lora_adapter", json={"lora_name": "c"})
+            after = await client.post("/v1/completions", json={"model": "c", "prompt": PROMPT, "max_tokens": 2})
+            return await long, unloaded, after
+
+    long, unloaded, after = asyncio.run(unload_under_load())
+    assert unloaded.status_code == 200, unloaded.text
+    assert long.status_code == 200 and long.json()["usage"]["completion_tokens"] == 60  # in flight: finished
+    assert after.status_code == 404 and after.json()["error"]["code"] == "model_not_found"
+    assert httpx.post(srv.v1 + "/unload_lora_adapter", json={"lora_name": "c"}).status_code == 404
+    assert [m["id"] for m in httpx.get(srv.v1 + "/models").json()["data"]][1:] == ["a", "b"]
+
+
+def rewrite(src: Path, dst: Path, **fields) -> Path:
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "adapter_config.json").read_text())
+    cfg.update(fields)
+    (dst / "adapter_config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+def test_bad_adapters_get_a_400_that_says_which(srv, lora_setup):
+    base, adapters, refs, tmp = lora_setup
+    pickled = tmp / "pickled"
+    pickled.mkdir()
+    (pickled / "adapter_config.json").write_text((adapters["a"] / "adapter_config.json").read_text())
+    (pickled / "adapter_model.bin").write_bytes(b"\x80\x02pickle")
+    other = make_checkpoint(tmp / "other_base", "llama", intermediate_size=96)
+    cases = [
+        (base, "not a PEFT adapter folder"),
+        (tmp / "nowhere", "not a local folder"),
+        ("https://huggingface.co/some/adapter", "not a local folder"),
+        (pickled, "pickled adapter weights"),
+        (make_adapter(base, tmp / "big", seed=4, r=32, target_modules=["q_proj"]), "rank above the maximum LoRA rank"),
+        (rewrite(adapters["a"], tmp / "dora", use_dora=True), "DoRA"),
+        (rewrite(adapters["a"], tmp / "mts", modules_to_save=["lm_head"]), "modules_to_save"),
+        (rewrite(adapters["a"], tmp / "named", base_model_name_or_path="meta-llama/Llama-3.1-8B"),
+         "was trained on base model"),
+        (make_adapter(other, tmp / "shapes", seed=5, target_modules=["down_proj"]), "does not fit this base model"),
+    ]
+    for i, (path, match) in enumerate(cases):
+        r = httpx.post(srv.v1 + "/load_lora_adapter", json={"lora_name": f"bad{i}", "lora_path": str(path)})
+        assert r.status_code == 400, (path, r.text)
+        err = r.json()["error"]
+        assert match in err["message"] and set(err) == {"message", "type", "param", "code"}, (match, err)
+    assert httpx.post(srv.v1 + "/completions", json={"model": "bad0", "prompt": "hi"}).status_code == 404
+    assert tokens(complete(srv, "a")) == refs["a"]  # still serving
