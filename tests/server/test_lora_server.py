@@ -162,3 +162,33 @@ def test_bad_adapters_get_a_400_that_says_which(srv, lora_setup):
         assert match in err["message"] and set(err) == {"message", "type", "param", "code"}, (match, err)
     assert httpx.post(srv.v1 + "/completions", json={"model": "bad0", "prompt": "hi"}).status_code == 404
     assert tokens(complete(srv, "a")) == refs["a"]  # still serving
+
+
+def test_pipeline_replicas_and_a_respawned_replica_serve_the_adapters(server_factory, lora_setup):
+    """-pp 2 -dp 2: the load commands pass from stage to stage and reach the other replica; a replica restarted
+    after a SIGKILL reads the loaded adapters again before it serves (server/engine.py: _replica_up)."""
+    import os
+    import signal
+
+    from test_fault_tolerance import rank_pid, wait_health
+
+    base, adapters, refs, _ = lora_setup
+    s = server_factory(base, 1, "-pp", "2", "-dp", "2", "--max-model-len", "128", "--enable-lora",
+                       "--max-loras", "2", "--max-cpu-loras", "2", "--lora-modules", f"a={adapters['a']}",
+                       f"b={adapters['b']}")
+
+    async def both_replicas():
+        async with httpx.AsyncClient(base_url=s.url, timeout=120) as client:
+            models = ["a", "b", "a", "b", s.model_name, "a"]  # 6 at once: every lane of both replicas gets some
+            rs = await asyncio.gather(*(client.post("/v1/completions", json={
+                "model": m, "prompt": PROMPT, "max_tokens": TOKENS, "temperature": 0, "ignore_eos": True,
+                "logprobs": 0}) for m in models))
+            return [(m, tokens(r.json())) for m, r in zip(models, rs)]
+
+    for model, got in asyncio.run(both_replicas()):
+        assert got == refs[None if model == s.model_name else model], model
+    os.kill(rank_pid(s.proc.pid, 2), signal.SIGKILL)  # replica 1's first stage
+    wait_health(s, "degraded", timeout=30)
+    wait_health(s, "ok")
+    for model, got in asyncio.run(both_replicas()):
+        assert got == refs[None if model == s.model_name else model], model
