@@ -5,8 +5,9 @@ layer), the runner driven with hand-built steps (sharding.runner.ModelRunner.run
     python scripts/bench_lora.py --rounds 5 --base-only --out results/lora_base.json   # base decode only (runs on
                                                                                        # code without sharding/lora.py)
 
-Per round and precision, each configuration decodes --tokens tokens after a 22-token prompt and reports ms/token
-(the median step):
+Per round and precision, every configuration decodes --tokens tokens after a 22-token prompt, their steps interleaved
+(step t of each configuration in turn, so contention from other work on the host hits all alike), and reports
+ms/token (the median step):
 - b1 base: batch 1, no adapter row (the compiled one-call decode step at TP=1);
 - b1 base loop: the same step through the per-layer decode loop (what a step with adapter rows takes; the compiled
   step is set aside for it), to separate the routing cost from the adapter arithmetic;
@@ -74,24 +75,35 @@ def make_adapter(model: Path, folder: Path, seed: int, rank: int = 16) -> Path:
     return folder
 
 
-def decode(runner, slots: list[int], tokens: int, flags_of) -> float:
-    """Prefill PROMPT_LEN tokens for len(slots) sequences, then decode `tokens` steps; median ms per step."""
-    n = len(slots)
+def decode_interleaved(runner, configs: dict[str, list[int]], tokens: int, flags_of) -> dict[str, float]:
+    """Every configuration's sequences (their own rows and blocks) prefilled with PROMPT_LEN tokens, then `tokens`
+    decode steps of each configuration in turn (step t of every configuration, then step t + 1), so a slow spell of
+    a shared host hits all alike; median ms per step of each. "b1 base loop" runs with the compiled step set aside."""
     bs = runner.block_size
     per_seq = -(-(PROMPT_LEN + tokens + 1) // bs)
-    updates = torch.tensor([(i, j, i * per_seq + j) for i in range(n) for j in range(per_seq)])
-    ids = torch.randint(10, 1000, (n * PROMPT_LEN,), generator=torch.Generator().manual_seed(0))
-    table = torch.tensor([(i, PROMPT_LEN, 0, flags_of(s)) for i, s in enumerate(slots)])
-    logits = runner.run(Step(ids, table, updates))
-    nxt = logits.argmax(-1)
-    times = []
+    state = {}
+    row = 0
+    for name, slots in configs.items():
+        rows = list(range(row, row + len(slots)))
+        row += len(slots)
+        updates = torch.tensor([(r, j, r * per_seq + j) for r in rows for j in range(per_seq)])
+        ids = torch.randint(10, 1000, (len(slots) * PROMPT_LEN,), generator=torch.Generator().manual_seed(0))
+        table = torch.tensor([(r, PROMPT_LEN, 0, flags_of(s)) for r, s in zip(rows, slots)])
+        state[name] = [rows, runner.run(Step(ids, table, updates)).argmax(-1), []]
     for t in range(tokens):
-        table = torch.tensor([(i, 1, PROMPT_LEN + t, flags_of(s)) for i, s in enumerate(slots)])
-        t0 = time.perf_counter()
-        logits = runner.run(Step(nxt, table, None))
-        nxt = logits.argmax(-1)
-        times.append(time.perf_counter() - t0)
-    return 1000 * statistics.median(times)
+        for name, slots in configs.items():
+            rows, nxt, times = state[name]
+            table = torch.tensor([(r, 1, PROMPT_LEN + t, flags_of(s)) for r, s in zip(rows, slots)])
+            saved, plan = None, runner.model._plan
+            if name.endswith("base loop") and plan and plan.compiled is not None:
+                saved, plan.compiled = plan.compiled, None
+            t0 = time.perf_counter()
+            logits = runner.run(Step(nxt, table, None))
+            times.append(time.perf_counter() - t0)
+            if saved is not None:
+                plan.compiled = saved
+            state[name][1] = logits.argmax(-1)
+    return {name: 1000 * statistics.median(v[2]) for name, v in state.items()}
 
 
 def main() -> None:
@@ -107,7 +119,7 @@ def main() -> None:
     dist = init_dist()
     runners = {}
     for q in args.quantization:
-        cfg = EngineConfig(model=str(model), max_num_seqs=8, max_model_len=256, kv_cache_memory=64 << 20,
+        cfg = EngineConfig(model=str(model), max_num_seqs=48, max_model_len=256, kv_cache_memory=256 << 20,
                            quantization=None if q == "none" else q)
         runners[q] = start_rank(cfg, dist)
     flags_of = lambda s: LOGITS_LAST  # noqa: E731
@@ -131,14 +143,7 @@ def main() -> None:
     for rnd in range(args.rounds):
         row = {}
         for q, r in runners.items():
-            for name, slots in configs.items():
-                plan = None
-                if name == "b1 base loop":  # the compiled step set aside: the per-layer loop serves the base rows
-                    plan = r.model._plan
-                    saved, plan.compiled = plan.compiled, None
-                ms = decode(r, slots, args.tokens, flags_of)
-                if plan is not None:
-                    plan.compiled = saved
+            for name, ms in decode_interleaved(r, configs, args.tokens, flags_of).items():
                 row[f"{q} {name}"] = ms
         rounds.append(row)
         print(f"round {rnd + 1}: " + ", ".join(f"{k} {v:.2f}" for k, v in row.items()), flush=True)
