@@ -18,6 +18,7 @@
 
 #include "tpserve_kernels.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -198,12 +199,18 @@ struct PlanLinear {
   int64_t n, group, k, blocks;
 };
 
-// One LoRA adapter of one linear (sharding/lora.py): A^T [K, R] and B^T * scale [R, N], float32
+// One LoRA adapter of one linear (sharding/lora.py): A^T [K, R] and B^T * scale [R, N], float32, copied into the
+// order the step reads them: A^T as panels of 16 of its R columns ([ceil(R/16)][K][16], zero-padded), so the shrink
+// streams each panel in order; B^T by chunks of 16 output columns, each chunk holding only the rows of B^T that can
+// be nonzero there ([j0, j1): a fused linear's B^T is block-diagonal over its pieces, and its zero blocks are neither
+// stored nor read), [j1 - j0][16] contiguous.
+constexpr int64_t LORA_W = 16;
+
 struct PlanLora {
-  at::Tensor at, bt;
-  int64_t r = 0;
-  std::vector<int64_t> lo, hi;  // per row j of B^T: its nonzero columns lie in [lo[j], hi[j]) (a fused linear's
-                                // B^T is block-diagonal over its pieces: the zeros are never read)
+  std::vector<float> ap, bp;      // A^T in panels, B^T in chunks
+  int64_t r = 0, rp = 0;          // rank (sum of the pieces' ranks) and rank padded to a multiple of 16
+  std::vector<int32_t> cj0, cj1;  // per chunk of 16 output columns: the rows of B^T that can be nonzero there
+  std::vector<int64_t> coff;      // per chunk: where its rows start in bp
 };
 
 struct PlanLayer {
@@ -255,6 +262,7 @@ PlanLinear make_plan_linear(int64_t kind, at::Tensor w, at::Tensor scale, std::o
 struct DecodeLayers : torch::CustomClassHolder {
   std::vector<PlanLinear> pending;
   std::vector<PlanLayer> layers;
+  int64_t lora_rp = 0;  // the widest padded adapter rank set (the shrink's scratch per row)
 
   void add_linear(int64_t kind, at::Tensor w, at::Tensor scale, std::optional<at::Tensor> bias, int64_t n,
                   int64_t group) {
@@ -285,7 +293,7 @@ struct DecodeLayers : torch::CustomClassHolder {
   }
 
   // the adapter in `slot` of linear `which` (0 qkv, 1 o, 2 gate_up, 3 down) of layer `layer`: A^T [K, R] and
-  // B^T * scale [R, N] float32 (kept referenced), or none (at/bt None)
+  // B^T * scale [R, N] float32 (copied in the step's order), or none (at/bt None)
   void set_lora(int64_t layer, int64_t which, int64_t slot, std::optional<at::Tensor> at,
                 std::optional<at::Tensor> bt) {
     TORCH_CHECK(layer >= 0 && layer < size() && which >= 0 && which < 4 && slot > 0, "set_lora: no such linear");
@@ -301,48 +309,202 @@ struct DecodeLayers : torch::CustomClassHolder {
                     bt->size(1) == lin.n && at->size(1) > 0 && at->scalar_type() == at::kFloat &&
                     bt->scalar_type() == at::kFloat && at->is_contiguous() && bt->is_contiguous(),
                 "set_lora: A^T [K, R] and B^T [R, N] float32, contiguous, matching the linear");
-    PlanLora p{*at, *bt, at->size(1), {}, {}};
+    PlanLora p;
+    p.r = at->size(1);
+    p.rp = (p.r + LORA_W - 1) / LORA_W * LORA_W;
+    const int64_t K = lin.k, N = lin.n, R = p.r;
+    const float* a = at->data_ptr<float>();
+    p.ap.assign(p.rp * K, 0.0f);
+    for (int64_t k = 0; k < K; ++k)
+      for (int64_t j = 0; j < R; ++j) p.ap[((j / LORA_W) * K + k) * LORA_W + j % LORA_W] = a[k * R + j];
     const float* b = bt->data_ptr<float>();
-    for (int64_t j = 0; j < p.r; ++j) {
-      int64_t lo = 0, hi = lin.n;
-      while (lo < hi && b[j * lin.n + lo] == 0.0f) ++lo;
-      while (hi > lo && b[j * lin.n + hi - 1] == 0.0f) --hi;
-      p.lo.push_back(lo);
-      p.hi.push_back(hi);
+    const int64_t chunks = (N + LORA_W - 1) / LORA_W;
+    p.cj0.assign(chunks, 0);
+    p.cj1.assign(chunks, 0);
+    for (int64_t j = 0; j < R; ++j) {
+      int64_t lo = 0, hi = N;  // row j's nonzero columns lie in [lo, hi)
+      while (lo < hi && b[j * N + lo] == 0.0f) ++lo;
+      while (hi > lo && b[j * N + hi - 1] == 0.0f) --hi;
+      if (lo == hi) continue;
+      for (int64_t ci = lo / LORA_W; ci <= (hi - 1) / LORA_W; ++ci) {
+        if (p.cj0[ci] == p.cj1[ci]) p.cj0[ci] = static_cast<int32_t>(j);
+        p.cj1[ci] = static_cast<int32_t>(j + 1);
+      }
     }
+    p.coff.assign(chunks, 0);
+    int64_t total = 0;
+    for (int64_t ci = 0; ci < chunks; ++ci) {
+      p.coff[ci] = total;
+      total += (p.cj1[ci] - p.cj0[ci]) * LORA_W;
+    }
+    p.bp.assign(total, 0.0f);
+    for (int64_t ci = 0; ci < chunks; ++ci)
+      for (int64_t j = p.cj0[ci]; j < p.cj1[ci]; ++j)
+        for (int64_t c = ci * LORA_W; c < std::min(N, (ci + 1) * LORA_W); ++c)
+          p.bp[p.coff[ci] + (j - p.cj0[ci]) * LORA_W + c % LORA_W] = b[j * N + c];
+    lora_rp = std::max(lora_rp, p.rp);
     slots[slot] = std::move(p);
   }
 
   int64_t size() const { return static_cast<int64_t>(layers.size()); }
 };
 
-// y[m, c0..c1) += (x[m] @ A^T) @ B^T[:, c0..c1) for every row m whose adapter slot (rs[m] > 0) this linear has; u:
-// scratch. Each thread computes the shrink of its rows whole (R values: cheap) and expands its own output columns.
-void lora_range(const std::vector<PlanLora>& lo, const int64_t* rs, const float* x, int64_t M, int64_t K, float* y,
-                int64_t N, int64_t c0, int64_t c1, std::vector<float>& u) {
-  if (rs == nullptr || lo.empty() || c0 >= c1) return;
-  for (int64_t m = 0; m < M; ++m) {
-    const int64_t s = rs[m];
-    if (s <= 0 || s >= static_cast<int64_t>(lo.size()) || lo[s].r == 0) continue;
-    const int64_t R = lo[s].r;
-    const float* A = lo[s].at.data_ptr<float>();
-    const float* Bt = lo[s].bt.data_ptr<float>();
-    u.assign(R, 0.0f);
-    float* up = u.data();
-    const float* xr = x + m * K;
-    for (int64_t k = 0; k < K; ++k) {
-      const float xv = xr[k];
-      const float* ar = A + k * R;
+// The LoRA delta of the compiled step, y[m] += (x[m] @ A^T) @ B^T for every row m with an adapter, in two phases
+// split over the team, rows grouped by adapter slot (each slot's A and B read once per step, whatever its rows):
+// - shrink: thread t takes its share of the K inputs and writes, per row, its partial x[m, k0..k1) @ A^T[k0..k1)
+//   (tiles of up to 4 rows of one slot against a 16-column panel of A^T, two accumulators over k);
+// - (a barrier), expand: each thread sums the partials of its rows and adds u @ B^T over its own output columns,
+//   in chunks of 16 columns accumulated in registers over the rows of B^T that can be nonzero there.
+
+// rows[0..NR) (all of one slot): part[m][0..rp) = x[m, k0..k1) @ A^T[k0..k1, :]
+template <int NR>
+void lora_shrink_tile(const PlanLora& p, const int64_t* rows, const float* x, int64_t K, int64_t k0, int64_t k1,
+                      float* part, int64_t stride) {
+  const float* xr[NR];
+  for (int r = 0; r < NR; ++r) xr[r] = x + rows[r] * K;
+  for (int64_t pi = 0; pi < p.rp / LORA_W; ++pi) {
+    const float* ap = p.ap.data() + pi * K * LORA_W;
+    float acc0[NR][LORA_W], acc1[NR][LORA_W];
+    for (int r = 0; r < NR; ++r)
+      for (int i = 0; i < LORA_W; ++i) acc0[r][i] = acc1[r][i] = 0.0f;
+    int64_t k = k0;
+    for (; k + 1 < k1; k += 2) {
+      const float* a0 = ap + k * LORA_W;
+      const float* a1 = a0 + LORA_W;
+      for (int r = 0; r < NR; ++r) {
+        const float x0 = xr[r][k], x1 = xr[r][k + 1];
 #pragma omp simd
-      for (int64_t j = 0; j < R; ++j) up[j] += xv * ar[j];
+        for (int i = 0; i < LORA_W; ++i) {
+          acc0[r][i] += x0 * a0[i];
+          acc1[r][i] += x1 * a1[i];
+        }
+      }
     }
-    float* yr = y + m * N;
-    for (int64_t j = 0; j < R; ++j) {
-      const float uj = up[j];
-      const float* br = Bt + j * N;
-      const int64_t e = std::min(c1, lo[s].hi[j]);
+    if (k < k1) {
+      const float* a0 = ap + k * LORA_W;
+      for (int r = 0; r < NR; ++r) {
+        const float x0 = xr[r][k];
 #pragma omp simd
-      for (int64_t c = std::max(c0, lo[s].lo[j]); c < e; ++c) yr[c] += uj * br[c];
+        for (int i = 0; i < LORA_W; ++i) acc0[r][i] += x0 * a0[i];
+      }
+    }
+    for (int r = 0; r < NR; ++r) {
+      float* dst = part + rows[r] * stride + pi * LORA_W;
+      for (int i = 0; i < LORA_W; ++i) dst[i] = acc0[r][i] + acc1[r][i];
+    }
+  }
+}
+
+// rows[0..NR) (all of one slot): y[m, c0..c1) += u[m] @ B^T[:, c0..c1)
+template <int NR>
+void lora_expand_tile(const PlanLora& p, const int64_t* rows, const float* u, int64_t stride, float* y, int64_t N,
+                      int64_t c0, int64_t c1) {
+  for (int64_t c = c0; c < c1;) {
+    const int64_t ci = c / LORA_W, ce = std::min(c1, (ci + 1) * LORA_W), w = ce - c;
+    const int64_t j0 = p.cj0[ci], j1 = p.cj1[ci];
+    if (j0 < j1) {
+      const float* chunk = p.bp.data() + p.coff[ci] + (c - ci * LORA_W);  // row j0's columns c..ce
+      float acc[NR][LORA_W];
+      for (int r = 0; r < NR; ++r)
+        for (int i = 0; i < LORA_W; ++i) acc[r][i] = 0.0f;
+      if (w == LORA_W) {
+        for (int64_t j = j0; j < j1; ++j) {
+          const float* br = chunk + (j - j0) * LORA_W;
+          for (int r = 0; r < NR; ++r) {
+            const float uj = u[rows[r] * stride + j];
+#pragma omp simd
+            for (int i = 0; i < LORA_W; ++i) acc[r][i] += uj * br[i];
+          }
+        }
+      } else {
+        for (int64_t j = j0; j < j1; ++j) {
+          const float* br = chunk + (j - j0) * LORA_W;
+          for (int r = 0; r < NR; ++r) {
+            const float uj = u[rows[r] * stride + j];
+            for (int64_t i = 0; i < w; ++i) acc[r][i] += uj * br[i];
+          }
+        }
+      }
+      for (int r = 0; r < NR; ++r) {
+        float* yr = y + rows[r] * N + c;
+        for (int64_t i = 0; i < w; ++i) yr[i] += acc[r][i];
+      }
+    }
+    c = ce;
+  }
+}
+
+// a step's rows grouped by adapter slot: rows[first[g] .. first[g + 1]) have slot slot[g] (> 0)
+struct LoraGroups {
+  std::vector<int64_t> slot, first, rows;
+  explicit LoraGroups(const int64_t* rs, int64_t B) {
+    if (rs == nullptr) return;
+    std::vector<int64_t> order;
+    for (int64_t m = 0; m < B; ++m)
+      if (rs[m] > 0) order.push_back(m);
+    std::stable_sort(order.begin(), order.end(), [&](int64_t x, int64_t y) { return rs[x] < rs[y]; });
+    for (size_t i = 0; i < order.size(); ++i) {
+      if (i == 0 || rs[order[i]] != rs[order[i - 1]]) {
+        slot.push_back(rs[order[i]]);
+        first.push_back(static_cast<int64_t>(i));
+      }
+      rows.push_back(order[i]);
+    }
+    first.push_back(static_cast<int64_t>(rows.size()));
+  }
+  size_t size() const { return slot.size(); }
+};
+
+// the adapter of group g's slot in this linear, or nullptr
+inline const PlanLora* group_lora(const std::vector<PlanLora>& lo, const LoraGroups& g, size_t i) {
+  const int64_t s = g.slot[i];
+  return s < static_cast<int64_t>(lo.size()) && lo[s].r > 0 ? &lo[s] : nullptr;
+}
+
+// thread t of T: its partial shrinks of every adapted row (part [B, stride])
+void lora_shrink(const std::vector<PlanLora>& lo, const LoraGroups& g, const float* x, int64_t K, int t, int T,
+                 float* part, int64_t stride) {
+  const int64_t k0 = K * t / T, k1 = K * (t + 1) / T;
+  for (size_t i = 0; i < g.size(); ++i) {
+    const PlanLora* p = group_lora(lo, g, i);
+    if (p == nullptr) continue;
+    for (int64_t f = g.first[i]; f < g.first[i + 1]; f += 4) {
+      const int64_t* rows = g.rows.data() + f;
+      switch (std::min<int64_t>(4, g.first[i + 1] - f)) {
+        case 1: lora_shrink_tile<1>(*p, rows, x, K, k0, k1, part, stride); break;
+        case 2: lora_shrink_tile<2>(*p, rows, x, K, k0, k1, part, stride); break;
+        case 3: lora_shrink_tile<3>(*p, rows, x, K, k0, k1, part, stride); break;
+        default: lora_shrink_tile<4>(*p, rows, x, K, k0, k1, part, stride);
+      }
+    }
+  }
+}
+
+// after every thread's lora_shrink: the partials summed into u (this thread's own [B, stride] scratch), then the
+// expand over output columns [c0, c1)
+void lora_expand(const std::vector<PlanLora>& lo, const LoraGroups& g, const float* parts, int T, int64_t B,
+                 int64_t stride, float* u, float* y, int64_t N, int64_t c0, int64_t c1) {
+  if (c0 >= c1) return;
+  for (size_t i = 0; i < g.size(); ++i) {
+    const PlanLora* p = group_lora(lo, g, i);
+    if (p == nullptr) continue;
+    for (int64_t f = g.first[i]; f < g.first[i + 1]; ++f) {
+      const int64_t m = g.rows[f];
+      float* um = u + m * stride;
+      std::copy(parts + m * stride, parts + m * stride + p->rp, um);
+      for (int q = 1; q < T; ++q) {
+        const float* pq = parts + (q * B + m) * stride;
+        for (int64_t j = 0; j < p->rp; ++j) um[j] += pq[j];
+      }
+    }
+    for (int64_t f = g.first[i]; f < g.first[i + 1]; f += 4) {
+      const int64_t* rows = g.rows.data() + f;
+      switch (std::min<int64_t>(4, g.first[i + 1] - f)) {
+        case 1: lora_expand_tile<1>(*p, rows, u, stride, y, N, c0, c1); break;
+        case 2: lora_expand_tile<2>(*p, rows, u, stride, y, N, c0, c1); break;
+        case 3: lora_expand_tile<3>(*p, rows, u, stride, y, N, c0, c1); break;
+        default: lora_expand_tile<4>(*p, rows, u, stride, y, N, c0, c1);
+      }
     }
   }
 }
@@ -450,6 +612,11 @@ at::Tensor decode_layers(const c10::intrusive_ptr<DecodeLayers>& plan, at::Tenso
   }
   const int nt = std::max(1, at::get_num_threads());
   std::vector<std::vector<float>> scores(nt), lora_u(nt);
+  const LoraGroups groups(rs, B);  // the adapter rows by slot (none: the base-only step, untouched)
+  const int64_t lstride = plan->lora_rp;
+  std::vector<float> lora_parts(groups.size() > 0 ? nt * B * lstride : 0);
+  if (groups.size() > 0)
+    for (auto& u : lora_u) u.assign(B * lstride, 0.0f);
   const float* x0 = x.data_ptr<float>();
 
 #pragma omp parallel num_threads(nt)
@@ -462,12 +629,18 @@ at::Tensor decode_layers(const c10::intrusive_ptr<DecodeLayers>& plan, at::Tenso
     };
     int64_t a, b, c0, c1;
     // linear `which` of layer l over this thread's output blocks [a, b): the base product, then the adapters' deltas
+    // (their shrink first, over this thread's share of the inputs, and a barrier: the expand needs every share)
     const auto linear = [&](const PlanLayer& l, int which, const PlanLinear& lin, const float* in,
                             const tpserve::Int8Rows* inq, float* y) {
+      const bool adapted = groups.size() > 0 && !l.lora[which].empty();
+      if (adapted) {
+        lora_shrink(l.lora[which], groups, in, lin.k, t, T, lora_parts.data() + t * B * lstride, lstride);
+#pragma omp barrier
+      }
       linear_range(lin, in, inq, B, y, a, b);
-      if (rs != nullptr && !l.lora[which].empty()) {
+      if (adapted) {
         block_columns(lin, a, b, c0, c1);
-        lora_range(l.lora[which], rs, in, B, lin.k, y, lin.n, c0, c1, lora_u[t]);
+        lora_expand(l.lora[which], groups, lora_parts.data(), T, B, lstride, lora_u[t].data(), y, lin.n, c0, c1);
       }
     };
     const auto quantize = [&](const PlanLinear& l, const float* src, tpserve::Int8Rows& rows, int64_t r0, int64_t r1) {
