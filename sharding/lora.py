@@ -78,15 +78,24 @@ class LoraContext:
 # ---- one linear ----------------------------------------------------------------------------------------------------
 
 
+# A fused linear's expand runs block by block (its B^T's zero blocks skipped) from this many rows on; below it, one
+# matmul over the whole B^T costs less than a dispatch per block.
+BLOCK_ROWS = 32
+
+Block = tuple[int, int, int, int]  # rows r0:r1 of B^T nonzero only in its columns c0:c1
+
+
 class LoraLinear:
     """The adapters of one column- or row-parallel linear, slot by slot: (A^T [in_local, R], B^T * scale
-    [R, out_local]) float32, or None where that slot's adapter does not adapt this linear."""
+    [R, out_local]) float32, or None where that slot's adapter does not adapt this linear; and per slot the nonzero
+    blocks of a fused linear's block-diagonal B^T (None: B^T is one block)."""
 
-    __slots__ = ("ctx", "slots")
+    __slots__ = ("ctx", "slots", "blocks")
 
     def __init__(self, ctx: LoraContext, num_slots: int) -> None:
         self.ctx = ctx
         self.slots: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * (num_slots + 1)
+        self.blocks: list[list[Block] | None] = [None] * (num_slots + 1)
 
     def apply(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """y += the delta of every slot present in the step, over that slot's rows of x; returns y."""
@@ -101,17 +110,30 @@ class LoraLinear:
             if xs.dtype != at.dtype:
                 xs = xs.to(at.dtype)
             shrunk = torch.mm(xs, at)  # [rows, R]
-            if idx is None and y2.dtype == bt.dtype:
-                y2.addmm_(shrunk, bt)
-            elif idx is None:
-                y2.add_(torch.mm(shrunk, bt).to(y2.dtype))
+            blocks = self.blocks[slot]
+            if blocks is None or shrunk.shape[0] < BLOCK_ROWS:
+                if idx is None and y2.dtype == bt.dtype:
+                    y2.addmm_(shrunk, bt)
+                    continue
+                delta = torch.mm(shrunk, bt)
+            elif idx is None and y2.dtype == bt.dtype:  # B^T's nonzero blocks only, into y's columns
+                for r0, r1, c0, c1 in blocks:
+                    y2[:, c0:c1].addmm_(shrunk[:, r0:r1], bt[r0:r1, c0:c1])
+                continue
             else:
-                y2.index_add_(0, idx, torch.mm(shrunk, bt).to(y2.dtype))
+                delta = shrunk.new_zeros(shrunk.shape[0], bt.shape[1])
+                for r0, r1, c0, c1 in blocks:
+                    delta[:, c0:c1].addmm_(shrunk[:, r0:r1], bt[r0:r1, c0:c1])
+            if idx is None:
+                y2.add_(delta.to(y2.dtype))
+            else:
+                y2.index_add_(0, idx, delta.to(y2.dtype))
         return y
 
 
 def _load_column(lin: ColumnParallelLinear, info: AdapterInfo, files: AdapterFiles, device: torch.device):
-    """(A^T, B^T * scale) of a column-parallel linear: A whole per adapted module, B's rows of each piece."""
+    """(A^T, B^T * scale, blocks) of a column-parallel linear: A whole per adapted module, B's rows of each piece;
+    blocks: B^T's nonzero blocks when it has several (a fused linear), else None."""
     names = [n for n in dict.fromkeys(p.name for p in lin.pieces) if n in info.modules]
     if not names:
         return None
@@ -124,13 +146,20 @@ def _load_column(lin: ColumnParallelLinear, info: AdapterInfo, files: AdapterFil
         r0 += m.rank
     b = torch.zeros(sum(lin.out_sizes), r0, dtype=torch.float32)
     off = 0
+    blocks: list[list[int]] = []
     for p, size in zip(lin.pieces, lin.out_sizes):
         if p.name in cols:
             m = info.modules[p.name]
             c0, c1 = cols[p.name]
             b[off:off + size, c0:c1] = files.read(m.b, 0, [(p.start, p.stop)]).float() * m.scale
+            if blocks and blocks[-1][:2] == [c0, c1] and blocks[-1][3] == off:
+                blocks[-1][3] = off + size  # the next rows of the same module
+            else:
+                blocks.append([c0, c1, off, off + size])
         off += size
-    return (torch.cat(a_parts).t().contiguous().to(device), b.t().contiguous().to(device))
+    whole = len(blocks) == 1 and blocks[0] == [0, r0, 0, off]
+    return (torch.cat(a_parts).t().contiguous().to(device), b.t().contiguous().to(device),
+            None if whole else [tuple(x) for x in blocks])
 
 
 def _load_row(lin: RowParallelLinear, info: AdapterInfo, files: AdapterFiles, device: torch.device):
@@ -141,7 +170,7 @@ def _load_row(lin: RowParallelLinear, info: AdapterInfo, files: AdapterFiles, de
     p = lin.piece
     a = files.read(m.a, 1, [(p.start, p.stop)]).float()  # [r, in_local]
     b = files.read(m.b).float() * m.scale  # [out, r]
-    return a.t().contiguous().to(device), b.t().contiguous().to(device)
+    return a.t().contiguous().to(device), b.t().contiguous().to(device), None
 
 
 # ---- the model -----------------------------------------------------------------------------------------------------
@@ -225,7 +254,8 @@ class LoraManager:
             raise LoraError(f"{info.path!r} adapts none of this model's linears")
         # every read succeeded: swap the slot in at once
         for _, lora in self.columns + self.rows:
-            lora.slots[slot] = loaded.get(lora)
+            w = loaded.get(lora)
+            lora.slots[slot], lora.blocks[slot] = (None, None) if w is None else (w[:2], w[2])
         self.adapters[slot] = info
         self._changed()
         return info
@@ -239,7 +269,7 @@ class LoraManager:
         """Free `slot` (its tensors are dropped; steps must no longer name it)."""
         self._check_slot(slot)
         for _, lora in self.columns + self.rows:
-            lora.slots[slot] = None
+            lora.slots[slot] = lora.blocks[slot] = None
         self.adapters.pop(slot, None)
         self._changed()
 
