@@ -52,10 +52,13 @@ async def one_round(url: str, server_pid: int, streams: int, tokens: int) -> dic
     async def stream(client, i):
         async with client.stream("POST", "/v1/completions", json={
                 "prompt": f"Stream {i}: once upon a time", "max_tokens": tokens, "ignore_eos": True,
-                "temperature": 0, "stream": True}) as r:
-            async for line in r.aiter_lines():
+                "temperature": 0, "stream": True, "logprobs": 0}) as r:  # (logprobs: a chunk per token, even
+            async for line in r.aiter_lines():                        # when a stub tokenizer decodes it to "")
                 if line.startswith("data: {"):
-                    arrivals[i].append(time.monotonic())
+                    now = time.monotonic()
+                    chunk = json.loads(line[6:])["choices"]
+                    for _ in (chunk[0]["logprobs"] or {}).get("tokens", []) if chunk else []:
+                        arrivals[i].append(now)
                     if not killed and min(len(a) for a in arrivals) >= 16:
                         killed["t"] = time.monotonic()
                         os.kill(rank_pid(server_pid, 1), signal.SIGKILL)
@@ -77,6 +80,9 @@ async def one_round(url: str, server_pid: int, streams: int, tokens: int) -> dic
     async with httpx.AsyncClient(base_url=url, timeout=600) as client:
         h = asyncio.create_task(health(client))
         await asyncio.gather(*(stream(client, i) for i in range(streams)))
+        if "t" not in killed:
+            h.cancel()
+            raise RuntimeError(f"the streams ended before each had 16 tokens: {[len(a) for a in arrivals]}")
         noticed, healthy = await h
     t_kill = killed["t"]
     first = max(a[0] for a in arrivals)  # every stream decodes from here
