@@ -40,15 +40,10 @@ from sharding.step import LORA_SHIFT
 @dataclass(slots=True)
 class LoraRows:
     """A step's tokens by adapter slot: `groups` [(slot, token indices, or None when the slot has every token)],
-    slots > 0 only; `token_slots` [N] int64, every token's slot (0: base). Unless one slot has every token: `perm`,
-    the adapter tokens ordered by slot (the groups' indices one after the other), and `spans` [(slot, start, stop)],
-    each slot's range in that order (the linears gather the adapter rows once, run each slot over its contiguous
-    range, and add the deltas back in one scatter)."""
+    slots > 0 only; `token_slots` [N] int64, every token's slot (0: base)."""
 
     groups: list[tuple[int, torch.Tensor | None]]
     token_slots: torch.Tensor
-    perm: torch.Tensor | None = None
-    spans: list[tuple[int, int, int]] | None = None
 
 
 def lora_rows(flags: torch.Tensor | np.ndarray, ns: torch.Tensor | np.ndarray | None) -> LoraRows | None:
@@ -68,14 +63,7 @@ def lora_rows(flags: torch.Tensor | np.ndarray, ns: torch.Tensor | np.ndarray | 
     for slot in sorted(set(token_slots.tolist()) - {0}):
         idx = (token_slots == slot).nonzero().squeeze(1)
         groups.append((slot, None if idx.numel() == token_slots.numel() else idx))
-    if groups[0][1] is None:
-        return LoraRows(groups, token_slots)
-    spans, start = [], 0
-    for slot, idx in groups:
-        spans.append((slot, start, start + idx.numel()))
-        start += idx.numel()
-    perm = groups[0][1] if len(groups) == 1 else torch.cat([idx for _, idx in groups])
-    return LoraRows(groups, token_slots, perm, spans)
+    return LoraRows(groups, token_slots)
 
 
 class LoraContext:
@@ -113,57 +101,34 @@ class LoraLinear:
         """y += the delta of every slot present in the step, over that slot's rows of x; returns y."""
         x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
         y2 = y if y.dim() == 2 else y.view(-1, y.shape[-1])
-        rows = self.ctx.rows
-        if rows.perm is None:  # one slot has every row: straight into y
-            slot = rows.groups[0][0]
+        for slot, idx in self.ctx.rows.groups:
             w = self.slots[slot]
             if w is None:
-                return y
-            at, bt = w
-            xs = x2 if x2.dtype == at.dtype else x2.to(at.dtype)
-            shrunk = torch.mm(xs, at)  # [rows, R]
-            blocks = self.blocks[slot]
-            if y2.dtype != bt.dtype:
-                y2.add_(self._expand(shrunk, bt, blocks).to(y2.dtype))
-            elif blocks is None or shrunk.shape[0] < BLOCK_ROWS:
-                y2.addmm_(shrunk, bt)
-            else:  # B^T's nonzero blocks only, into y's columns
-                for r0, r1, c0, c1 in blocks:
-                    y2[:, c0:c1].addmm_(shrunk[:, r0:r1], bt[r0:r1, c0:c1])
-            return y
-        # several slots, or base rows too: the adapter rows gathered once in slot order, each slot over its range
-        xs = x2.index_select(0, rows.perm)
-        delta = None
-        for slot, s0, s1 in rows.spans:
-            w = self.slots[slot]
-            if w is None:
-                if delta is not None:
-                    delta[s0:s1].zero_()
                 continue
             at, bt = w
-            if delta is None:
-                delta = torch.empty(xs.shape[0], bt.shape[1], dtype=torch.float32)
-                for _, z0, z1 in rows.spans[:rows.spans.index((slot, s0, s1))]:
-                    delta[z0:z1].zero_()  # slots before this one that do not adapt this linear
-            xr = xs[s0:s1] if xs.dtype == at.dtype else xs[s0:s1].to(at.dtype)
-            self._expand(torch.mm(xr, at), bt, self.blocks[slot], out=delta[s0:s1])
-        if delta is not None:
-            y2.index_add_(0, rows.perm, delta if delta.dtype == y2.dtype else delta.to(y2.dtype))
+            xs = x2 if idx is None else x2.index_select(0, idx)
+            if xs.dtype != at.dtype:
+                xs = xs.to(at.dtype)
+            shrunk = torch.mm(xs, at)  # [rows, R]
+            blocks = self.blocks[slot]
+            if blocks is None or shrunk.shape[0] < BLOCK_ROWS:
+                if idx is None and y2.dtype == bt.dtype:
+                    y2.addmm_(shrunk, bt)
+                    continue
+                delta = torch.mm(shrunk, bt)
+            elif idx is None and y2.dtype == bt.dtype:  # B^T's nonzero blocks only, into y's columns
+                for r0, r1, c0, c1 in blocks:
+                    y2[:, c0:c1].addmm_(shrunk[:, r0:r1], bt[r0:r1, c0:c1])
+                continue
+            else:
+                delta = shrunk.new_zeros(shrunk.shape[0], bt.shape[1])
+                for r0, r1, c0, c1 in blocks:
+                    delta[:, c0:c1].addmm_(shrunk[:, r0:r1], bt[r0:r1, c0:c1])
+            if idx is None:
+                y2.add_(delta.to(y2.dtype))
+            else:
+                y2.index_add_(0, idx, delta.to(y2.dtype))
         return y
-
-    @staticmethod
-    def _expand(shrunk: torch.Tensor, bt: torch.Tensor, blocks: list[Block] | None,
-                out: torch.Tensor | None = None) -> torch.Tensor:
-        """shrunk @ B^T (into `out`, contiguous rows, when given): block by block from BLOCK_ROWS rows on."""
-        if blocks is None or shrunk.shape[0] < BLOCK_ROWS:
-            return torch.mm(shrunk, bt, out=out) if out is not None else torch.mm(shrunk, bt)
-        if out is None:
-            out = shrunk.new_zeros(shrunk.shape[0], bt.shape[1])
-        elif sum(c1 - c0 for _, _, c0, c1 in blocks) != bt.shape[1]:
-            out.zero_()  # columns of pieces this adapter does not adapt
-        for r0, r1, c0, c1 in blocks:
-            out[:, c0:c1].addmm_(shrunk[:, r0:r1], bt[r0:r1, c0:c1], beta=0)
-        return out
 
 
 def _load_column(lin: ColumnParallelLinear, info: AdapterInfo, files: AdapterFiles, device: torch.device):
