@@ -369,7 +369,7 @@ class Engine:
             return False
         try:
             return self.loras.slot_for(adapter, self._lora_in_use, self._lora_load) > 0
-        except Exception as e:  # noqa: BLE001 - rank 0 could not read it (its folder changed since the check)
+        except (OSError, ValueError) as e:  # rank 0 could not read it (its folder changed since the check)
             logger.error("LoRA adapter %s could not be read: %s", adapter.name, e)
             self._finish(seq, "error")
             return False
@@ -378,9 +378,21 @@ class Engine:
         return any(s.lora is adapter for lane in self.lanes for s in lane.scheduler.running)
 
     def _lora_load(self, slot: int, path: str) -> None:
-        self.runner.lora_load(slot, path, [], True)  # rank 0's own part first: raises with nothing sent
+        """Rank 0's part first (raises with nothing sent), then every live replica's ranks. This runs inside a
+        lane's schedule(): a replica found dead here is taken down through the inbox, after this step's scheduling,
+        not under the scheduler's feet."""
+        self.runner.lora_load(slot, path, [], True)
         for replica in self._live():
-            self._runner_call(replica, self.runner.lora_load, slot, path, [replica], False)
+            self._waiting_on = replica
+            try:
+                self.runner.lora_load(slot, path, [replica], False)
+            except Exception as e:  # noqa: BLE001 - judged as in _runner_call
+                reason = f"replica {replica}: {type(e).__name__}: {e}"
+                if self.on_replica_failure is None or self.dead or not self.on_replica_failure(replica, reason):
+                    raise
+                self.replica_down(replica, reason)
+            finally:
+                self._waiting_on = None
 
     def lora_retire(self, adapter) -> None:
         """On the engine thread: an unloaded adapter's slot is freed now if no sequence runs with it, else when it is
@@ -467,6 +479,8 @@ class Engine:
                 self._place(seq)
 
     def _launch(self, lane: Lane, batch: Batch) -> None:
+        if lane.replica in self.down:  # (taken down while this batch was scheduled: its sequences moved already)
+            return
         t0 = time.perf_counter()
         ids, table, rows = [], [], []  # rows: the step's table; `table` has each item's first entry
         for item in batch.items:
