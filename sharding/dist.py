@@ -4,11 +4,16 @@ The world is data x pipeline x tensor parallel ranks (`Layout`): global rank = (
 tp_rank, so the TP ranks of a stage are consecutive (one node under torchrun) and stages follow each other (PP
 across nodes). A `Dist` is one rank's view: `rank` and `world_size` are its place in its TP group, which is what
 every parallel layer needs; `layout`, `global_rank`, `pp_rank` and `dp_rank` place it in the world, and `send` /
-`recv` move tensors between any two ranks (activations between stages, steps and logits between rank 0 and the
-other replicas).
+`recv` move tensors between rank 0 and a replica's ranks or between a replica's stages (activations, steps,
+logits).
+
+There is no world-wide group. Each replica is a fault domain with groups of its own, made by name over the
+rendezvous store (`make_replica_groups`): a link (rank 0 and the replica's ranks) and a TP group per stage. A dead
+rank breaks only its replica's groups, and a respawned replica meets rank 0 in groups of a new generation
+(server/supervisor.py, docs/fault-tolerance.md).
 
 The device and the backend are chosen here and nowhere else: CUDA + NCCL when a GPU is visible, else CPU + gloo.
-A CPU-side gloo group carries the control traffic (the step description, start-up status, point-to-point messages)
+The gloo groups carry the control traffic (the step description, start-up agreements, point-to-point messages)
 so it never has to go through NCCL. With one rank nothing is initialised and every collective is a no-op.
 """
 
