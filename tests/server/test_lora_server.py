@@ -116,11 +116,13 @@ def test_eviction_beyond_max_cpu_loras_and_runtime_load_unload(srv, lora_setup):
             long = asyncio.create_task(client.post("/v1/completions", json={
                 "model": "c", "prompt": PROMPT, "max_tokens": 60, "temperature": 0, "ignore_eos": True}))
             await asyncio.sleep(0.3)
+            running = (await client.get("/metrics")).text
             unloaded = await client.post("/v1/unload_lora_adapter", json={"lora_name": "c"})
             after = await client.post("/v1/completions", json={"model": "c", "prompt": PROMPT, "max_tokens": 2})
-            return await long, unloaded, after
+            return await long, unloaded, after, running
 
-    long, unloaded, after = asyncio.run(unload_under_load())
+    long, unloaded, after, running = asyncio.run(unload_under_load())
+    assert 'tpserve_lora_requests_running{adapter="c"} 1.0' in running
     assert unloaded.status_code == 200, unloaded.text
     assert long.status_code == 200 and long.json()["usage"]["completion_tokens"] == 60  # in flight: finished
     assert after.status_code == 404 and after.json()["error"]["code"] == "model_not_found"

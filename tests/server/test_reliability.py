@@ -51,6 +51,9 @@ def hostile_cases(model):
         (ch, {"messages": ok_msg, "max_tokens": MAX_LEN}, 400), (ch, {"messages": ok_msg, "model": "nope"}, 404),
         (ch, {"messages": [{"role": "user", "content": [{"type": "image_url", "url": "x"}]}]}, 400),
         ("/v1/nothing-here", {}, 404), ("/v1/completions", None, 405),
+        # runtime LoRA updates: off without TPSERVE_ALLOW_RUNTIME_LORA_UPDATING=1 (and this server has no --enable-lora)
+        ("/v1/load_lora_adapter", {"lora_name": "x", "lora_path": "/tmp"}, 404),
+        ("/v1/unload_lora_adapter", {"lora_name": "x"}, 404),
     ]
 
 
