@@ -110,11 +110,14 @@ async def one_request(client: httpx.AsyncClient, url: str, body: dict) -> dict:
             data = line[5:].strip()
             if data == "[DONE]":
                 break
-            chunk = json.loads(data)
-            if chunk.get("usage"):
-                usage = chunk["usage"]
-            if any(c.get("text") for c in chunk.get("choices", [])):
-                times.append(time.perf_counter())
+            if '"usage"' in data:  # the client shares the 2 cores with the server: parse only what counts
+                chunk = json.loads(data)
+                usage = chunk.get("usage") or usage
+                if not any(c.get("text") for c in chunk.get("choices", [])):
+                    continue
+            elif '"text":""' in data.replace(" ", ""):
+                continue
+            times.append(time.perf_counter())
     tokens = usage["completion_tokens"] if usage else len(times)
     return {"tokens": tokens, "chunks": len(times), "ttft": times[0] - t0 if times else None,
             "itl": [b - a for a, b in zip(times, times[1:])]}
@@ -123,14 +126,16 @@ async def one_request(client: httpx.AsyncClient, url: str, body: dict) -> dict:
 async def run_batch(url: str, bodies: list[dict], concurrent: bool) -> dict:
     """Send the bodies (all at once, or one after the other); wall time, tokens, TTFT and ITL medians."""
     async with httpx.AsyncClient(timeout=600) as client:
+        cpu0 = time.process_time()
         t0 = time.perf_counter()
         if concurrent:
             res = await asyncio.gather(*(one_request(client, url, b) for b in bodies))
         else:
             res = [await one_request(client, url, b) for b in bodies]
         wall = time.perf_counter() - t0
+        client_cpu = time.process_time() - cpu0
     itl = [x for r in res for x in r["itl"]]
-    return {"wall_s": wall, "tokens": sum(r["tokens"] for r in res),
+    return {"wall_s": wall, "tokens": sum(r["tokens"] for r in res), "client_cpu_s": client_cpu,
             "ttft_p50_ms": 1000 * statistics.median(r["ttft"] for r in res if r["ttft"] is not None),
             "itl_p50_ms": 1000 * statistics.median(itl) if itl else None}
 
@@ -237,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(row)
             print(f"[round {rnd}] {server:8s} {label:8s}: {r['tokens']:5d} tokens in {r['wall_s']:6.2f} s = "
                   f"{row['tok_s']:6.1f} tok/s, TTFT p50 {r['ttft_p50_ms']:5.0f} ms, ITL p50 "
-                  f"{r['itl_p50_ms'] or 0:5.1f} ms  (load {before})", flush=True)
+                  f"{r['itl_p50_ms'] or 0:5.1f} ms, client CPU {r['client_cpu_s']:.2f} s  (load {before})", flush=True)
             return row
 
         def merged_run(rnd: int) -> None:
@@ -249,6 +254,7 @@ def main(argv: list[str] | None = None) -> int:
             wall = sum(p["wall_s"] for p in parts)
             tokens = sum(p["tokens"] for p in parts)
             rows.append(dict(server="merged", run="c8 mix4", round=rnd, wall_s=wall, tokens=tokens,
+                             client_cpu_s=sum(p["client_cpu_s"] for p in parts),
                              tok_s=tokens / wall, parts=parts, ttft_p50_ms=None, itl_p50_ms=statistics.median(
                                  p["itl_p50_ms"] for p in parts)))
             walls = ", ".join(f"{p['wall_s']:.2f}" for p in parts)
