@@ -427,6 +427,7 @@ class Engine:
         self.down[replica] = reason
         self.replica_failures += 1
         self._inflight = deque(f for f in self._inflight if f.lane.replica != replica)
+        self.runner.forget_sends(replica)
         moved: list[Sequence] = []
         for lane in self.lanes:
             if lane.replica != replica:

@@ -242,6 +242,8 @@ class ModelRunner:
         self.num_blocks = 0
         self.block_table = torch.zeros(0, 0, dtype=torch.int64)
         self.seq_parallel_steps = 0
+        self._order = 0  # launches and no-wait commands, numbered (Launched.order)
+        self._unwaited: dict[int, list] = {}  # replica -> [(order, send work, tensor)] of commands not waited for yet
 
     def _quantizer(self):
         """A function quantizing one module's weight in place under --quantization, else doing nothing. The LM head gets
@@ -327,6 +329,12 @@ class ModelRunner:
     # with pipeline stages or other replicas, its logits come back from the last stage later, and rank 0 meanwhile
     # launches other steps (server/engine.py keeps up to pp steps per replica in flight).
     def launch(self, step: Step, replica: int = 0) -> "Launched":
+        self._order += 1
+        launched = self._launch(step, replica)
+        launched.order = self._order
+        return launched
+
+    def _launch(self, step: Step, replica: int) -> "Launched":
         d = self.dist
         sends = []
         if replica == 0:
@@ -360,6 +368,11 @@ class ModelRunner:
                 self.dist.recv(launched.pooled, src)
         for work, _ in launched.sends:
             work.wait()
+        # commands sent to this replica before the step was launched: its ranks took them before the step, so their
+        # sends are done (waiting at once could deadlock, see _command)
+        pending = self._unwaited.get(launched.replica, [])
+        while pending and pending[0][0] < launched.order:
+            pending.pop(0)[1].wait()
         return logits
 
     def run(self, step: Step) -> torch.Tensor:
@@ -387,9 +400,15 @@ class ModelRunner:
             return [message]
         return [message] + ([payload.contiguous()] if n else [])
 
-    def _command(self, cmd: int, replicas: list[int] | None = None, payload: torch.Tensor | None = None) -> None:
+    def _command(self, cmd: int, replicas: list[int] | None = None, payload: torch.Tensor | None = None,
+                 wait: bool = True) -> None:
         """A command to every rank of `replicas` (default: all): by broadcast to replica 0's first stage, point to
-        point to the other replicas' first stages; every stage passes it on to the next."""
+        point to the other replicas' first stages; every stage passes it on to the next.
+
+        `wait=False` between steps in flight (the LoRA commands): a gloo send may wait for its receiver, and a
+        replica's first stage can be blocked passing an earlier step on to a stage that is itself blocked sending
+        logits to rank 0, which would be blocked here. The sends are waited for when a step launched after them
+        completes (collect)."""
         parts = self._pack_command(cmd, payload)
         replicas = list(range(self.dist.layout.dp)) if replicas is None else replicas
         works = []
@@ -402,6 +421,11 @@ class ModelRunner:
                     self.dist.broadcast_control(t)
             if self.dist.pp_size > 1:
                 works += [(self.dist.isend(t, self.dist.peer(pp_rank=1)), t) for t in parts]
+        if not wait:
+            assert len(replicas) == 1, "a command left unwaited goes to one replica at a time"
+            self._order += 1
+            self._unwaited.setdefault(replicas[0], []).extend((self._order, w, t) for w, t in works)
+            return
         for w, _ in works:
             w.wait()
 
@@ -415,13 +439,17 @@ class ModelRunner:
         if local:
             self.lora.load(slot, path)
         if self.dist.global_world_size > 1 and replicas:
-            self._command(CMD_LORA_LOAD, replicas, encode_load(slot, path))
+            self._command(CMD_LORA_LOAD, replicas, encode_load(slot, path), wait=False)
 
     def lora_unload(self, slot: int, replicas: list[int]) -> None:
         if not replicas:
             self.lora.unload(slot)
         if self.dist.global_world_size > 1 and replicas:
-            self._command(CMD_LORA_UNLOAD, replicas, torch.tensor([slot], dtype=torch.int64))
+            self._command(CMD_LORA_UNLOAD, replicas, torch.tensor([slot], dtype=torch.int64), wait=False)
+
+    def forget_sends(self, replica: int) -> None:
+        """A dead replica's unwaited command sends (sharding/runner.py _command): never waited for."""
+        self._unwaited.pop(replica, None)
 
     def heartbeat(self, replicas: list[int] | None = None) -> None:
         self._command(CMD_NOOP, replicas)
@@ -540,6 +568,7 @@ class Launched:
     logits: torch.Tensor | None
     sends: list  # isend works to wait for before the buffers may go
     pooled: torch.Tensor | None = None  # embedding sequences' pooled rows (collect fills them in from a last stage)
+    order: int = 0  # launches and commands are numbered (ModelRunner._order): commands sent before it are done by then
 
 
 def _agree(dist: Dist, what: str, fn):

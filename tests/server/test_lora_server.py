@@ -114,9 +114,13 @@ def test_eviction_beyond_max_cpu_loras_and_runtime_load_unload(srv, lora_setup):
     async def unload_under_load():
         async with httpx.AsyncClient(base_url=srv.url, timeout=120) as client:
             long = asyncio.create_task(client.post("/v1/completions", json={
-                "model": "c", "prompt": PROMPT, "max_tokens": 60, "temperature": 0, "ignore_eos": True}))
-            await asyncio.sleep(0.3)
-            running = (await client.get("/metrics")).text
+                "model": "c", "prompt": PROMPT, "max_tokens": 80, "temperature": 0, "ignore_eos": True}))
+            running = ""
+            for _ in range(200):  # until the engine runs it (then unload it in flight)
+                running = (await client.get("/metrics")).text
+                if 'tpserve_lora_requests_running{adapter="c"} 1.0' in running or long.done():
+                    break
+                await asyncio.sleep(0.01)
             unloaded = await client.post("/v1/unload_lora_adapter", json={"lora_name": "c"})
             after = await client.post("/v1/completions", json={"model": "c", "prompt": PROMPT, "max_tokens": 2})
             return await long, unloaded, after, running
@@ -124,7 +128,7 @@ def test_eviction_beyond_max_cpu_loras_and_runtime_load_unload(srv, lora_setup):
     long, unloaded, after, running = asyncio.run(unload_under_load())
     assert 'tpserve_lora_requests_running{adapter="c"} 1.0' in running
     assert unloaded.status_code == 200, unloaded.text
-    assert long.status_code == 200 and long.json()["usage"]["completion_tokens"] == 60  # in flight: finished
+    assert long.status_code == 200 and long.json()["usage"]["completion_tokens"] == 80  # in flight: finished
     assert after.status_code == 404 and after.json()["error"]["code"] == "model_not_found"
     assert httpx.post(srv.v1 + "/unload_lora_adapter", json={"lora_name": "c"}).status_code == 404
     assert [m["id"] for m in httpx.get(srv.v1 + "/models").json()["data"]][1:] == ["a", "b"]
