@@ -49,7 +49,7 @@ import httpx  # noqa: E402
 
 from bench_lora import cpu_name, make_adapter  # noqa: E402
 from bench_serving import free_port, load_avg  # noqa: E402
-from bench_servers import wait_ready  # noqa: E402
+from bench_servers import stop_servers, wait_ready  # noqa: E402
 
 ADAPTERS = ["a1", "a2", "a3", "a4"]
 CONVERT_LORA = Path("/work/bench/llama-src/llama_cpp_python-0.3.36/vendor/llama.cpp/convert_lora_to_gguf.py")
@@ -283,13 +283,7 @@ def main(argv: list[str] | None = None) -> int:
                 run(server, "c8 a1", ["a1"] * 8, True, rnd)
                 run(server, "c8 mix4", mix, True, rnd)
     finally:
-        for p in procs.values():
-            p.terminate()
-        for p in procs.values():
-            try:
-                p.wait(60)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        stop_servers(procs)
 
     def val(server: str, run_: str, rnd: int) -> float | None:
         r = [x for x in rows if x["server"] == server and x["run"] == run_ and x["round"] == rnd]

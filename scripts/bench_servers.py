@@ -52,6 +52,17 @@ def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 300) -> None:
             time.sleep(0.5)
 
 
+def stop_servers(procs: dict) -> None:
+    """SIGTERM every server, then wait up to a minute for each (SIGKILL what is left)."""
+    for p in procs.values():
+        p.terminate()
+    for p in procs.values():
+        try:
+            p.wait(60)
+        except subprocess.TimeoutExpired:
+            p.kill()
+
+
 def run_level(name: str, port: int, conc: int, num: int, args, tokenizer: str, extra: dict | None,
               round_: int) -> dict:
     path = Path(args.outdir) / f"servers_{name}_c{conc}_r{round_}.json"
@@ -157,13 +168,7 @@ def main(argv: list[str] | None = None) -> int:
                 for name, _, extra in (servers if r % 2 == 0 else servers[::-1]):
                     rows.append(run_level(name, ports[name], conc, num, args, model, extra, r))
     finally:
-        for p in procs.values():
-            p.terminate()
-        for p in procs.values():
-            try:
-                p.wait(60)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        stop_servers(procs)
     summary = []
     print(f"\nmedians over rounds ({args.precision}; llama.cpp on {kind}):")
     for conc, _ in levels:

@@ -4,7 +4,6 @@ loaded and unloaded at runtime under load, and every bad adapter refused with a 
 
 import asyncio
 import json
-import shutil
 import sys
 from pathlib import Path
 
@@ -12,7 +11,7 @@ import httpx
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "sharding"))
-from test_lora import LLAMA_ALL, make_adapter, reference  # noqa: E402 (tests/sharding/test_lora.py)
+from test_lora import LLAMA_ALL, _rewrite_config, make_adapter, reference  # noqa: E402 (tests/sharding/test_lora.py)
 from tiny import make_checkpoint  # noqa: E402
 
 TOKENS = 12
@@ -134,14 +133,6 @@ def test_eviction_beyond_max_cpu_loras_and_runtime_load_unload(srv, lora_setup):
     assert [m["id"] for m in httpx.get(srv.v1 + "/models").json()["data"]][1:] == ["a", "b"]
 
 
-def rewrite(src: Path, dst: Path, **fields) -> Path:
-    shutil.copytree(src, dst)
-    cfg = json.loads((dst / "adapter_config.json").read_text())
-    cfg.update(fields)
-    (dst / "adapter_config.json").write_text(json.dumps(cfg))
-    return dst
-
-
 def test_bad_adapters_get_a_400_that_says_which(srv, lora_setup):
     base, adapters, refs, tmp = lora_setup
     pickled = tmp / "pickled"
@@ -155,9 +146,9 @@ def test_bad_adapters_get_a_400_that_says_which(srv, lora_setup):
         ("https://huggingface.co/some/adapter", "not a local folder"),
         (pickled, "pickled adapter weights"),
         (make_adapter(base, tmp / "big", seed=4, r=32, target_modules=["q_proj"]), "rank above the maximum LoRA rank"),
-        (rewrite(adapters["a"], tmp / "dora", use_dora=True), "DoRA"),
-        (rewrite(adapters["a"], tmp / "mts", modules_to_save=["lm_head"]), "modules_to_save"),
-        (rewrite(adapters["a"], tmp / "named", base_model_name_or_path="meta-llama/Llama-3.1-8B"),
+        (_rewrite_config(adapters["a"], tmp / "dora", use_dora=True), "DoRA"),
+        (_rewrite_config(adapters["a"], tmp / "mts", modules_to_save=["lm_head"]), "modules_to_save"),
+        (_rewrite_config(adapters["a"], tmp / "named", base_model_name_or_path="meta-llama/Llama-3.1-8B"),
          "was trained on base model"),
         (make_adapter(other, tmp / "shapes", seed=5, target_modules=["down_proj"]), "does not fit this base model"),
     ]
