@@ -7,6 +7,10 @@ the variants prebuilt under `sharding/prebuilt/`; at start the best one this CPU
 (`choose`). Every source registers its ops into one `TORCH_LIBRARY_FRAGMENT(tpserve)`, so a process loads one
 variant, before any op is used.
 
+A build never loads a variant the build host cannot run (an AVX-512 variant on an AVX2-only CPU would die of SIGILL):
+each one is compiled without being loaded (`build_library`), then checked (`check_library`) by loading it in a child
+process where this CPU runs it, and by its dynamic symbols elsewhere.
+
 TPSERVE_KERNELS picks the build:
   auto (default)  the best prebuilt variant for this CPU and this torch; without one (a source checkout, another
                   torch), a build for this CPU (`-march=native`) compiled at first start and cached in
@@ -30,7 +34,7 @@ from dataclasses import dataclass
 
 CSRC = os.path.join(os.path.dirname(__file__), "csrc")
 SOURCES = ("paged_attention.cpp", "quant_linear.cpp", "rms_norm.cpp", "rotary.cpp", "decode_glue.cpp",
-           "f32_linear.cpp")
+           "f32_linear.cpp", "build_info.cpp")
 HEADERS = ("tpserve_kernels.h",)  # shared by the sources: part of a build's hash
 PREBUILT = os.path.join(os.path.dirname(__file__), "prebuilt")  # manifest.json + <variant>/tpserve_kernels.so
 LIBRARY = "tpserve_kernels.so"
@@ -68,17 +72,39 @@ BY_NAME = {v.name: v for v in VARIANTS}
 
 
 def cpu_flags() -> set[str]:
-    """The CPU's feature flags as Linux reports them (x86 `flags`, ARM `Features`); empty elsewhere. Linux drops the
-    AVX-512 flags when the OS does not save their registers, so a flag listed here is usable."""
+    """The CPU's feature flags as Linux reports them (x86 `flags`, ARM `Features`), less what the CPU itself (CPUID,
+    through torch's cpuinfo) says it cannot run: an emulator (qemu-user) shows the host's /proc/cpuinfo but runs
+    another CPU. Linux drops the AVX-512 flags when the OS does not save their registers. Empty off Linux."""
+    flags: set[str] = set()
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
                 key, _, value = line.partition(":")
                 if key.strip() in ("flags", "Features"):
-                    return set(value.split())
+                    flags = set(value.split())
+                    break
     except OSError:
         pass
-    return set()
+    return flags - _denied_by_cpuid(flags)
+
+
+def _denied_by_cpuid(flags: set[str]) -> set[str]:
+    """The x86 flags in `flags` that torch's CPUID probes deny (none if torch or the probes are missing)."""
+    try:
+        import torch.cpu as tc
+    except ImportError:
+        return set()
+    probes = (("_is_avx2_supported", lambda f: f == "avx2"),
+              ("_is_avx512_supported", lambda f: f.startswith("avx512")),
+              ("_is_vnni_supported", lambda f: f == "avx512_vnni"),
+              ("_is_avx512_bf16_supported", lambda f: f == "avx512_bf16"),
+              ("_is_amx_tile_supported", lambda f: f.startswith("amx")))
+    denied: set[str] = set()
+    for probe, covers in probes:
+        fn = getattr(tc, probe, None)
+        if fn is not None and not fn():
+            denied |= {f for f in flags if covers(f)}
+    return denied
 
 
 def choose(flags: set[str], machine: str | None = None, available=None) -> Variant | None:
@@ -118,16 +144,102 @@ def source_hash(*extra: str) -> str:
     return key.hexdigest()[:16]
 
 
-def compile_and_load(build_dir: str, march: tuple[str, ...], verbose: bool = False) -> None:
-    """Compile the sources with these -march flags into build_dir (ninja, one job per core; a finished build is
-    reused) and load the library into this process. Every rank may call it at once: torch's build lock lets one
-    compile while the others wait for it."""
-    from torch.utils.cpp_extension import load
+def _ninja() -> str:
+    """The ninja binary (the `ninja` package puts one beside the venv's python)."""
+    found = shutil.which("ninja") or shutil.which("ninja", path=os.path.dirname(sys.executable))
+    if found is None:
+        raise RuntimeError("ninja not found (pip install ninja)")
+    return found
+
+
+def _build_ninja(build_dir: str, label: str, march: tuple[str, ...]) -> str:
+    """The ninja file of one build: the flags torch's cpp_extension uses for a CPU extension, plus ours."""
+    import sysconfig
+
+    import torch
+    from torch.utils import cpp_extension
+
+    includes = cpp_extension.include_paths() + [sysconfig.get_paths()["include"]]
+    cflags = (["-DTORCH_API_INCLUDE_EXTENSION_H", f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
+               f'-DTPSERVE_BUILD=\\"{label}\\"']
+              + [f"-isystem {p}" for p in includes] + ["-fPIC", "-std=c++20", *COMMON_CFLAGS, *march])
+    ldflags = (["-shared", "-fopenmp"] + [f"-L{p}" for p in cpp_extension.library_paths()]
+               + ["-lc10", "-ltorch_cpu", "-ltorch", "-ltorch_python"])
+    objects = [os.path.splitext(s)[0] + ".o" for s in SOURCES]
+    lines = ["ninja_required_version = 1.3", f"cxx = {os.environ.get('CXX', 'c++')}",
+             "cflags = " + " ".join(cflags), "ldflags = " + " ".join(ldflags),
+             "rule compile", "  command = $cxx -MMD -MF $out.d $cflags -c $in -o $out", "  depfile = $out.d",
+             "  deps = gcc", "rule link", "  command = $cxx $in $ldflags -o $out"]
+    lines += [f"build {o}: compile {os.path.join(CSRC, s)}" for o, s in zip(objects, SOURCES)]
+    lines += [f"build {LIBRARY}: link {' '.join(objects)}", f"default {LIBRARY}"]
+    return "\n".join(lines) + "\n"
+
+
+def build_library(build_dir: str, label: str, march: tuple[str, ...], verbose: bool = False) -> str:
+    """Compile the sources with these -march flags into build_dir/tpserve_kernels.so (ninja, a job per core; a
+    finished build is reused) and return its path. Nothing is loaded: a build for a CPU level this host lacks must
+    never run here. Ranks that call it at once take turns on a lock file: the first compiles, the others find the
+    library built."""
+    import fcntl
 
     os.makedirs(build_dir, exist_ok=True)
-    load(name="tpserve_kernels", sources=[os.path.join(CSRC, s) for s in SOURCES],
-         extra_cflags=list(COMMON_CFLAGS + march), extra_ldflags=["-fopenmp"], build_directory=build_dir,
-         is_python_module=False, verbose=verbose)
+    with open(os.path.join(build_dir, "lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        text = _build_ninja(build_dir, label, march)
+        path = os.path.join(build_dir, "build.ninja")
+        if not os.path.exists(path) or open(path).read() != text:
+            with open(path, "w") as f:
+                f.write(text)
+        p = subprocess.run([_ninja(), "-C", build_dir, "-j", str(os.cpu_count() or 1)]
+                           + (["-v"] if verbose else []), capture_output=not verbose, text=True)
+        if p.returncode != 0:
+            raise RuntimeError(f"building the CPU kernels ({' '.join(march)}) failed:\n"
+                               + ((p.stdout or "") + (p.stderr or ""))[-4000:])
+    return os.path.join(build_dir, LIBRARY)
+
+
+def compile_and_load(build_dir: str, label: str, march: tuple[str, ...], verbose: bool = False) -> str:
+    """`build_library`, then load it into this process (the caller made sure this CPU runs these flags); its path."""
+    import torch
+
+    path = build_library(build_dir, label, march, verbose)
+    torch.ops.load_library(path)
+    return path
+
+
+def check_library(path: str, v: Variant, flags: set[str] | None = None) -> str:
+    """Check a build of variant v: where this CPU runs it, load it in a child process, which must register the ops
+    and name the variant ("loaded"); elsewhere, read its dynamic symbols without running any of it: it must define
+    the entry point, and (where `ldd` exists) every symbol it needs must resolve against torch ("symbols").
+    Raises RuntimeError with what was wrong."""
+    flags = cpu_flags() if flags is None else flags
+    if v.machine == platform.machine() and not missing_flags(v, flags):
+        code = ("import sys, ctypes, torch; torch.ops.load_library(sys.argv[1]); "
+                "assert hasattr(torch.ops.tpserve, 'paged_decode_attention'), 'no ops registered'; "
+                "f = ctypes.CDLL(sys.argv[1]).tpserve_kernels_build; f.restype = ctypes.c_char_p; "
+                "print(f().decode())")
+        p = subprocess.run([sys.executable, "-c", code, path], capture_output=True, text=True, timeout=600)
+        if p.returncode != 0 or p.stdout.strip() != v.name:
+            raise RuntimeError(f"the {v.name} build does not load: {(p.stderr or p.stdout)[-2000:]}")
+        return "loaded"
+    nm = shutil.which("nm")
+    if nm is None:
+        raise RuntimeError(f"cannot check the {v.name} build: this CPU cannot run it and there is no `nm`")
+    symbols = subprocess.run([nm, "-D", "--defined-only", path], capture_output=True, text=True, check=True).stdout
+    if " tpserve_kernels_build" not in symbols or "paged_decode_attention" not in symbols:
+        raise RuntimeError(f"the {v.name} build lacks its entry points")
+    ldd = shutil.which("ldd")
+    if ldd is not None and v.machine == platform.machine():
+        from torch.utils import cpp_extension
+
+        env = dict(os.environ, LD_LIBRARY_PATH=os.pathsep.join(
+            cpp_extension.library_paths() + [os.environ.get("LD_LIBRARY_PATH", "")]).rstrip(os.pathsep))
+        out = subprocess.run([ldd, "-r", path], capture_output=True, text=True, env=env)
+        bad = [ln.strip() for ln in (out.stdout + out.stderr).splitlines() if "undefined symbol" in ln
+               or "not found" in ln]
+        if out.returncode != 0 or bad:
+            raise RuntimeError(f"the {v.name} build does not link: {'; '.join(bad)[:2000] or out.stderr[-2000:]}")
+    return "symbols"
 
 
 def cache_dir(label: str, march: tuple[str, ...]) -> str:
@@ -138,34 +250,33 @@ def cache_dir(label: str, march: tuple[str, ...]) -> str:
     return os.path.join(home, "kernels", f"tpserve_kernels-{label}-{source_hash(*extra)}")
 
 
-def build_variant(name: str, out_dir: str, verbose: bool = False) -> str:
-    """Compile one variant in a child process (a process can load only one: the ops register once) and copy its
-    library to out_dir/<name>/tpserve_kernels.so. Returns that path."""
+def build_variant(name: str, out_dir: str, verbose: bool = False, flags: set[str] | None = None) -> tuple[str, str]:
+    """Compile one variant and copy its library to out_dir/<name>/tpserve_kernels.so, checked (`check_library`).
+    Returns (that path, how it was checked)."""
     v = BY_NAME[name]
     with tempfile.TemporaryDirectory(prefix=f"tpserve-{name}-") as tmp:
-        code = ("import sys; from sharding.cpu_variants import compile_and_load; "
-                "compile_and_load(sys.argv[1], tuple(sys.argv[3:]), verbose=sys.argv[2] == '1')")
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-            [os.path.dirname(os.path.dirname(os.path.abspath(__file__)))] + os.environ.get("PYTHONPATH", "").split(
-                os.pathsep)).rstrip(os.pathsep))
-        subprocess.run([sys.executable, "-c", code, tmp, "1" if verbose else "0", *v.march],
-                       check=True, env=env)
+        built = build_library(tmp, name, v.march, verbose)
+        how = check_library(built, v, flags)
         dest = os.path.join(out_dir, name)
         os.makedirs(dest, exist_ok=True)
-        shutil.copy2(os.path.join(tmp, LIBRARY), os.path.join(dest, LIBRARY))
-    return os.path.join(dest, LIBRARY)
+        shutil.copy2(built, os.path.join(dest, LIBRARY))
+    return os.path.join(dest, LIBRARY), how
 
 
-def build_prebuilt(out_dir: str, names: list[str], verbose: bool = False) -> dict:
-    """Compile `names` into out_dir and write its manifest.json (what `prebuilt_manifest` reads back)."""
+def build_prebuilt(out_dir: str, names: list[str], verbose: bool = False, flags: set[str] | None = None) -> dict:
+    """Compile `names` into out_dir and write its manifest.json (what `prebuilt_manifest` reads back), with how each
+    build was checked."""
     import torch
 
     shutil.rmtree(out_dir, ignore_errors=True)  # an earlier build's variants must not ride along
     os.makedirs(out_dir)
+    checked = {}
     for name in names:
-        build_variant(name, out_dir, verbose)
+        _, checked[name] = build_variant(name, out_dir, verbose, flags)
+        print(f"tpserve: kernel variant {name} built, checked by " + (
+            "loading it" if checked[name] == "loaded" else "its symbols (this CPU cannot run it)"), file=sys.stderr)
     manifest = {"torch": torch.__version__, "machine": platform.machine(), "variants": names,
-                "sources": source_hash()}
+                "sources": source_hash(), "checked": checked}
     with open(os.path.join(out_dir, "manifest.json"), "w") as f:
         json.dump(manifest, f, indent=1)
     return manifest

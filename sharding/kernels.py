@@ -25,9 +25,17 @@ PACKED_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def can_pack(weight: torch.Tensor) -> bool:
+    """Whether oneDNN takes this weight. Its bfloat16 linears need AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT: on an
+    AVX2-only CPU a bfloat16 weight stays plain and runs through F.linear."""
     return (weight.device.type == "cpu" and weight.dtype in PACKED_DTYPES and weight.dim() == 2
             and os.environ.get("TPSERVE_PREPACK", "1") != "0" and torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+            and (weight.dtype != torch.bfloat16 or _onednn_bf16()))
+
+
+def _onednn_bf16() -> bool:
+    probe = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    return bool(probe()) if probe is not None else False
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
@@ -59,7 +67,7 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
 
 _BUILT: dict[str, bool] = {}
 _OPS: dict[str, object] = {}  # name -> op (or the int8/int4 pair), filled by build_kernels
-CHOICE: dict[str, str] = {}  # "variant": what runs ("x86-64-v4-vnni-bf16", "native", "torch"), "how", "why"
+CHOICE: dict[str, str] = {}  # "variant": what runs ("x86-64-v4-vnni-bf16", "native", "torch"), "how", "why", "library"
 
 
 def _load_library(verbose: bool) -> bool:
@@ -83,24 +91,24 @@ def _load_library(verbose: bool) -> bool:
             raise ValueError(f"TPSERVE_KERNELS={want}: this CPU lacks {', '.join(cv.missing_flags(v, flags))}")
         if usable and want in manifest.get("variants", ()):
             torch.ops.load_library(cv.prebuilt_library(want))
-            CHOICE.update(variant=want, how="prebuilt")
+            CHOICE.update(variant=want, how="prebuilt", library=cv.prebuilt_library(want))
         else:
-            cv.compile_and_load(cv.cache_dir(want, v.march), v.march, verbose)
-            CHOICE.update(variant=want, how="compiled on this host")
+            path = cv.compile_and_load(cv.cache_dir(want, v.march), want, v.march, verbose)
+            CHOICE.update(variant=want, how="compiled on this host", library=path)
         return True
     if want == "auto" and manifest is not None:
         v = cv.choose(flags, available=manifest.get("variants", ()))
         if usable and v is not None:
             torch.ops.load_library(cv.prebuilt_library(v.name))
-            CHOICE.update(variant=v.name, how="prebuilt")
+            CHOICE.update(variant=v.name, how="prebuilt", library=cv.prebuilt_library(v.name))
             return True
         # say why the prebuilt builds were passed over, in case the native build below fails too
         CHOICE["why"] = (f"the prebuilt kernels are for torch {manifest.get('torch')}, this is torch "
                          f"{torch.__version__}" if not usable else
                          f"no prebuilt variant ({', '.join(manifest.get('variants', ())) or 'none'}) runs on this "
                          "CPU")
-    cv.compile_and_load(cv.cache_dir("native", ("-march=native",)), ("-march=native",), verbose)
-    CHOICE.update(variant="native", how="compiled for this CPU")
+    path = cv.compile_and_load(cv.cache_dir("native", ("-march=native",)), "native", ("-march=native",), verbose)
+    CHOICE.update(variant="native", how="compiled for this CPU", library=path)
     CHOICE.pop("why", None)
     return True
 

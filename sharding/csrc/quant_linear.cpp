@@ -128,67 +128,93 @@ inline void bf16_block(const float* x, int64_t ldx, const uint16_t* w, int64_t K
     for (int j = 0; j < nrows; ++j) y[r * ldy + j] = _mm512_reduce_add_ps(acc[r][j]);
 }
 
-#else  // portable loops
+#else  // portable loops, in the AVX-512 loops' shape so that the compiler vectorizes them (AVX2, NEON): a block's
+        // weights converted to float32 once per 16 inputs and used by every activation row, 16 lanes of partial sums
+        // per (activation row, output row), summed at the end
 
 template <int R>
 inline void int8_block(const float* x, int64_t ldx, const int8_t* w, int64_t K, int64_t nrows, const at::Half* scale,
                        float* y, int64_t ldy) {
+  float acc[R][NB][16] = {};
+  for (int64_t k = 0; k < K; k += 16) {
+    const int8_t* c = w + k * NB;
+    float wf[NB][16];
+    for (int j = 0; j < NB; ++j) {
+      const float s = static_cast<float>(scale[(k / 32) * NB + j]);
+#pragma omp simd
+      for (int i = 0; i < 16; ++i) wf[j][i] = static_cast<float>(c[j * RUN + i]) * s;
+    }
+    for (int r = 0; r < R; ++r) {
+      const float* xr = x + r * ldx + k;
+      for (int j = 0; j < NB; ++j)
+#pragma omp simd
+        for (int i = 0; i < 16; ++i) acc[r][j][i] += xr[i] * wf[j][i];
+    }
+  }
   for (int r = 0; r < R; ++r)
     for (int64_t j = 0; j < nrows; ++j) {
-      const float* xr = x + r * ldx;
-      float acc = 0.f;
-      for (int64_t k = 0; k < K; k += 32) {
-        float part = 0.f;
-        for (int64_t h = 0; h < 32; h += 16) {
-          const int8_t* wr = w + (k + h) * NB + j * RUN;
-#pragma omp simd reduction(+ : part)
-          for (int64_t i = 0; i < 16; ++i) part += xr[k + h + i] * static_cast<float>(wr[i]);
-        }
-        acc += part * static_cast<float>(scale[(k / 32) * NB + j]);
-      }
-      y[r * ldy + j] = acc;
+      float sum = 0.f;
+      for (int i = 0; i < 16; ++i) sum += acc[r][j][i];
+      y[r * ldy + j] = sum;
     }
 }
 
 template <int R>
 inline void int4_block(const float* x, int64_t ldx, const uint8_t* w, int64_t K, int64_t nrows, const at::Half* scale,
                        int64_t G, float* y, int64_t ldy) {
+  float acc[R][NB][16] = {};
+  for (int64_t k = 0; k < K; k += 32) {
+    const uint8_t* c = w + (k / 2) * NB;
+    float lo[NB][16], hi[NB][16];
+    for (int j = 0; j < NB; ++j) {
+      const float s = static_cast<float>(scale[(k / G) * NB + j]);
+#pragma omp simd
+      for (int i = 0; i < 16; ++i) {
+        const uint8_t b = c[j * RUN + i];
+        lo[j][i] = static_cast<float>((b & 0x0F) - 8) * s;
+        hi[j][i] = static_cast<float>((b >> 4) - 8) * s;
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const float* xr = x + r * ldx + k;
+      for (int j = 0; j < NB; ++j)
+#pragma omp simd
+        for (int i = 0; i < 16; ++i) acc[r][j][i] += xr[i] * lo[j][i] + xr[16 + i] * hi[j][i];
+    }
+  }
   for (int r = 0; r < R; ++r)
     for (int64_t j = 0; j < nrows; ++j) {
-      const float* xr = x + r * ldx;
-      float acc = 0.f;
-      for (int64_t k = 0; k < K; k += 32) {
-        const uint8_t* wr = w + (k / 2) * NB + j * RUN;
-        float part = 0.f;
-#pragma omp simd reduction(+ : part)
-        for (int64_t i = 0; i < 16; ++i) {
-          const uint8_t b = wr[i];
-          part += xr[k + i] * static_cast<float>((b & 0x0F) - 8) + xr[k + 16 + i] * static_cast<float>((b >> 4) - 8);
-        }
-        acc += part * static_cast<float>(scale[(k / G) * NB + j]);
-      }
-      y[r * ldy + j] = acc;
+      float sum = 0.f;
+      for (int i = 0; i < 16; ++i) sum += acc[r][j][i];
+      y[r * ldy + j] = sum;
     }
 }
 
 template <int R>
 inline void bf16_block(const float* x, int64_t ldx, const uint16_t* w, int64_t K, int64_t nrows, float* y,
                        int64_t ldy) {
+  float acc[R][NB][16] = {};
+  for (int64_t k = 0; k < K; k += 16) {
+    const uint16_t* c = w + k * NB;
+    float wf[NB][16];
+    for (int j = 0; j < NB; ++j)
+#pragma omp simd
+      for (int i = 0; i < 16; ++i) {  // a bfloat16 is the top half of its float32
+        const uint32_t bits = static_cast<uint32_t>(c[j * 16 + i]) << 16;
+        std::memcpy(&wf[j][i], &bits, sizeof(float));
+      }
+    for (int r = 0; r < R; ++r) {
+      const float* xr = x + r * ldx + k;
+      for (int j = 0; j < NB; ++j)
+#pragma omp simd
+        for (int i = 0; i < 16; ++i) acc[r][j][i] += xr[i] * wf[j][i];
+    }
+  }
   for (int r = 0; r < R; ++r)
     for (int64_t j = 0; j < nrows; ++j) {
-      const float* xr = x + r * ldx;
-      float acc = 0.f;
-      for (int64_t k = 0; k < K; k += 16) {
-        const uint16_t* wr = w + k * NB + j * 16;
-#pragma omp simd reduction(+ : acc)
-        for (int64_t i = 0; i < 16; ++i) {
-          const uint32_t bits = static_cast<uint32_t>(wr[i]) << 16;
-          float v;
-          std::memcpy(&v, &bits, sizeof v);
-          acc += xr[k + i] * v;
-        }
-      }
-      y[r * ldy + j] = acc;
+      float sum = 0.f;
+      for (int i = 0; i < 16; ++i) sum += acc[r][j][i];
+      y[r * ldy + j] = sum;
     }
 }
 

@@ -113,3 +113,61 @@ print(json.dumps({"ok": ok, "describe": kernels.describe(), "norm_err": float((k
     assert got["norm_err"] < 1e-5
     assert got["int8_kernel"] and got["int8_err"] < 0.05  # 8-bit weights (and activations on VNNI CPUs)
     assert not (home / "tpserve" / "kernels").exists()  # nothing was compiled at start
+
+
+def _host_library() -> str:
+    """The kernel library this process loaded (a prebuilt variant, or the one compiled for this CPU)."""
+    from sharding import kernels
+
+    if not kernels.build_kernels() or "library" not in kernels.CHOICE:
+        pytest.skip(f"no compiled kernels here: {kernels.describe()}")
+    return kernels.CHOICE["library"]
+
+
+def test_a_build_this_cpu_cannot_run_is_checked_by_its_symbols_only():
+    """check_library loads a build only where the CPU has every flag its variant needs (a wheel or image built on an
+    AVX2-only host must not load its AVX-512 variants: SIGILL); elsewhere it reads the symbols, and a library
+    without the kernels' entry points fails either way."""
+    import torch
+
+    path = _host_library()
+    host = cv.Variant("host", cv.platform.machine(), (), ())
+    beyond = cv.Variant("host", cv.platform.machine(), ("avx9_imaginary",), ())
+    assert cv.check_library(path, beyond) == "symbols"
+    # a library without the entry points: torch's own
+    other = os.path.join(os.path.dirname(torch.__file__), "lib", "libc10.so")
+    with pytest.raises(RuntimeError, match="lacks its entry points"):
+        cv.check_library(other, beyond)
+    # where the CPU runs it, it is loaded (in a child) and must name its variant
+    name = cv.subprocess.run(["nm", "-D", "--defined-only", path], capture_output=True, text=True).stdout
+    assert "tpserve_kernels_build" in name
+    with pytest.raises(RuntimeError, match="does not load"):
+        cv.check_library(path, host)  # built as another variant than "host": its name says so
+
+
+@pytest.mark.skipif(shutil.which("qemu-x86_64") is None or cv.platform.machine() != "x86_64"
+                    or "avx512f" not in cv.cpu_flags(),
+                    reason="needs qemu-x86_64 (Debian's qemu-user) and an AVX-512 host to emulate an AVX2-only one")
+def test_on_an_emulated_avx2_cpu_the_avx512_build_is_chosen_against_and_never_loaded():
+    """Under qemu-user as an AMD EPYC Milan (Zen 3: AVX2, no AVX-512), which shows the host's /proc/cpuinfo but
+    answers CPUID as Zen 3: the flags lose AVX-512, the choice is x86-64-v3, and this host's AVX-512 build is
+    checked by its symbols, where loading it would die of SIGILL."""
+    path = _host_library()
+    from sharding import kernels
+
+    if kernels.CHOICE["variant"] not in ("native", "x86-64-v4", "x86-64-v4-vnni-bf16"):
+        pytest.skip(f"this process runs {kernels.CHOICE['variant']}, not an AVX-512 build")
+    code = ("import json, sys; from sharding import cpu_variants as cv; f = cv.cpu_flags(); "
+            "v = cv.BY_NAME['x86-64-v4']; "
+            "print(json.dumps({'avx512': sorted(x for x in f if x.startswith('avx512')), 'avx2': 'avx2' in f, "
+            "'chooses': cv.choose(f).name, 'check': cv.check_library(sys.argv[1], v)}))")
+    p = subprocess.run(["qemu-x86_64", "-cpu", "EPYC-Milan", sys.executable, "-c", code, path], capture_output=True,
+                       text=True, cwd=ROOT, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    got = json.loads(p.stdout.strip().splitlines()[-1])
+    assert got == {"avx512": [], "avx2": True, "chooses": "x86-64-v3", "check": "symbols"}
+    # the reason for all this: the same build loaded on that CPU
+    crash = subprocess.run(["qemu-x86_64", "-cpu", "EPYC-Milan", sys.executable, "-c",
+                            "import sys, torch; torch.ops.load_library(sys.argv[1])", path],
+                           capture_output=True, text=True, timeout=600)
+    assert crash.returncode != 0 and "Illegal instruction" in crash.stderr, crash.stderr[-2000:]
