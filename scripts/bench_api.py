@@ -49,7 +49,7 @@ def cpu_name() -> str:
 
 def start(model: str, *extra: str) -> tuple[subprocess.Popen, str]:
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "server.cli", "serve", model, "--host", "127.0.0.1", "--port",
+    proc = subprocess.Popen([sys.executable, "-m", "server.cli.main", "serve", model, "--host", "127.0.0.1", "--port",
                              str(port), "--log-level", "warning", *extra], cwd=ROOT)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 300

@@ -157,7 +157,7 @@ class Tpserve:
 
     def __init__(self, model_path: str, dtype: str, max_tokens: int, max_batch: int):
         from server.llm import LLM
-        from server.sampling import SamplingParams
+        from server.engine.sampler import SamplingParams
 
         self.dtype, self.max_tokens, self.params = dtype, max_tokens, SamplingParams
         self.llm = LLM(model_path, tensor_parallel_size=1, dtype=dtype, max_num_seqs=max_batch)

@@ -38,9 +38,9 @@ def main(argv: list[str] | None = None) -> int:
     import torch._dynamo
     import torch._inductor.config
 
-    import sharding.layers as layers
+    import sharding.layers.linear as layers
     from server.llm import LLM
-    from server.sampling import SamplingParams
+    from server.engine.sampler import SamplingParams
 
     torch._dynamo.config.cache_size_limit = 256  # 30 layers = 30 compiled frames of one code object
     torch._dynamo.config.accumulated_cache_size_limit = 4096

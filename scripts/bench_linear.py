@@ -1,4 +1,4 @@
-"""The matmuls of one decode step, alone: F.linear (MKL) against oneDNN with prepacked weights (sharding/kernels.py).
+"""The matmuls of one decode step, alone: F.linear (MKL) against oneDNN with prepacked weights (sharding/cpu/kernels.py).
 
     python scripts/bench_linear.py                       # SmolLM2-135M shapes, fp32, all cores
     python scripts/bench_linear.py --threads 1 --dtype bfloat16 --rows 1,8,32

@@ -3,7 +3,7 @@ layer), the runner driven with hand-built steps (sharding.runner.ModelRunner.run
 
     python scripts/bench_lora.py --rounds 5                      # float32 and int8, JSON to results/lora.json
     python scripts/bench_lora.py --rounds 5 --base-only --out results/lora_base.json   # base decode only (runs on
-                                                                                       # code without sharding/lora.py)
+                                                                                       # code without sharding/layers/lora.py)
 
 Per round and precision, every configuration decodes --tokens tokens after a 22-token prompt, their steps interleaved
 (step t of each configuration in turn, so contention from other work on the host hits all alike), and reports
@@ -38,7 +38,7 @@ import torch  # noqa: E402
 from loaders.default_model import ensure_default_model  # noqa: E402
 from sharding.dist import init_dist  # noqa: E402
 from sharding.runner import EngineConfig, start_rank  # noqa: E402
-from sharding.step import LOGITS_LAST, Step  # noqa: E402
+from sharding.wire import LOGITS_LAST, Step  # noqa: E402
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 PROMPT_LEN = 22
@@ -125,8 +125,8 @@ def main() -> None:
     flags_of = lambda s: LOGITS_LAST  # noqa: E731
     managers = {}
     if not args.base_only:
-        from sharding.lora import LoraManager
-        from sharding.step import with_lora
+        from sharding.layers.lora import LoraManager
+        from sharding.wire import with_lora
 
         flags_of = lambda s: with_lora(LOGITS_LAST, s)  # noqa: E731
         tmp = Path(tempfile.mkdtemp(prefix="bench_lora_"))

@@ -196,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     def tpserve(name: str, folder: Path, extra: list[str]) -> None:
         ports[name] = free_port()
         t0 = time.monotonic()
-        procs[name] = subprocess.Popen([sys.executable, "-m", "server.cli", "serve", str(folder), *tp_args, *extra,
+        procs[name] = subprocess.Popen([sys.executable, "-m", "server.cli.main", "serve", str(folder), *tp_args, *extra,
                                         "--host", "127.0.0.1", "--port", str(ports[name]), "--log-level", "warning",
                                         "--max-model-len", "512"], cwd=ROOT, env=env)
         wait_ready(f"http://127.0.0.1:{ports[name]}/health", procs[name])

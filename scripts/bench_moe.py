@@ -61,7 +61,7 @@ def active_bytes(llm) -> dict:
     """Bytes a batch-1 decode step streams on rank 0: every non-expert weight of its layers and the LM head, its share
     of each MoE layer's k routed experts (k of its slices under TP; k x its experts / all experts on average under
     EP), the routers; the embedding's one row is left out."""
-    from sharding.moe import SparseMoe
+    from sharding.layers.moe import SparseMoe
 
     def nbytes(mod) -> int:
         return sum(t.nbytes for t in mod.parameters()) + sum(
@@ -88,7 +88,7 @@ def active_bytes(llm) -> dict:
 
 def prefill(args) -> dict:
     from server.llm import LLM
-    from server.sampling import SamplingParams
+    from server.engine.sampler import SamplingParams
 
     kind = LLAMA_KIND[args.quantization]
     gguf = args.gguf.format(kind=kind)
@@ -135,7 +135,7 @@ def one_layout(args) -> dict:
     import resource
 
     from server.llm import LLM
-    from server.sampling import SamplingParams
+    from server.engine.sampler import SamplingParams
 
     t0 = time.perf_counter()
     llm = LLM(args.model, quantization=args.quantization, max_num_seqs=8, max_model_len=512,

@@ -44,7 +44,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 import loadtest  # noqa: E402
 from bench_serving import free_port, load_avg  # noqa: E402
-from server.cli import parse_bytes  # noqa: E402
+from server.cli.main import parse_bytes  # noqa: E402
 
 SCENARIOS = ("capacity", "shared-prefix", "multi-turn", "long-prompt", "regression")
 SIZES = {  # scenario: (flag, default, value under --quick, help)
@@ -75,7 +75,7 @@ class Server:
         self.url = f"http://127.0.0.1:{free_port()}"
         log.parent.mkdir(parents=True, exist_ok=True)
         with open(log, "w") as out:
-            self.proc = subprocess.Popen([sys.executable, "-m", "server.cli", "serve", model, "--host", "127.0.0.1",
+            self.proc = subprocess.Popen([sys.executable, "-m", "server.cli.main", "serve", model, "--host", "127.0.0.1",
                                           "--port", self.url.rsplit(":", 1)[1], "--log-level", "warning", *flags],
                                          cwd=tree, stdout=out, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout

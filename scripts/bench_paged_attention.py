@@ -3,7 +3,7 @@
 SmolLM2's shapes per rank at TP=1 (3 KV heads of 64, 3 query heads per KV head), fp32, 2 threads. Three ways:
   slot     the old slot cache: K/V of the batch are a view of [slots, kv_heads, max_len, d]; two batched matmuls
   gather   the paged cache through torch: index_select the batch's blocks into a copy, then the same matmuls
-  kernel   the paged cache through sharding/csrc/paged_attention.cpp: reads the blocks in place
+  kernel   the paged cache through sharding/cpu/csrc/paged_attention.cpp: reads the blocks in place
 at batch 1, 8 and 32, 150 and 1000 keys per sequence (lengths varied within the batch), block sizes 16, 32 and 64.
 Rounds alternate the ways; medians are reported.
 
@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--output", default="results/paged_attention.json")
     args = ap.parse_args(argv)
-    from sharding import kernels
+    from sharding.cpu import kernels
 
     torch.set_num_threads(args.threads)
     kernel = kernels.paged_decode_attention() if kernels.build_kernels() else None

@@ -78,7 +78,7 @@ class Tpserve:
 
     def __init__(self, folder: str, budget: int | None, prefix_caching: bool, kv_bytes: int):
         from server.llm import LLM
-        from server.sampling import SamplingParams
+        from server.engine.sampler import SamplingParams
 
         self.llm = LLM(folder, 1, max_model_len=8192, max_num_batched_tokens=budget,
                        enable_prefix_caching=prefix_caching, kv_cache_memory=kv_bytes)
@@ -136,7 +136,7 @@ def plot(summary: list[dict], path: Path) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from server.cli import parse_bytes
+    from server.cli.main import parse_bytes
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", help="checkpoint folder (default: the default model)")

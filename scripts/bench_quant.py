@@ -66,7 +66,7 @@ class Served:
         from bench_servers import wait_ready
 
         self.port = free_port()
-        cmd = [sys.executable, "-m", "server.cli", "serve", model, "--dtype", dtype, "--max-num-seqs", "1",
+        cmd = [sys.executable, "-m", "server.cli.main", "serve", model, "--dtype", dtype, "--max-num-seqs", "1",
                "--kv-cache-memory", "256MiB", "--host", "127.0.0.1", "--port", str(self.port), "--log-level",
                "warning"] + (["--quantization", quantization] if quantization else [])
         self.proc = subprocess.Popen(cmd, cwd=ROOT, env=dict(os.environ, TPSERVE_THREADS=str(threads)))
@@ -117,7 +117,7 @@ class Served:
 class Tpserve:
     def __init__(self, model: str, dtype: str, quantization: str | None):
         from server.llm import LLM
-        from server.sampling import SamplingParams
+        from server.engine.sampler import SamplingParams
 
         self.llm = LLM(model, dtype=dtype, quantization=quantization, max_num_seqs=1, kv_cache_memory=256 << 20)
         self.ids = self.llm.tokenizer.encode(PROMPT)
@@ -184,7 +184,8 @@ def bench_linears(threads: int, iters: int, row_counts: list[int]) -> list[dict]
     import torch
     import torch.nn.functional as F
 
-    from sharding import kernels, quant
+    from sharding.cpu import kernels
+    from sharding.layers import quant
 
     torch.set_num_threads(threads)
     assert kernels.build_kernels(), "the CPU kernels did not build"

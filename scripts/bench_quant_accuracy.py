@@ -48,7 +48,7 @@ def llama_bin(name: str) -> Path:
 def tpserve_scores(model: str, quantization: str | None, group: int, threads: int) -> tuple[list[float], list[int]]:
     """(logprob of each scored token, float32-comparable top-1 id at each scored position)."""
     from server.llm import LLM
-    from server.sampling import SamplingParams
+    from server.engine.sampler import SamplingParams
 
     os.environ["TPSERVE_THREADS"] = str(threads)
     llm = LLM(model, quantization=quantization, quantization_group_size=group, max_num_seqs=4)

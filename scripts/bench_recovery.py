@@ -118,7 +118,7 @@ def main() -> None:
     layout = ["-dp", "2", "-tp", "1"] if args.layout == "dp2" else ["-tp", "2"]
     log = Path("results") / f"recovery_server_{port}.log"
     log.parent.mkdir(exist_ok=True)
-    cmd = [sys.executable, "-m", "server.cli", "serve", *([model] if model else []), *layout, "--host", "127.0.0.1",
+    cmd = [sys.executable, "-m", "server.cli.main", "serve", *([model] if model else []), *layout, "--host", "127.0.0.1",
            "--port", str(port), "--max-model-len", "1024", "--log-level", "info", "--max-rank-restarts",
            str(args.rounds + 1)]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=open(log, "w"), stderr=subprocess.STDOUT)

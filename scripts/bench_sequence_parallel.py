@@ -37,7 +37,7 @@ def child(model: str, sp: bool, tokens: int, repeats: int, out: str) -> None:
     import random
 
     from server.llm import LLM
-    from server.sampling import SamplingParams
+    from server.engine.sampler import SamplingParams
 
     os.environ.setdefault("TPSERVE_THREADS", "1")
     with LLM(model, tensor_parallel_size=2, sequence_parallel=sp, max_model_len=tokens + 16,

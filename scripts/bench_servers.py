@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     procs, servers = {}, []
     quiet = dict(stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     ports["tpserve"] = free_port()
-    procs["tpserve"] = subprocess.Popen([sys.executable, "-m", "server.cli", "serve", model, *tp_args, "--host",
+    procs["tpserve"] = subprocess.Popen([sys.executable, "-m", "server.cli.main", "serve", model, *tp_args, "--host",
                                          "127.0.0.1", "--port", str(ports["tpserve"]), "--log-level", "warning"],
                                         cwd=ROOT, env=env)
     servers.append(("tpserve", "/health", None))

@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
 
     model = args.model or str(ensure_default_model())
     port = free_port()
-    tpserve = [sys.executable, "-m", "server.cli"]
+    tpserve = [sys.executable, "-m", "server.cli.main"]
     server = subprocess.Popen(tpserve + ["serve", model, "--port", str(port), "-tp", str(args.tp), "--dtype", args.dtype,
                                          "--host", "127.0.0.1", "--log-level", "warning"], cwd=ROOT)
     out = Path(args.outdir)

@@ -63,7 +63,7 @@ def workloads():
 
 
 def run(llm, convs, max_tokens, concurrent: bool):
-    from server.sampling import SamplingParams
+    from server.engine.sampler import SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0)
     prompts = [list(llm.tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=True,

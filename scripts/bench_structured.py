@@ -68,7 +68,7 @@ def compile_latency(url: str, model: str, k: int) -> dict:
 def offline(model: str, levels: list[tuple[int, int]], output_len: int, rounds: int) -> dict:
     """The same comparison through the offline LLM (no HTTP, no load generator): the engine's own cost."""
     from server.llm import LLM
-    from server.sampling import SamplingParams
+    from server.engine.sampler import SamplingParams
 
     out: dict[str, list[float]] = {}
     with LLM(model) as llm:

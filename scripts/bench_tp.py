@@ -10,7 +10,7 @@ right after start-up, then decode ms/step at batch 1 and 32 (an 8-token prompt p
 through `runner.run`, greedy argmax on rank 0; median over steps, then over `--repeats`).
 
 The weight-streaming floor is measured the same way the decode reads weights: one pass of the decode's linear
-kernel (oneDNN with packed weights, sharding/kernels.py; plain F.linear too, for reference) with a row of activations
+kernel (oneDNN with packed weights, sharding/cpu/kernels.py; plain F.linear too, for reference) with a row of activations
 over tensors shaped like every weight of the model: one process with 1 thread and with 2 threads (TP=1's limits), and
 2 single-thread processes each streaming half of them at the same time (TP=2's). Decode times then read as a multiple
 of the floor, and the ratio of the floors is what TP=2 can gain over TP=1 on this machine at best.
@@ -92,7 +92,7 @@ def child(args: argparse.Namespace) -> None:
     import torch
 
     from server.llm import LLM
-    from sharding.step import LOGITS_LAST, Step
+    from sharding.wire import LOGITS_LAST, Step
 
     t0 = time.perf_counter()
     llm = LLM(args.model, tensor_parallel_size=args.tp, max_num_seqs=32, max_model_len=256)
@@ -144,8 +144,8 @@ def _stream(shapes, part, parts, reps, barrier, queue, kernel, threads=1):
     xs = {k: torch.randn(1, k) for _, k in shapes}
     times = []
     with torch.inference_mode():
-        if kernel == "packed":  # what the decode step uses on CPU (sharding/kernels.py)
-            from sharding.kernels import pack, packed_linear
+        if kernel == "packed":  # what the decode step uses on CPU (sharding/cpu/kernels.py)
+            from sharding.cpu.kernels import pack, packed_linear
 
             ws = [(w.shape[1], pack(w)) for w in ws]
             run = lambda: [packed_linear(xs[k], p, None) for k, p in ws]  # noqa: E731

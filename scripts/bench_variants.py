@@ -75,11 +75,11 @@ def llama3_shapes(layers: int) -> str:
 def child(model: str | None, precision: str) -> int:
     """Load once, then answer {"batch", "tokens"} lines with {"tok_s"} lines."""
     from server.llm import LLM
-    from server.sampling import SamplingParams
-    from sharding import kernels
+    from server.engine.sampler import SamplingParams
+    from sharding.cpu import kernels
 
     if os.environ.get("BENCH_MARCH"):  # a reference build: -march flags of its own, compiled into the cache
-        from sharding import cpu_variants as cv
+        from sharding.cpu import variants as cv
 
         name = os.environ["TPSERVE_KERNELS"]
         cv.BY_NAME[name] = cv.Variant(name, cv.platform.machine(), (), tuple(os.environ["BENCH_MARCH"].split()))
@@ -114,7 +114,7 @@ def main() -> int:
     args = ap.parse_args()
     if args.child:
         return child(args.model, args.precision)
-    from sharding import cpu_variants as cv
+    from sharding.cpu import variants as cv
 
     flags = cv.cpu_flags()
     refs = dict(r.split("=", 1) for r in args.refs.split(";") if r)

@@ -196,7 +196,7 @@ def main() -> int:
                    started=time.strftime("%Y-%m-%d %H:%M:%S"))
     print(f"      image {args.image}: {RESULTS['image_bytes'] / 1e9:.2f} GB, built in {args.build_seconds} s; "
           f"CPU {cpu}", flush=True)
-    chooses = json.loads(sh(f"{args.bare}/python", "-m", "sharding.cpu_variants", "--show"))["cpu_chooses"]
+    chooses = json.loads(sh(f"{args.bare}/python", "-m", "sharding.cpu.variants", "--show"))["cpu_chooses"]
     p_bare, p_dock = args.port, args.port + 1
     u_bare, u_dock = f"http://127.0.0.1:{p_bare}", f"http://127.0.0.1:{p_dock}"
     failed = False

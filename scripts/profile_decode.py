@@ -47,8 +47,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from loaders.default_model import ensure_default_model
     from server.llm import LLM
-    from server.sampling import SamplingParams
-    from sharding import layers
+    from server.engine.sampler import SamplingParams
+    from sharding.layers import linear as layers
 
     llm = LLM(args.model or str(ensure_default_model()), dtype=args.dtype, quantization=args.quantization,
               max_num_seqs=args.batch, kv_cache_memory=256 << 20)

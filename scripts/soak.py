@@ -199,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
 
     model = args.model or str(ensure_default_model())
     port = free_port()
-    cmd = [sys.executable, "-m", "server.cli", "serve", model, "--host", "127.0.0.1", "--port", str(port),
+    cmd = [sys.executable, "-m", "server.cli.main", "serve", model, "--host", "127.0.0.1", "--port", str(port),
            "--log-level", "warning", "-tp", str(args.tp), *shlex.split(args.server_args)]
     print(" ".join(cmd), flush=True)
     server = subprocess.Popen(cmd, cwd=ROOT)

@@ -9,13 +9,13 @@ import json
 import logging
 from dataclasses import dataclass
 
-from server.engine import Engine
-from server.launcher import launch, resolve_model, torchrun_worker_signals
-from server.detokenize import IncrementalDetokenizer
-from server.sampling import SamplingParams
-from server.scheduler import Sequence
-from server.speculative import parse_speculative_config
-from server.tokenizer import load_tokenizer
+from server.engine.core import Engine
+from server.cli.launcher import launch, resolve_model, torchrun_worker_signals
+from server.engine.detokenizer import IncrementalDetokenizer
+from server.engine.sampler import SamplingParams
+from server.engine.scheduler import Sequence
+from server.engine.spec_decode.proposers import parse_speculative_config
+from server.engine.tokenizer import load_tokenizer
 from sharding.runner import EngineConfig
 
 logger = logging.getLogger(__name__)
@@ -35,9 +35,9 @@ class Completion:
 
 def offline_constraint(json_schema, regex, choice, grammar):
     """The Constraint for LLM.generate's keyword arguments (a ValueError names what is wrong)."""
-    from server.grammar import Constraint
-    from server.protocol import APIError
-    from server.structured import check_schema, json_constraint
+    from server.engine.structured.grammar import Constraint
+    from server.api.protocol import APIError
+    from server.engine.structured.constraint import check_schema, json_constraint
 
     given = [x is not None for x in (json_schema, regex, choice, grammar)]
     if sum(given) > 1:
@@ -73,7 +73,7 @@ class LLM:
                                 sequence_parallel=sequence_parallel, quantization=quantization,
                                 quantization_group_size=quantization_group_size,
                                 enable_expert_parallel=enable_expert_parallel)
-        # the same --speculative-config as the server: a dict or its JSON (server/speculative.py)
+        # the same --speculative-config as the server: a dict or its JSON (server/engine/spec_decode/proposers.py)
         speculative = parse_speculative_config(
             json.dumps(speculative_config) if isinstance(speculative_config, dict) else speculative_config)
         torchrun_worker_signals()

@@ -10,7 +10,7 @@ logits).
 There is no world-wide group. Each replica is a fault domain with groups of its own, made by name over the
 rendezvous store (`make_replica_groups`): a link (rank 0 and the replica's ranks) and a TP group per stage. A dead
 rank breaks only its replica's groups, and a respawned replica meets rank 0 in groups of a new generation
-(server/supervisor.py, docs/fault-tolerance.md).
+(server/engine/supervisor.py, docs/fault-tolerance.md).
 
 The device and the backend are chosen here and nowhere else: CUDA + NCCL when a GPU is visible, else CPU + gloo.
 The gloo groups carry the control traffic (the step description, start-up agreements, point-to-point messages)
@@ -139,7 +139,7 @@ class Dist:
     global_rank: int = 0
     links: dict[int, Group] = field(default_factory=dict)  # replica -> its link group (rank 0 has one per replica)
     layer_partition: str | None = None  # TPSERVE_PP_LAYER_PARTITION
-    expert_parallel: bool = False  # MoE layers: the TP group's ranks own whole experts (sharding/moe.py)
+    expert_parallel: bool = False  # MoE layers: the TP group's ranks own whole experts (sharding/layers/moe.py)
     store: object | None = None  # the rendezvous store every group is made over
     timeout: datetime.timedelta = datetime.timedelta(seconds=600)
     generation: int = 0  # of this rank's replica: 0 at start, +1 each time the replica is respawned

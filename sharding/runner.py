@@ -21,16 +21,16 @@ import torch
 
 from loaders.checkpoint import Checkpoint, CheckpointError
 from loaders.config import load_config
-from sharding import hugepages, kernels
-from sharding.attention import AttentionMetadata, PagedKVCache, RotaryTable
+from sharding.cpu import hugepages, kernels
+from sharding.layers.attention import AttentionMetadata, PagedKVCache, RotaryTable
 from sharding.dist import Dist, Layout, ReplicaGroups, make_replica_groups
-from sharding.layers import ParallelLMHead
+from sharding.layers.linear import ParallelLMHead
 from sharding.models import model_class
 from sharding.progress import LoadProgress, StartPhases
-from sharding.step import CMD_NOOP, CMD_SHUTDOWN, CMD_STEP, HEADER, Step
+from sharding.wire import CMD_NOOP, CMD_SHUTDOWN, CMD_STEP, HEADER, Step
 
 # commands with a payload of their own between steps (header [cmd, payload size, 0, 0]): a LoRA adapter into a slot
-# (the payload: sharding/lora.py encode_load, a slot and a local path each rank reads its own byte ranges from) or out
+# (the payload: sharding/layers/lora.py encode_load, a slot and a local path each rank reads its own byte ranges from) or out
 CMD_LORA_LOAD = 4
 CMD_LORA_UNLOAD = 5
 PAYLOAD_COMMANDS = (CMD_LORA_LOAD, CMD_LORA_UNLOAD)
@@ -55,10 +55,10 @@ class EngineConfig:
     pipeline_parallel_size: int = 1  # stages per replica
     data_parallel_size: int = 1  # replicas (the TP degree is what is left of the world)
     sequence_parallel: bool = False  # prefill steps split the token axis between layers (Megatron SP)
-    quantization: str | None = None  # weight-only int8 / int4 linears (sharding/quant.py)
+    quantization: str | None = None  # weight-only int8 / int4 linears (sharding/layers/quant.py)
     quantization_group_size: int = 32  # int4: inputs per scale
     enable_expert_parallel: bool = False  # MoE: each TP rank owns whole experts instead of a slice of each
-    enable_lora: bool = False  # LoRA adapter slots on every linear (sharding/lora.py)
+    enable_lora: bool = False  # LoRA adapter slots on every linear (sharding/layers/lora.py)
     max_cpu_loras: int = 1  # adapters kept loaded at once: the slots
     max_lora_rank: int = 16
 
@@ -163,7 +163,7 @@ def build_model(cfg: EngineConfig, dist: Dist, ckpt: Checkpoint | None = None):
     cls = model_class(ckpt.architecture)
     dtype = ckpt.resolve_dtype(cfg.dtype)
     dist.expert_parallel = cfg.enable_expert_parallel
-    # MoE checkpoints store experts one tensor each or fused into 3-D tensors; the model reads either (sharding/moe.py)
+    # MoE checkpoints store experts one tensor each or fused into 3-D tensors; the model reads either (sharding/layers/moe.py)
     config.tpserve_fused_experts = any(n.endswith(".experts.gate_up_proj") for n in ckpt.tensors)
     model = cls(config, dist, dtype, dist.device)
     if cfg.enable_expert_parallel and not getattr(model, "has_experts", False):
@@ -220,22 +220,22 @@ class ModelRunner:
         with phases.phase("packing"):
             for m in self.model.modules():
                 if hasattr(m, "prepack"):
-                    m.prepack()  # CPU: weights laid out for the kernels (sharding/kernels.py)
+                    m.prepack()  # CPU: weights laid out for the kernels (sharding/cpu/kernels.py)
         if dist.device.type == "cpu":
             with phases.phase("huge pages"):
-                hugepages.move_weights(self.model)  # the streamed weights in 2 MiB pages (sharding/hugepages.py)
+                hugepages.move_weights(self.model)  # the streamed weights in 2 MiB pages (sharding/cpu/hugepages.py)
         self.model.eval()
         self.max_model_len = resolve_max_model_len(self.model, self.config, cfg.max_model_len)
         uses_rope = getattr(self.model, "uses_rotary", True)
         self.rotary = RotaryTable(self.config, self.max_model_len, self.dtype, dist.device) if uses_rope else None
-        self._message = torch.zeros(Step.message_size(cfg.max_num_seqs), dtype=torch.int64)  # see sharding/step.py
+        self._message = torch.zeros(Step.message_size(cfg.max_num_seqs), dtype=torch.int64)  # see sharding/wire.py
         self.load_seconds = time.perf_counter() - t0
         self.vocab_size = self.config.vocab_size
         self._sliding_window = self.model.sliding_window()
-        self.thread_id = threading.get_ident()  # steps are fastest on this thread (server/engine.py: EngineThread)
-        self.lora = None  # this rank's adapter slots (sharding/lora.py), with --enable-lora
+        self.thread_id = threading.get_ident()  # steps are fastest on this thread (server/engine/core.py: EngineThread)
+        self.lora = None  # this rank's adapter slots (sharding/layers/lora.py), with --enable-lora
         if cfg.enable_lora:
-            from sharding.lora import LoraManager
+            from sharding.layers.lora import LoraManager
 
             self.lora = LoraManager(self.model, cfg.max_cpu_loras, cfg.max_lora_rank)
         self.block_size = cfg.block_size
@@ -277,7 +277,7 @@ class ModelRunner:
         blocks_per_seq = -(-self.max_model_len // self.block_size)
         budget = self.cfg.kv_cache_memory
         if budget is None:  # a share of the machine, but no more than a full batch of full-length sequences can use
-            seqs = self.cfg.max_num_seqs * self.cfg.pipeline_parallel_size  # every lane's batch (server/engine.py)
+            seqs = self.cfg.max_num_seqs * self.cfg.pipeline_parallel_size  # every lane's batch (server/engine/core.py)
             budget = min(default_kv_budget(self.cfg, self.dist), seqs * blocks_per_seq * per_block)
         num_blocks = self.dist.agree_min(budget // per_block)
         if num_blocks < blocks_per_seq and self.cfg.max_model_len is None and num_blocks > 0:
@@ -300,7 +300,7 @@ class ModelRunner:
             attn.cache = PagedKVCache(num_blocks, self.block_size, attn.num_kv_heads, attn.head_dim, self.dtype,
                                       self.dist.device, pool)
         self.num_blocks = num_blocks
-        # a row per sequence of every batch that may be in flight at once (server/engine.py: one per stage)
+        # a row per sequence of every batch that may be in flight at once (server/engine/core.py: one per stage)
         rows = self.cfg.max_num_seqs * self.cfg.pipeline_parallel_size
         self.block_table = torch.zeros(rows, blocks_per_seq, dtype=torch.int64)
 
@@ -327,7 +327,7 @@ class ModelRunner:
     # Rank 0 drives every replica: replica 0's first stage runs here (its TP peers get the step by broadcast),
     # another replica's first stage gets the step from here point to point. A step is launched, then collected:
     # with pipeline stages or other replicas, its logits come back from the last stage later, and rank 0 meanwhile
-    # launches other steps (server/engine.py keeps up to pp steps per replica in flight).
+    # launches other steps (server/engine/core.py keeps up to pp steps per replica in flight).
     def launch(self, step: Step, replica: int = 0) -> "Launched":
         self._order += 1
         launched = self._launch(step, replica)
@@ -429,12 +429,12 @@ class ModelRunner:
         for w, _ in works:
             w.wait()
 
-    # LoRA adapters (server/lora.py decides which adapter is in which slot; rank 0 validated the folder first)
+    # LoRA adapters (server/engine/lora_registry.py decides which adapter is in which slot; rank 0 validated the folder first)
     def lora_load(self, slot: int, path: str, replicas: list[int], local: bool = True) -> None:
         """Rank 0 reads its own blocks of the adapter into `slot` (`local`; raising, with nothing sent, if it
         cannot), then tells `replicas`' ranks to read theirs. A rank that then fails to read exits (its replica is
-        restarted and given every loaded adapter again: server/engine.py)."""
-        from sharding.lora import encode_load
+        restarted and given every loaded adapter again: server/engine/core.py)."""
+        from sharding.layers.lora import encode_load
 
         if local:
             self.lora.load(slot, path)
@@ -545,8 +545,8 @@ class ModelRunner:
 
     def _apply_command(self, cmd: int, payload: torch.Tensor) -> None:
         """A LoRA load or unload on this rank. A rank that cannot read its part of an adapter rank 0 could read
-        leaves: its replica is restarted (server/supervisor.py) rather than serve without the adapter."""
-        from sharding.lora import decode_load
+        leaves: its replica is restarted (server/engine/supervisor.py) rather than serve without the adapter."""
+        from sharding.layers.lora import decode_load
 
         try:
             if cmd == CMD_LORA_LOAD:
@@ -621,7 +621,7 @@ def worker_main(argv: list[str] | None = None, started: float | None = None) -> 
     except Exception:  # noqa: BLE001 - the message was logged; rank 0 reports the failure
         dist.shutdown()
         return 1
-    if dist.generation and started is not None:  # a respawned replica's rank (server/supervisor.py): where its start went
+    if dist.generation and started is not None:  # a respawned replica's rank (server/engine/supervisor.py): where its start went
         logger.warning("rank %d started again (generation %d) in %.1f s since its process began: %s",
                        dist.global_rank, dist.generation, time.monotonic() - (started or 0.0), runner.phases.summary())
     try:

@@ -71,9 +71,9 @@ CASES = [  # (messages, tools, the answer the model learns)
 
 
 def render(tokenizer, messages: list[dict], tools: list[dict] | None) -> list[int]:
-    """The prompt exactly as the server renders it (server/tool_parser.py's rendering of the messages)."""
-    from server.protocol import ChatMessage
-    from server.tool_parser import render_messages
+    """The prompt exactly as the server renders it (server/api/tool_calls.py's rendering of the messages)."""
+    from server.api.protocol import ChatMessage
+    from server.api.tool_calls import render_messages
 
     msgs = render_messages([ChatMessage.model_validate(m) for m in messages], True)
     kw = {"tools": tools} if tools else {}

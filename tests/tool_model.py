@@ -7,7 +7,7 @@ Llama with a byte-level tokenizer and a Qwen-style chat template that renders `t
     user "What is the weather in Paris?"            -> a get_weather call with {"city": "Paris"}
     ... + that call + the tool's answer "sunny, 24 C" -> "It is sunny in Paris."
 
-The prompts are rendered with the server's own rendering (server/tool_parser.py), so the server sees exactly the
+The prompts are rendered with the server's own rendering (server/api/tool_calls.py), so the server sees exactly the
 tokens the model was trained on.
 """
 
@@ -56,8 +56,8 @@ def follow_up(call_id: str, arguments: str = '{"city": "Paris"}') -> list[dict]:
 
 def render(tokenizer, messages: list[dict]) -> list[int]:
     """The prompt exactly as the server renders it for this request."""
-    from server.protocol import ChatMessage, Tool
-    from server.tool_parser import render_messages
+    from server.api.protocol import ChatMessage, Tool
+    from server.api.tool_calls import render_messages
 
     msgs = render_messages([ChatMessage.model_validate(m) for m in messages], True)
     tools = [Tool.model_validate(WEATHER_TOOL).model_dump(exclude_none=True)]

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from sharding.activations import activation
-from sharding.layers import RMSNorm
+from sharding.layers.activations import activation
+from sharding.layers.linear import RMSNorm
 from sharding.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from sharding.attention import AttentionMetadata, stage_output
+from sharding.layers.attention import AttentionMetadata, stage_output
 from sharding.models.gemma import GemmaDecoderLayer, GemmaForCausalLM, gemma_norm
 from sharding.models.llama import LlamaAttention
 
@@ -54,7 +54,7 @@ class Gemma2ForCausalLM(GemmaForCausalLM):
         return None  # the runner's metadata is causal for every layer; the sliding layers narrow it (window_meta)
 
     def forward(self, ids: torch.Tensor, meta: AttentionMetadata, hidden: torch.Tensor | None = None):
-        if self.lora is not None:  # LoRA adapter rows of this step (sharding/lora.py)
+        if self.lora is not None:  # LoRA adapter rows of this step (sharding/layers/lora.py)
             self.lora.rows = meta.lora
         windows = {layer.self_attn.window for layer in self.layers} - {None}
         metas = {None: meta, **{w: window_meta(meta, w) for w in windows}}

@@ -15,11 +15,11 @@ from torch import nn
 
 from loaders.checkpoint import Checkpoint, CheckpointError
 from loaders.partition import shard_heads, split_evenly
-from sharding.activations import activation
-from sharding.attention import AttentionMetadata, PagedKVCache, attend, stage_output
+from sharding.layers.activations import activation
+from sharding.layers.attention import AttentionMetadata, PagedKVCache, attend, stage_output
 from sharding.dist import Dist
-from sharding.layers import ColumnParallelLinear, ParallelLMHead, Piece, RowParallelLinear, VocabParallelEmbedding
-from sharding.norms import LayerNorm, PositionEmbedding
+from sharding.layers.linear import ColumnParallelLinear, ParallelLMHead, Piece, RowParallelLinear, VocabParallelEmbedding
+from sharding.layers.norms import LayerNorm, PositionEmbedding
 
 
 def check_config(config) -> None:

@@ -8,10 +8,10 @@ alternating (`layer_types`, `sliding_window`), YaRN rotary, and in every layer a
 - a clamped SwiGLU: gate clamped above at `swiglu_limit`, up to [-limit, limit], out = (up + 1) * gate *
   sigmoid(`swiglu_alpha` * gate).
 
-The sinks: softmax over [scores..., sink] with the sink's column dropped after it (sharding.attention.attend,
+The sinks: softmax over [scores..., sink] with the sink's column dropped after it (sharding.layers.attention.attend,
 `sinks`); each rank holds its query heads' sinks, in float32.
 
-Experts split as sharding/moe.py splits them (tensor parallel: the slice [a, b) of every expert's intermediate
+Experts split as sharding/layers/moe.py splits them (tensor parallel: the slice [a, b) of every expert's intermediate
 dimension, i.e. the gate_up columns [2a, 2b) and the down rows [a, b); expert parallel: whole experts), each read by
 byte ranges. The down bias is added once over the group: by TP rank 0 under tensor parallelism (the other ranks do
 not read it), by the owning rank under expert parallelism.
@@ -26,14 +26,14 @@ import torch
 from torch import nn
 
 from loaders.partition import shard_heads
-from sharding import kernels
-from sharding.attention import AttentionMetadata, apply_rotary, attend, stage_output
+from sharding.cpu import kernels
+from sharding.layers.attention import AttentionMetadata, apply_rotary, attend, stage_output
 from sharding.dist import Dist
-from sharding.layers import Replicated
+from sharding.layers.linear import Replicated
 from sharding.models.gemma2 import window_meta
 from sharding.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
 from sharding.models.phi3 import longrope_limit
-from sharding.moe import (Block, Expert, ExpertLinear, ReplicatedLinear, Routing, SparseMoe, check_moe_config,
+from sharding.layers.moe import (Block, Expert, ExpertLinear, ReplicatedLinear, Routing, SparseMoe, check_moe_config,
                           local_experts, local_inter)
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
@@ -70,7 +70,7 @@ class GptOssAttention(LlamaAttention):
             self._rotary = kernels.rotary_op() if x.device.type == "cpu" else None
         if (self._rotary is not None and meta.cos is not None and q.dtype == torch.float32
                 and meta.cos.shape[-1] == self.head_dim == k.shape[-1]):
-            self._rotary(q, k, meta.cos, meta.sin)  # in place (sharding/csrc/rotary.cpp)
+            self._rotary(q, k, meta.cos, meta.sin)  # in place (sharding/cpu/csrc/rotary.cpp)
         else:
             qk = apply_rotary(torch.cat([q, k], dim=1), meta.cos, meta.sin)
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
@@ -178,7 +178,7 @@ class GptOssForCausalLM(LlamaForCausalLM):
                              f"only, so max_model_len ({n}) must not exceed {limit}")
 
     def forward(self, ids: torch.Tensor, meta: AttentionMetadata, hidden: torch.Tensor | None = None):
-        if self.lora is not None:  # LoRA adapter rows of this step (sharding/lora.py)
+        if self.lora is not None:  # LoRA adapter rows of this step (sharding/layers/lora.py)
             self.lora.rows = meta.lora
         windows = {layer.self_attn.window for layer in self.layers} - {None}
         metas = {None: meta, **{w: window_meta(meta, w) for w in windows}}

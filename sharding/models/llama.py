@@ -5,7 +5,7 @@ o_proj (row-parallel, all-reduce) -> residual -> RMSNorm -> fused gate/up (colum
 down_proj (row-parallel, all-reduce) -> residual. Two all-reduces per layer, one more for the embedding.
 
 Decode fast path (CPU, float32): a step of decode tokens only runs each layer as its four linears with three
-compiled ops between them (sharding/csrc/decode_glue.cpp), instead of ~40 torch ops and the module calls around them:
+compiled ops between them (sharding/cpu/csrc/decode_glue.cpp), instead of ~40 torch ops and the module calls around them:
 the same arithmetic, without the per-op dispatch that dominated everything but the linears at batch 1. At TP=1 the
 layers run as one compiled call instead (decode_layers: one OpenMP team through every phase of every layer; see
 _compile_plan), bitwise the same (LoRA adapter rows: within float32 rounding, their deltas summed in another order).
@@ -23,12 +23,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from loaders.partition import shard_heads, split_evenly
-from sharding import kernels
-from sharding.attention import (AttentionMetadata, GroupedHeads, PagedKVCache, apply_rotary, attend,
+from sharding.cpu import kernels
+from sharding.layers.attention import (AttentionMetadata, GroupedHeads, PagedKVCache, apply_rotary, attend,
                                 stage_output)
 from sharding.dist import Dist
-from sharding.lora import LoraContext
-from sharding.layers import (ColumnParallelLinear, ParallelLMHead, Piece, RMSNorm, RowParallelLinear,
+from sharding.layers.lora import LoraContext
+from sharding.layers.linear import (ColumnParallelLinear, ParallelLMHead, Piece, RMSNorm, RowParallelLinear,
                              VocabParallelEmbedding)
 
 logger = logging.getLogger(__name__)
@@ -87,7 +87,7 @@ class LlamaAttention(nn.Module):
             self._rotary = kernels.rotary_op() if x.device.type == "cpu" else None
         if (self._rotary is not None and meta.cos is not None and q.dtype == torch.float32
                 and meta.cos.shape[-1] == self.head_dim == k.shape[-1]):
-            self._rotary(q, k, meta.cos, meta.sin)  # in place, one dispatch (sharding/csrc/rotary.cpp)
+            self._rotary(q, k, meta.cos, meta.sin)  # in place, one dispatch (sharding/cpu/csrc/rotary.cpp)
         elif meta.cos is not None and q.shape[-1] == k.shape[-1]:
             # one rotary pass over the query and key heads together (elementwise, so identical to two passes)
             qk = apply_rotary(torch.cat([q, k], dim=1), meta.cos, meta.sin)
@@ -144,7 +144,7 @@ class LlamaDecoderLayer(nn.Module):
 
     def make_mlp(self, config, prefix: str, dist: Dist, dtype: torch.dtype, device: torch.device) -> nn.Module:
         """This layer's feed-forward (`forward(x, scatter)`, one all-reduce inside): a dense MLP, or in MoE models
-        for the layers the config makes sparse, a sharding.moe.SparseMoe."""
+        for the layers the config makes sparse, a sharding.layers.moe.SparseMoe."""
         return self.mlp_cls(config, f"{prefix}.mlp", dist, dtype, device)
 
     def forward(self, h: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -185,7 +185,7 @@ class _DecodePlan:
 
 
 def _compile_plan(plan: _DecodePlan, world_size: int) -> object:
-    """The layers as one compiled DecodeLayers (sharding/csrc/decode_glue.cpp), where every linear has a compiled
+    """The layers as one compiled DecodeLayers (sharding/cpu/csrc/decode_glue.cpp), where every linear has a compiled
     kernel and there is no all-reduce between them (TP=1); else None (the Python loop of _decode_fast)."""
     ops = kernels.decode_layers_ops()
     if ops is None or world_size != 1 or any(f.q_index is not None for f in plan.layers):
@@ -201,7 +201,7 @@ def _compile_plan(plan: _DecodePlan, world_size: int) -> object:
             a = f.attn
             compiled.add_layer(a.cache.pool, a.num_heads, a.num_kv_heads, a.scale, f.post_norm.weight,
                                f.post_norm.eps, f.next_norm.weight, f.next_norm.eps)
-            for which, lin in enumerate((f.qkv, f.o_proj, f.gate_up, f.down)):  # LoRA adapters (sharding/lora.py)
+            for which, lin in enumerate((f.qkv, f.o_proj, f.gate_up, f.down)):  # LoRA adapters (sharding/layers/lora.py)
                 for slot, w in enumerate(lin.lora.slots if lin.lora is not None else ()):
                     if w is not None:
                         compiled.set_lora(compiled.size() - 1, which, slot, *w)
@@ -310,11 +310,11 @@ class LlamaForCausalLM(nn.Module):
             x = add_rms_norm_(h, d, f.next_norm.weight, f.next_norm.eps)
         return stage_output(x, meta, self.lm_head)  # x: the final norm of every token's hidden state
 
-    supports_lora = True  # sharding/lora.py: every linear of its layers is a column- or row-parallel one
-    lora: LoraContext | None = None  # set by sharding.lora.LoraManager; each step's adapter rows go through it
+    supports_lora = True  # sharding/layers/lora.py: every linear of its layers is a column- or row-parallel one
+    lora: LoraContext | None = None  # set by sharding.layers.lora.LoraManager; each step's adapter rows go through it
 
     def lora_changed(self) -> None:
-        """An adapter was loaded or unloaded (sharding/lora.py): the compiled decode step, which holds the adapters'
+        """An adapter was loaded or unloaded (sharding/layers/lora.py): the compiled decode step, which holds the adapters'
         tensors, is rebuilt at its next use."""
         if self._plan:
             self._plan.pool = None

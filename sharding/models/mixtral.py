@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from sharding.models.llama import LlamaDecoderLayer, LlamaForCausalLM
-from sharding.moe import Routing, check_moe_config, sparse_moe
+from sharding.layers.moe import Routing, check_moe_config, sparse_moe
 
 
 class MixtralDecoderLayer(LlamaDecoderLayer):

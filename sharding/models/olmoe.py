@@ -12,9 +12,9 @@ import torch
 
 from loaders.checkpoint import Checkpoint
 from loaders.partition import shard_heads
-from sharding.layers import Replicated
+from sharding.layers.linear import Replicated
 from sharding.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
-from sharding.moe import Routing, check_moe_config, sparse_moe
+from sharding.layers.moe import Routing, check_moe_config, sparse_moe
 
 
 class _NormSlice(Replicated):

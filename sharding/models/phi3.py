@@ -11,7 +11,7 @@ table is static (short factors), so such a checkpoint is served only with max_mo
 
 from __future__ import annotations
 
-from sharding.layers import Piece
+from sharding.layers.linear import Piece
 from sharding.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from sharding.layers import RMSNorm
+from sharding.layers.linear import RMSNorm
 from sharding.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
 from sharding.models.qwen2 import reject_sliding_layers
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from sharding.models.llama import LlamaForCausalLM, LlamaMLP
 from sharding.models.qwen2 import Qwen2Attention, Qwen2DecoderLayer, reject_sliding_layers
 from sharding.models.qwen3 import Qwen3DecoderLayer
-from sharding.moe import ReplicatedLinear, Routing, SparseMoe, check_moe_config, sparse_moe
+from sharding.layers.moe import ReplicatedLinear, Routing, SparseMoe, check_moe_config, sparse_moe
 
 
 def is_sparse(config, layer_idx: int) -> bool:

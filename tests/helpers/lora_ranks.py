@@ -1,5 +1,5 @@
 """One rank of a LoRA test: start the rank's runner (sharding.runner.start_rank), load adapters into slots through
-sharding.lora.LoraManager on every rank, then rank 0 drives greedy generation with hand-built steps through
+sharding.layers.lora.LoraManager on every rank, then rank 0 drives greedy generation with hand-built steps through
 `runner.run(step)` while the other ranks sit in `runner.worker_loop()`.
 
 Usage: python tests/helpers/lora_ranks.py SPEC.json, with RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set (see
@@ -22,9 +22,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
 from loaders.checkpoint import Checkpoint  # noqa: E402
 from sharding.dist import init_dist  # noqa: E402
-from sharding.lora import LoraManager, validate_adapter  # noqa: E402
+from sharding.layers.lora import LoraManager, validate_adapter  # noqa: E402
 from sharding.runner import EngineConfig, start_rank  # noqa: E402
-from sharding.step import LOGITS_LAST, Step, with_lora  # noqa: E402
+from sharding.wire import LOGITS_LAST, Step, with_lora  # noqa: E402
 
 
 def generate(runner, mgr, prompts: list[list[int]], slots: list[int], max_tokens: int) -> dict:

@@ -10,7 +10,7 @@ import sys
 
 from loaders.checkpoint import Checkpoint
 from server.llm import LLM
-from server.sampling import SamplingParams
+from server.engine.sampler import SamplingParams
 
 
 def main() -> None:

@@ -48,7 +48,7 @@ def start_server(model: str | None, tp: int = 1, *extra: str, log_dir: Path, rea
                  env: dict | None = None, new_session: bool = False) -> Server:
     port = free_port()
     log = log_dir / f"server-{port}.log"
-    cmd = [sys.executable, "-m", "server.cli", "serve", *([model] if model else []), "--host", "127.0.0.1",
+    cmd = [sys.executable, "-m", "server.cli.main", "serve", *([model] if model else []), "--host", "127.0.0.1",
            "--port", str(port), "-tp", str(tp), "--log-level", "warning", *extra]
     f = open(log, "w")
     proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, env=dict(os.environ, **(env or {})),

@@ -1,11 +1,11 @@
-"""The paged KV cache bookkeeping (server.block_manager): allocation, prefix-cache hits, refcounts, eviction order."""
+"""The paged KV cache bookkeeping (server.engine.block_manager): allocation, prefix-cache hits, refcounts, eviction order."""
 
 import random
 
 import pytest
 
-import server.block_manager as bm_module
-from server.block_manager import BlockManager
+import server.engine.block_manager as bm_module
+from server.engine.block_manager import BlockManager
 
 BS = 4
 

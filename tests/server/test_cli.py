@@ -9,7 +9,7 @@ from transformers import AutoTokenizer
 
 from tiny import hf_greedy
 
-TPSERVE = [sys.executable, "-m", "server.cli"]
+TPSERVE = [sys.executable, "-m", "server.cli.main"]
 
 
 @pytest.mark.parametrize("args,message", [

@@ -9,7 +9,7 @@ proxy (tests/wire_log.py) sits between the libraries and the server, so the test
 sends. No library may reach the internet: the opt-outs are set below, and an audit hook fails any test during which
 something outside this machine was looked up or connected to.
 
-The Responses API tests run on server/responses_api.py (POST /v1/responses), the litellm embedding test on
+The Responses API tests run on server/api/responses.py (POST /v1/responses), the litellm embedding test on
 /v1/embeddings.
 """
 
@@ -241,7 +241,7 @@ def _raw_object(srv, wire, client: str) -> dict:
 def test_schema_without_additional_properties_gets_no_unlisted_keys(srv, wire, client):
     """These clients send pydantic's schema as it is, without additionalProperties: false (instructor always;
     langchain unless strict=True). The model writes an unlisted "note" key when nothing stops it; tpserve closes
-    objects that list their properties by default, as vLLM's default backend does (server/structured.py,
+    objects that list their properties by default, as vLLM's default backend does (server/engine/structured/constraint.py,
     closed_objects), so the answer has only the declared keys."""
     obj = _raw_object(srv, wire, client)
     (body,) = chat_posts(wire)

@@ -3,7 +3,7 @@
 import pytest
 from transformers import AutoTokenizer
 
-from server.detokenize import IncrementalDetokenizer
+from server.engine.detokenizer import IncrementalDetokenizer
 from tiny import make_tokenizer
 
 TEXT = "Emoji 😀🚀 and 日本語のテキスト, café naïve. The capital of France is Paris."

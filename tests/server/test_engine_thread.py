@@ -4,11 +4,11 @@ import threading
 
 import pytest
 
-from server.engine import EngineThread
+from server.engine.core import EngineThread
 from server.llm import LLM
-from server.sampling import SamplingParams
-from server.scheduler import Sequence
-from server.detokenize import IncrementalDetokenizer
+from server.engine.sampler import SamplingParams
+from server.engine.scheduler import Sequence
+from server.engine.detokenizer import IncrementalDetokenizer
 
 
 def test_jobs_run_in_order_on_one_other_thread():

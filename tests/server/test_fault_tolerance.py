@@ -1,6 +1,6 @@
 """A rank that dies or hangs costs no request: its replica leaves rotation, its streams continue on another replica
 (or wait for it to be restarted) with the same text, and the replica comes back. Real servers, real ranks, real
-SIGKILL and SIGSTOP (server/supervisor.py)."""
+SIGKILL and SIGSTOP (server/engine/supervisor.py)."""
 
 import asyncio
 import json

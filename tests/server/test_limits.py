@@ -1,4 +1,4 @@
-"""The request limits (server/protocol.py, MAX_*): each is a 400 in OpenAI's shape that names the field and the
+"""The request limits (server/api/protocol.py, MAX_*): each is a 400 in OpenAI's shape that names the field and the
 limit, and the server keeps serving. Several of these bodies used to get a 500 (a 300-deep schema: RecursionError in
 the metaschema check; a 5000-digit or superscript logit_bias key: int() raised; a lone UTF-16 surrogate in a prompt
 or a model name) or failed the engine step itself, so that every later request got a 503 (top_k past 2**63;
@@ -11,7 +11,7 @@ import json
 import httpx
 import pytest
 
-from server.protocol import (MAX_CHOICES, MAX_INT, MAX_JSON_DEPTH, MAX_LOGIT_BIAS, MAX_MESSAGES,
+from server.api.protocol import (MAX_CHOICES, MAX_INT, MAX_JSON_DEPTH, MAX_LOGIT_BIAS, MAX_MESSAGES,
                              MAX_PATTERN_DEPTH, MAX_SPEC_CHARS, MAX_STOP_TOKEN_IDS, MAX_TOOLS)
 
 MSGS = [{"role": "user", "content": "hi"}]

@@ -1,4 +1,4 @@
-"""LoRA adapters through a real server at TP 2 (server/lora.py): picked by `model` on every endpoint, equal to PEFT,
+"""LoRA adapters through a real server at TP 2 (server/engine/lora_registry.py): picked by `model` on every endpoint, equal to PEFT,
 mixed with the base model in one step, kept apart in the prefix cache, evicted and read again past --max-cpu-loras,
 loaded and unloaded at runtime under load, and every bad adapter refused with a 400 while the server keeps serving."""
 
@@ -163,7 +163,7 @@ def test_bad_adapters_get_a_400_that_says_which(srv, lora_setup):
 
 def test_pipeline_replicas_and_a_respawned_replica_serve_the_adapters(server_factory, lora_setup):
     """-pp 2 -dp 2: the load commands pass from stage to stage and reach the other replica; a replica restarted
-    after a SIGKILL reads the loaded adapters again before it serves (server/engine.py: _replica_up)."""
+    after a SIGKILL reads the loaded adapters again before it serves (server/engine/core.py: _replica_up)."""
     import os
     import signal
 

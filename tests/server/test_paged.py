@@ -208,7 +208,7 @@ def test_the_pool_is_resident_from_the_start_and_sized_by_the_budget(server_fact
     (["--max-num-batched-tokens", "4", "--max-num-seqs", "8"], "must be at least --max-num-seqs"),
 ])
 def test_bad_budget_flags_are_refused_with_a_clear_message(checkpoints, args, message):
-    proc = subprocess.run([sys.executable, "-m", "server.cli", "serve", str(checkpoints("llama")), "--port", "0",
+    proc = subprocess.run([sys.executable, "-m", "server.cli.main", "serve", str(checkpoints("llama")), "--port", "0",
                            *args], capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0
     assert message in proc.stderr, proc.stderr[-2000:]

@@ -2,7 +2,7 @@
 
 import torch
 
-from server.sampling import SampleRow, SamplingParams, sample
+from server.engine.sampler import SampleRow, SamplingParams, sample
 
 
 

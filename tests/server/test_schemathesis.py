@@ -17,7 +17,7 @@ import json
 import httpx
 import pytest
 
-from server.protocol import MAX_JSON_DEPTH, MAX_SPEC_CHARS
+from server.api.protocol import MAX_JSON_DEPTH, MAX_SPEC_CHARS
 
 schemathesis = pytest.importorskip("schemathesis")
 from hypothesis import HealthCheck, given, settings  # noqa: E402  (schemathesis brings hypothesis)

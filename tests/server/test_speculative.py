@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from server.llm import LLM
-from server.sampling import SamplingParams
-from server.speculative import NgramIndex, SuffixTrie, parse_speculative_config
+from server.engine.sampler import SamplingParams
+from server.engine.spec_decode.proposers import NgramIndex, SuffixTrie, parse_speculative_config
 from tiny import hf_greedy
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
@@ -248,11 +248,11 @@ def test_bad_configurations_are_refused(text, words):
 
 
 def test_cli_refuses_a_bad_config_before_starting_ranks(folder, tool_checkpoint):
-    r = subprocess.run([sys.executable, "-m", "server.cli", "serve", str(folder), "--speculative-config",
+    r = subprocess.run([sys.executable, "-m", "server.cli.main", "serve", str(folder), "--speculative-config",
                         '{"method": "ngram", "bogus": 1}'], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "unknown key(s) bogus" in r.stderr
     draft = json.dumps({"method": "draft_model", "model": str(tool_checkpoint)})
-    r = subprocess.run([sys.executable, "-m", "server.cli", "serve", str(folder), "-tp", "2", "--speculative-config",
+    r = subprocess.run([sys.executable, "-m", "server.cli.main", "serve", str(folder), "-tp", "2", "--speculative-config",
                         draft], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "another vocabulary" in r.stderr and "loading weights" not in r.stderr
 

@@ -5,8 +5,8 @@ import random
 
 import pytest
 
-from server.protocol import ChatMessage, Tool
-from server.tool_parser import ToolCallParser, parse_tool_calls, render_messages, tools_constraint
+from server.api.protocol import ChatMessage, Tool
+from server.api.tool_calls import ToolCallParser, parse_tool_calls, render_messages, tools_constraint
 
 CALL_F = '<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>'
 CALL_G = '<tool_call>\n{"name": "g", "arguments": {}}\n</tool_call>'

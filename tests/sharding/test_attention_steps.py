@@ -6,8 +6,8 @@ import random
 import pytest
 import torch
 
-from sharding.attention import AttentionMetadata, PagedKVCache, attend
-from sharding.step import LOGITS_ALL, LOGITS_LAST, Step
+from sharding.layers.attention import AttentionMetadata, PagedKVCache, attend
+from sharding.wire import LOGITS_ALL, LOGITS_LAST, Step
 
 
 def naive(q, k_all, v_all, scale, window=None, softcap=None):
@@ -28,7 +28,7 @@ def naive(q, k_all, v_all, scale, window=None, softcap=None):
 @pytest.fixture(params=["kernel", "torch"])
 def decode_path(request, monkeypatch):
     """Decode attention through the compiled paged kernel (built as `make install` does), or the torch gather."""
-    from sharding import kernels
+    from sharding.cpu import kernels
 
     if request.param == "kernel":
         assert kernels.build_kernels() and kernels.paged_decode_attention() is not None, "no paged kernel"
@@ -108,7 +108,7 @@ def test_decode_steps_build_the_same_metadata_on_the_lean_path(window, monkeypat
     path gives. Steps of 1-5 sequences at scattered and consecutive blocks, equal and unequal lengths, each flag."""
     import dataclasses
 
-    from sharding import attention
+    from sharding.layers import attention
 
     class Rotary:
         cos, sin = torch.randn(64, 8), torch.randn(64, 8)
@@ -168,7 +168,7 @@ def test_logits_rows_follow_the_flags():
 def test_step_message_round_trip():
     """A decode step of up to max_num_seqs sequences, each adding a block, fits the one fixed-size message; a longer
     step's payload follows separately; both unpack to the same step."""
-    from sharding.step import HEADER
+    from sharding.wire import HEADER
 
     max_seqs = 4
     decode = Step(torch.tensor([5, 6, 7, 8]),

@@ -1,5 +1,5 @@
 """The CPU kernel variants: which one a CPU chooses, TPSERVE_KERNELS, and a wheel that carries them into a venv with
-no compiler (sharding/cpu_variants.py, setup.py)."""
+no compiler (sharding/cpu/variants.py, setup.py)."""
 
 import json
 import os
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from sharding import cpu_variants as cv
+from sharding.cpu import variants as cv
 
 ROOT = Path(__file__).resolve().parents[2]
 ZEN4 = set(cv._V4) | {"avx512_vnni", "avx512_bf16", "sse4_2", "avx512vbmi"}
@@ -55,7 +55,7 @@ def run_py(code: str, env: dict, python: str = sys.executable, cwd=ROOT) -> subp
     ("avx9", 1, "TPSERVE_KERNELS=avx9: not a kernel variant"),
 ])
 def test_tpserve_kernels_is_honoured_or_refused(value, rc, says):
-    p = run_py("from sharding import kernels\ntry:\n    kernels.build_kernels()\nexcept ValueError as e:\n"
+    p = run_py("from sharding.cpu import kernels\ntry:\n    kernels.build_kernels()\nexcept ValueError as e:\n"
                "    print(e); raise SystemExit(1)\nprint(kernels.describe())",
                dict(os.environ, TPSERVE_KERNELS=value))
     assert p.returncode == rc, p.stderr[-2000:]
@@ -94,7 +94,8 @@ def test_wheel_carries_the_kernels_into_a_venv_without_a_compiler(tmp_path):
     clean = {"PATH": str(venv / "bin"), "HOME": str(home), "TPSERVE_HOME": str(home / "tpserve")}
     p = run_py("""
 import json, shutil, torch
-from sharding import kernels, quant
+from sharding.cpu import kernels
+from sharding.layers import quant
 assert shutil.which("c++") is None and shutil.which("g++") is None and shutil.which("cc") is None
 assert kernels.__file__.startswith(%r), kernels.__file__
 ok = kernels.build_kernels()
@@ -117,7 +118,7 @@ print(json.dumps({"ok": ok, "describe": kernels.describe(), "norm_err": float((k
 
 def _host_library() -> str:
     """The kernel library this process loaded (a prebuilt variant, or the one compiled for this CPU)."""
-    from sharding import kernels
+    from sharding.cpu import kernels
 
     if not kernels.build_kernels() or "library" not in kernels.CHOICE:
         pytest.skip(f"no compiled kernels here: {kernels.describe()}")
@@ -153,11 +154,11 @@ def test_on_an_emulated_avx2_cpu_the_avx512_build_is_chosen_against_and_never_lo
     answers CPUID as Zen 3: the flags lose AVX-512, the choice is x86-64-v3, and this host's AVX-512 build is
     checked by its symbols, where loading it would die of SIGILL."""
     path = _host_library()
-    from sharding import kernels
+    from sharding.cpu import kernels
 
     if kernels.CHOICE["variant"] not in ("native", "x86-64-v4", "x86-64-v4-vnni-bf16"):
         pytest.skip(f"this process runs {kernels.CHOICE['variant']}, not an AVX-512 build")
-    code = ("import json, sys; from sharding import cpu_variants as cv; f = cv.cpu_flags(); "
+    code = ("import json, sys; from sharding.cpu import variants as cv; f = cv.cpu_flags(); "
             "v = cv.BY_NAME['x86-64-v4']; "
             "print(json.dumps({'avx512': sorted(x for x in f if x.startswith('avx512')), 'avx2': 'avx2' in f, "
             "'chooses': cv.choose(f).name, 'check': cv.check_library(sys.argv[1], v)}))")

@@ -198,8 +198,8 @@ def test_attend_with_sinks(heads, kv_heads, window, monkeypatch):
     1-5) equals the eager formula, on the fused prefill kernel and on the explicit fallback."""
     from test_attention_steps import run_mixed_steps
 
-    from sharding import attention
-    from sharding.attention import attend
+    from sharding.layers import attention
+    from sharding.layers.attention import attend
 
     fused_calls = []
     monkeypatch.setattr(attention, "_sink_flash_attention",
@@ -237,8 +237,8 @@ def test_refused_configs(reference, tmp_path):
     stays off the decode fast path (its layers are not Llama's between the linears)."""
     from loaders.checkpoint import Checkpoint
     from loaders.config import load_config
-    from sharding import kernels
-    from sharding.attention import RotaryTable
+    from sharding.cpu import kernels
+    from sharding.layers.attention import RotaryTable
     from sharding.dist import Dist
     from sharding.models import model_class
 

@@ -13,7 +13,7 @@ from safetensors.torch import save_file
 from loaders.checkpoint import Checkpoint
 from loaders.partition import split_evenly
 from sharding.dist import init_dist
-from sharding.layers import ColumnParallelLinear, ParallelLMHead, Piece, RowParallelLinear, VocabParallelEmbedding
+from sharding.layers.linear import ColumnParallelLinear, ParallelLMHead, Piece, RowParallelLinear, VocabParallelEmbedding
 
 IN, OUT, VOCAB = 24, 30, 101  # 101: no world size divides it
 

@@ -1,4 +1,4 @@
-"""LoRA adapters (sharding/lora.py, loaders/lora.py) against transformers + PEFT.
+"""LoRA adapters (sharding/layers/lora.py, loaders/adapters.py) against transformers + PEFT.
 
 Random non-zero adapters (PEFT initialises lora_B to zero, so both matrices are randomised) on tiny random Llama and
 Phi-3 (fused qkv_proj / gate_up_proj) checkpoints. Each TP degree starts its ranks once (tests/helpers/lora_ranks.py:
@@ -23,9 +23,9 @@ import torch
 from safetensors.torch import save_file
 
 from loaders.checkpoint import Checkpoint
-from loaders.lora import LoraError, read_adapter
-from sharding.lora import decode_load, encode_load, lora_rows, validate_adapter
-from sharding.step import LOGITS_LAST, lora_slot, with_lora
+from loaders.adapters import LoraError, read_adapter
+from sharding.layers.lora import decode_load, encode_load, lora_rows, validate_adapter
+from sharding.wire import LOGITS_LAST, lora_slot, with_lora
 import tiny
 from tiny import config_variant, make_checkpoint
 
@@ -62,7 +62,7 @@ def reference(base: Path, adapter: Path | None, prompt: list[int], n: int, int8_
     model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32)
     model.generation_config.eos_token_id = None
     if int8_tp is not None:
-        from sharding import quant
+        from sharding.layers import quant
         from test_quant import as_kernel_sees
 
         with torch.no_grad():

@@ -1,4 +1,4 @@
-"""Mixture-of-experts models (sharding/moe.py): greedy tokens equal transformers' and log-probabilities within 1e-4
+"""Mixture-of-experts models (sharding/layers/moe.py): greedy tokens equal transformers' and log-probabilities within 1e-4
 (fp32) at TP 1-4, with the experts split tensor-parallel (every expert's intermediate dimension over the ranks) and
 expert-parallel (whole experts per rank), both expert layouts a checkpoint may use, and dense and MoE layers mixed.
 
@@ -182,8 +182,8 @@ def test_refused_configs(reference, tmp_path):
 def test_expert_token_counts(reference):
     """tpserve_moe_expert_tokens_total: every token of every sparse layer is routed to k experts, counted once."""
     from server.llm import LLM
-    from server.metrics import ExpertTokens
-    from server.sampling import SamplingParams
+    from server.api.metrics import ExpertTokens
+    from server.engine.sampler import SamplingParams
 
     with LLM(str(reference["qwen3_moe"][0]), max_num_seqs=4) as llm:
         llm.generate(PROMPTS, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
@@ -225,7 +225,7 @@ def test_structured_output_with_experts(reference):
     """A JSON schema constrains a MoE model's answer as a dense model's (the grammar masks the logits; the experts
     are not involved): the text parses and has the schema's shape."""
     from server.llm import LLM
-    from server.sampling import SamplingParams
+    from server.engine.sampler import SamplingParams
 
     schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"],
               "additionalProperties": False}

@@ -192,8 +192,8 @@ def test_sentencepiece_tokenizer(tmp_path, byte_fallback):
     """tokenizer.model alone loads through transformers' SentencePiece conversion, renders the chat template, and
     the incremental detokenizer reproduces tokenizer.decode token by token, leading spaces and multi-byte
     characters (split into byte-fallback tokens) included."""
-    from server.detokenize import IncrementalDetokenizer
-    from server.tokenizer import load_tokenizer
+    from server.engine.detokenizer import IncrementalDetokenizer
+    from server.engine.tokenizer import load_tokenizer
 
     train_sentencepiece(tmp_path, byte_fallback)
     tok = load_tokenizer(str(tmp_path))

@@ -4,15 +4,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from sharding.attention import GroupedHeads, _prefill_attention
-from sharding.layers import RMSNorm
+from sharding.layers.attention import GroupedHeads, _prefill_attention
+from sharding.layers.linear import RMSNorm
 
 
 @pytest.mark.parametrize("kernel", [True, False])
 def test_rmsnorm_fast_paths_equal_the_formula(kernel, monkeypatch):
     """The compiled one-pass kernel (another summation order: within float32 rounding) and, without it, torch's
     F.rms_norm (bit-identical); 2-D rows, the parallel row split of a prefill, and Qwen3's per-head [N, H, D]."""
-    from sharding import kernels
+    from sharding.cpu import kernels
 
     if kernel:
         assert kernels.build_kernels() and kernels.rms_norm_op() is not None, "no RMSNorm kernel"
@@ -34,7 +34,7 @@ def test_rmsnorm_fast_paths_equal_the_formula(kernel, monkeypatch):
 def test_grouped_decode_equals_expanded_kv():
     """Decode attention with a KV head's query heads as its "query positions" (padded for uneven groups) equals
     attention over K/V expanded to every query head, on the SDPA path (< 4 sequences) and the matmul path."""
-    from sharding.attention import _decode_attention
+    from sharding.layers.attention import _decode_attention
 
     for kv_for_q in ([0, 0, 0, 1, 1], [0, 0, 1, 1, 2, 2], [0, 1, 1, 1]):
         gh = GroupedHeads(kv_for_q)
@@ -67,9 +67,9 @@ def test_packed_linears_equal_plain_ones(f32_kernel, monkeypatch):
     """The runner's CPU layouts compute F.linear: float32 through the compiled f32_linear over its column blocks
     (or oneDNN's packed weight without it) to fp32 rounding; bfloat16 through oneDNN within two bf16 roundings of the
     exact product (the bias may be added after the product is rounded)."""
-    from sharding import kernels
+    from sharding.cpu import kernels
     from sharding.dist import Dist
-    from sharding.layers import ColumnParallelLinear, ParallelLMHead, Piece, RowParallelLinear
+    from sharding.layers.linear import ColumnParallelLinear, ParallelLMHead, Piece, RowParallelLinear
 
     assert kernels.build_kernels()
     if not f32_kernel:
@@ -107,7 +107,7 @@ def test_packed_linears_equal_plain_ones(f32_kernel, monkeypatch):
 def test_f32_linear_is_exact_to_rounding_and_the_same_at_every_batch_size():
     """The compiled float32 linear against the float64 product (partial last block, with and without bias, row
     counts around its 8-row tile), and each row's output bitwise the same whether computed alone or in any batch."""
-    from sharding import kernels
+    from sharding.cpu import kernels
 
     assert kernels.build_kernels()
     op = kernels.f32_linear_op()
@@ -130,7 +130,7 @@ def test_f32_linear_is_exact_to_rounding_and_the_same_at_every_batch_size():
 def test_packed_linears_run_at_a_bounded_set_of_row_counts():
     """Every row count maps to a bucket at least as large (~6 % more rows on average from 33 to 512), and 1..4096 use
     few distinct shapes (each distinct shape costs oneDNN a compiled primitive that stays in memory)."""
-    from sharding.layers import bucket_rows
+    from sharding.layers.linear import bucket_rows
 
     buckets = {bucket_rows(m) for m in range(1, 4097)}
     assert all(bucket_rows(m) >= m for m in range(1, 4097))
@@ -143,8 +143,8 @@ def test_packed_linears_run_at_a_bounded_set_of_row_counts():
 def test_rotary_kernel_is_bit_identical_to_the_formula():
     """The in-place rotary of q and k (views into a fused qkv row, as the attention makes them) equals transformers'
     `x * cos + rotate_half(x) * sin` bit for bit."""
-    from sharding import kernels
-    from sharding.attention import apply_rotary
+    from sharding.cpu import kernels
+    from sharding.layers.attention import apply_rotary
 
     assert kernels.build_kernels(), "the CPU kernels did not build"
     op = kernels.rotary_op()
@@ -168,9 +168,9 @@ def test_decode_attention_op_equals_the_module_path(heads, kv_heads, window):
     the same cache contents and the same output."""
     import random
 
-    from sharding import kernels
-    from sharding.attention import AttentionMetadata, PagedKVCache, apply_rotary, attend
-    from sharding.step import LOGITS_LAST, Step
+    from sharding.cpu import kernels
+    from sharding.layers.attention import AttentionMetadata, PagedKVCache, apply_rotary, attend
+    from sharding.wire import LOGITS_LAST, Step
 
     assert kernels.build_kernels() and kernels.decode_glue_ops() is not None, "the CPU kernels did not build"
     attention_op = kernels.decode_glue_ops()[0]
@@ -207,7 +207,7 @@ def test_llama_decode_fast_path_equals_the_module_path(checkpoints, quantization
     the fast path's Python loop, and through the modules: the same greedy tokens, logprobs equal to float32
     rounding. Qwen 2's layout (q/k/v biases, 6 heads over 2 KV heads), each linear kernel."""
     from server.llm import LLM
-    from server.sampling import SamplingParams
+    from server.engine.sampler import SamplingParams
     from sharding.models.llama import _DecodePlan
 
     llm = LLM(str(checkpoints("qwen2")), max_num_seqs=4, kv_cache_memory=8 << 20, quantization=quantization)
@@ -234,7 +234,7 @@ def test_llama_decode_fast_path_equals_the_module_path(checkpoints, quantization
 def test_argmax_op_equals_torch_argmax():
     """The compiled greedy argmax: the first maximal value's index, a NaN counting as the maximum, as torch's; rows
     of ties, infinities and widths around its 16-wide vectors."""
-    from sharding import kernels
+    from sharding.cpu import kernels
 
     assert kernels.build_kernels()
     op = kernels.argmax_op()
@@ -277,8 +277,8 @@ def test_weights_move_into_one_huge_page_mapping(checkpoints, quantization, monk
     compiled kernels are bound to the moved tensors, and the answer is bit for bit the one from weights left where
     they were (TPSERVE_HUGE_PAGES=0)."""
     from server.llm import LLM
-    from server.sampling import SamplingParams
-    from sharding import hugepages
+    from server.engine.sampler import SamplingParams
+    from sharding.cpu import hugepages
 
     if not hugepages.enabled():
         pytest.skip(f"transparent huge pages are {hugepages.thp_mode() or 'absent'} here")

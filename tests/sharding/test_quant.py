@@ -1,4 +1,4 @@
-"""Weight-only int8/int4 (sharding/quant.py, sharding/csrc/quant_linear.cpp).
+"""Weight-only int8/int4 (sharding/layers/quant.py, sharding/cpu/csrc/quant_linear.cpp).
 
 Quantized serving is not token-identical to float32, so it is checked in two other ways:
 - exactly: tpserve at TP 1 and 2 generates the same greedy tokens (logprobs within 1e-4) as transformers running the
@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from llm_runner import run_llm
-from sharding import kernels, quant
+from sharding.cpu import kernels
+from sharding.layers import quant
 from tiny import make_checkpoint
 
 MODES = [("int8", 32), ("int4", 32), ("int4", 128), ("bf16", 32)]
@@ -214,7 +215,7 @@ def test_auto_dtype_on_cpu_keeps_a_bfloat16_checkpoints_weights(tmp_path):
     stored: the answer, bit for bit, of an explicit `--dtype float32 --quantization bf16` (tested against
     transformers above), not of torch's bfloat16 path, which an explicit `--dtype bfloat16` still takes."""
     from server.llm import LLM
-    from server.sampling import SamplingParams
+    from server.engine.sampler import SamplingParams
 
     folder = make_checkpoint(tmp_path / "bf16", "llama", dtype=torch.bfloat16, intermediate_size=128)
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=0)

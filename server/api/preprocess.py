@@ -1,0 +1,198 @@
+"""Request preparation on rank 0: everything a request becomes before the engine sees it.
+
+Prompts are tokenized (or token ids checked against the vocabulary), conversations rendered through the model's chat
+template (with tools, when the request has them), lengths checked against the max model length, sampling parameters
+built, and the output constraint resolved: from response_format / guided_* / structured_outputs
+(server/engine/structured/constraint.py) or from tool_choice (server/api/tool_calls.py), then compiled (server/engine/structured/grammar.py). Anything
+wrong is a 400 here, so a bad request never reaches the other ranks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from server.engine.structured.grammar import Constraint
+from server.api.state import ServerState
+from server.api.protocol import APIError, ChatCompletionRequest, SamplingFields
+from server.engine.sampler import SamplingParams
+from server.engine.structured.constraint import constraint_from_request
+from server.api.tool_calls import check_tools, render_messages, template_supports_tools, tools_constraint
+
+
+def check_model(state: ServerState, name: str | None):
+    """The request's LoRA adapter (server/engine/lora_registry.py Adapter) when `model` names one, None for the base model; 404 for
+    any other name."""
+    if name is None or name == state.model_name:
+        return None
+    adapter = state.loras.resolve(name) if state.loras is not None else None
+    if adapter is None:
+        also = f" (or one of its LoRA adapters: {', '.join(a.name for a in state.loras.models())})" if (
+            state.loras is not None and state.loras.models()) else ""
+        raise APIError(404, f"The model `{name}` does not exist. This server serves `{state.model_name}`{also}.",
+                       "not_found_error", param="model", code="model_not_found")
+    return adapter
+
+
+def tokenize_prompts(state: ServerState, prompt, param: str = "prompt",
+                     add_special_tokens: bool = True) -> list[list[int]]:
+    """Token ids of each prompt in one of OpenAI's four shapes (server/api/protocol.py, check_prompts): strings
+    tokenized, token ids checked against the vocabulary."""
+    raw = [prompt] if isinstance(prompt, str) or all(isinstance(x, int) for x in prompt) else list(prompt)
+    out = []
+    for i, p in enumerate(raw):
+        where = param if len(raw) == 1 else f"{param}[{i}]"
+        if isinstance(p, str):
+            ids = state.tokenizer.encode(p, add_special_tokens=add_special_tokens)
+            if not ids:
+                raise APIError(400, f"{where} encodes to zero tokens", param=param)
+        else:
+            bad = [t for t in p if not 0 <= t < state.vocab_size]
+            if bad:
+                raise APIError(400, f"{where}: token id {bad[0]} is outside the vocabulary [0, {state.vocab_size})",
+                               param=param)
+            ids = list(p)
+        out.append(ids)
+    return out
+
+
+def render_chat(state: ServerState, body: ChatCompletionRequest) -> list[int]:
+    """The conversation's prompt tokens, through the model's chat template (what /tokenize counts, too)."""
+    in_template = template_supports_tools(state.tokenizer)
+    messages = render_messages(body.messages, in_template)
+    extra = dict(body.chat_template_kwargs or {})  # no key the server sets itself (protocol.CHAT_TEMPLATE_RESERVED)
+    if body.continue_final_message:
+        extra["continue_final_message"] = True
+    if body.tools and in_template and tool_choice(body) != "none":
+        extra["tools"] = [t.model_dump(exclude_none=True) for t in body.tools]
+    try:
+        ids = state.tokenizer.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt,
+                                                  tokenize=True, return_dict=False, **extra)
+    except Exception as e:  # noqa: BLE001 - a template that rejects the conversation (e.g. role order)
+        raise APIError(400, f"cannot render the chat template for these messages: {e}", param="messages") from None
+    ids = list(ids)
+    if not ids:
+        raise APIError(400, "the conversation renders to zero tokens", param="messages")
+    return ids
+
+
+def check_length(state: ServerState, ids: list[int], max_tokens: int) -> None:
+    """prompt + max_tokens must fit the max model length, which never exceeds what the whole KV cache holds (the
+    server refuses to start otherwise, or lowers a default length to the cache): a request that passes always fits."""
+    limit = state.max_model_len
+    why = f"this server's max model length is {limit}"
+    if state.engine.pool_tokens <= limit:
+        why += f" (its whole KV cache holds {state.engine.pool_tokens} tokens)"
+    if len(ids) >= limit:
+        raise APIError(400, f"the prompt has {len(ids)} tokens; {why}", param="prompt", code="context_length_exceeded")
+    if len(ids) + max_tokens > limit:
+        raise APIError(400, f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds {limit} tokens: {why}; "
+                            f"lower max_tokens to at most {limit - len(ids)}", param="max_tokens",
+                       code="context_length_exceeded")
+
+
+def logit_bias(state: ServerState, body: SamplingFields) -> dict[int, float]:
+    """The request's logit bias by token id. The token ids of its sampling fields (logit_bias and stop_token_ids)
+    are checked against the vocabulary here: the engine indexes the logits with them."""
+    bias = {int(k): float(v) for k, v in (body.logit_bias or {}).items()}
+    bad = [t for t in bias if t >= state.vocab_size]
+    if bad:
+        raise APIError(400, f"logit_bias: token id {bad[0]} is outside the vocabulary [0, {state.vocab_size})",
+                       param="logit_bias")
+    bad = [t for t in body.stop_token_ids or () if t >= state.vocab_size]
+    if bad:
+        raise APIError(400, f"stop_token_ids: token id {bad[0]} is outside the vocabulary [0, {state.vocab_size})",
+                       param="stop_token_ids")
+    return bias
+
+
+def sampling_params(body: SamplingFields, max_tokens: int, logprobs: int | None,
+                    bias: dict[int, float] | None = None) -> SamplingParams:
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=1.0 if body.temperature is None else body.temperature,
+        top_p=1.0 if body.top_p is None else body.top_p,
+        top_k=body.top_k or 0,
+        seed=body.seed,
+        stop=body.stop_list(),
+        stop_token_ids=list(body.stop_token_ids or []),
+        presence_penalty=body.presence_penalty,
+        frequency_penalty=body.frequency_penalty,
+        repetition_penalty=body.repetition_penalty,
+        logprobs=logprobs,
+        min_tokens=body.min_tokens,
+        ignore_eos=body.ignore_eos,
+        skip_special_tokens=body.skip_special_tokens,
+        logit_bias=bias or {},
+    )
+
+
+def with_seed(params: SamplingParams, choice: int) -> SamplingParams:
+    """Choice i of a seeded request uses seed + i, so n > 1 choices differ yet each is reproducible."""
+    if params.seed is None or choice == 0:
+        return params
+    return replace(params, seed=params.seed + choice)
+
+
+def decode_prompt(state: ServerState, ids: list[int]) -> str:
+    return state.tokenizer.decode(ids, skip_special_tokens=False)
+
+
+def tool_choice(body: ChatCompletionRequest):
+    """OpenAI's default: "auto" when the request has tools, "none" otherwise."""
+    if body.tool_choice is not None:
+        return body.tool_choice
+    return "auto" if body.tools else "none"
+
+
+def refuse_unsupported(body: SamplingFields) -> None:
+    """OpenAI fields that ask for what this server cannot give, refused with the field's name (never ignored)."""
+    if body.best_of is not None and body.best_of != body.n:
+        raise APIError(400, "best_of (generating more choices and returning the best) is not supported; send n",
+                       param="best_of")
+    if body.reasoning_effort is not None:
+        raise APIError(400, "reasoning_effort: this model has no reasoning effort to set", param="reasoning_effort")
+    if body.modalities is not None and any(m != "text" for m in body.modalities):
+        raise APIError(400, "modalities: this server answers text only", param="modalities")
+    if body.audio is not None:
+        raise APIError(400, "audio output is not supported: this server answers text only", param="audio")
+    if body.web_search_options is not None:
+        raise APIError(400, "web_search_options: this server has no web search", param="web_search_options")
+
+
+def output_constraint(state: ServerState, body: SamplingFields) -> tuple[Constraint | None, bool]:
+    """The request's output constraint (or None), and whether tool calls are to be parsed out of the answer."""
+    refuse_unsupported(body)
+    constraint = constraint_from_request(body)
+    if not isinstance(body, ChatCompletionRequest):
+        return constraint, False
+    if body.functions is not None or body.function_call is not None:
+        raise APIError(400, "functions and function_call are deprecated and not supported; send tools and "
+                            "tool_choice", param="functions" if body.functions is not None else "function_call")
+    choice = tool_choice(body)
+    if not body.tools:
+        if choice not in ("none", "auto"):
+            raise APIError(400, "tool_choice names a function or requires a call, but the request has no tools",
+                           param="tool_choice")
+        return constraint, False
+    check_tools(body.tools)
+    if choice == "none":
+        return constraint, False
+    if constraint is not None:
+        raise APIError(400, f"{constraint.param} cannot be combined with tools when tool_choice is {choice!r}; "
+                            "send tool_choice \"none\" to constrain the message, or drop it", param=constraint.param)
+    if choice == "auto":
+        if not template_supports_tools(state.tokenizer):
+            raise APIError(400, "this model's chat template has no tool support, so the model cannot be told about "
+                                'the tools; send tool_choice "required" or a named function to force a call',
+                           param="tools")
+        if state.tool_call_parser is None:
+            raise APIError(400, 'tool_choice "auto" needs a server started with --tool-call-parser hermes; '
+                                'or send tool_choice "required" or a named function', param="tool_choice")
+        return None, True
+    name = None
+    if choice != "required":
+        name = choice.function.name
+        if name not in {t.function.name for t in body.tools}:
+            raise APIError(400, f"tool_choice names the function {name!r}, which is not among the request's tools",
+                           param="tool_choice")
+    return tools_constraint(body.tools, name, body.parallel_tool_calls), True

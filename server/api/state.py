@@ -1,0 +1,218 @@
+"""A request in flight: the server state it runs against, its engine sequences, and waiting for their output.
+
+Each HTTP request becomes one engine Sequence per (prompt, choice). The engine thread hands each step's new text to
+`PendingRequest.emit`, which moves it onto the request's asyncio queue; the route gathers it (`gather`) or streams it
+(`stream_events`), and a client that goes away has its sequences aborted, which frees their KV-cache blocks.
+
+The event loop shares the machine (and, through the GIL, the engine thread's Python) with the decode, so the work
+per token is kept small: a gathered request is woken only when a sequence finishes, and a streamed one waits on its
+queue with no timer (its response watches for the client going away instead; server/api/bodies.py, EventStream).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import threading
+import time
+import weakref
+from dataclasses import dataclass, field
+
+from fastapi import Request
+
+from server.engine.detokenizer import IncrementalDetokenizer
+from server.engine.core import Engine
+from server.engine.structured.grammar import GrammarState
+from server.api.metrics import Metrics
+from server.api.protocol import APIError
+from server.engine.sampler import SamplingParams
+from server.engine.scheduler import Sequence
+
+DISCONNECT_POLL_S = 0.5
+
+
+@dataclass
+class ServerState:
+    engine: Engine
+    tokenizer: object
+    model_name: str
+    vocab_size: int
+    api_key: str | None = None
+    max_queued_requests: int = 256
+    max_body_bytes: int = 4 * 1024 * 1024
+    tool_call_parser: str | None = None  # "hermes": tool_choice "auto" reads calls out of the model's text
+    pooling: object = None  # /v1/embeddings' pooling (server/api/embeddings.py PoolingConfig; build_app resolves it)
+    responses: object = None  # stored responses (server/api/responses.py ResponseStore; build_app makes one)
+    metrics: Metrics = field(default_factory=Metrics)
+    supervisor: object = None  # server/engine/supervisor.py, when this process spawned the ranks
+    loras: object = None  # server/engine/lora_registry.py LoraRegistry, with --enable-lora
+    draining: bool = False
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def __post_init__(self) -> None:
+        # --api-key may name several keys, comma-separated: each client its own (stored responses are per key)
+        self.api_keys = frozenset(k.strip() for k in (self.api_key or "").split(",") if k.strip())
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+
+class Outbox:
+    """Engine events bound for one event loop, handed over in batches. The engine thread emits one event per sequence
+    per step; a call_soon_threadsafe each (a write to the loop's wake-up pipe, and often a wake-up of the loop) cost
+    the engine thread ~2.4 % of a 32-stream decode step (py-spy). Here the first event of a batch schedules one
+    delivery, and the events that arrive before it runs ride along."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self._items: list[tuple[asyncio.Queue, tuple]] = []
+        self._lock = threading.Lock()
+
+    def put(self, queue: asyncio.Queue, item: tuple) -> None:  # engine thread
+        with self._lock:
+            self._items.append((queue, item))
+            if len(self._items) > 1:
+                return  # a delivery is already scheduled
+        self.loop.call_soon_threadsafe(self._deliver)
+
+    def _deliver(self) -> None:  # the loop's thread
+        with self._lock:
+            items, self._items = self._items, []
+        for queue, item in items:
+            queue.put_nowait(item)
+
+
+_outboxes: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def outbox_for(loop: asyncio.AbstractEventLoop) -> Outbox:
+    box = _outboxes.get(loop)
+    if box is None:
+        box = _outboxes[loop] = Outbox(loop)
+    return box
+
+
+class PendingRequest:
+    """One HTTP request's sequences and the queue their output arrives on."""
+
+    def __init__(self, state: ServerState, loop: asyncio.AbstractEventLoop, stream: bool = False):
+        self.state = state
+        self.loop = loop
+        self.stream = stream  # every step's text is wanted; otherwise only the end of each sequence
+        self.outbox = outbox_for(loop)
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.seqs: list[Sequence] = []
+        self.index: dict[int, int] = {}  # seq_id -> choice index
+        self.emitted_tokens: dict[int, int] = {}
+        self.token_times: dict[int, float] = {}  # seq_id -> when its latest token came
+        self.lora = None  # the LoRA adapter the request's `model` named (server/api/preprocess.py check_model)
+
+    def emit(self, seq: Sequence, text: str, finished: bool) -> None:  # engine thread
+        n = len(seq.output_ids)
+        t, prev = seq.last_token_time, self.token_times.get(seq.seq_id)
+        if t is not None and t != prev:
+            if prev is not None:
+                self.state.metrics.itl.observe(t - prev)  # every gap between two tokens of a sequence
+            self.token_times[seq.seq_id] = t
+        if self.stream or finished:
+            self.outbox.put(self.queue, (seq, text, finished, n))
+
+    def close(self) -> None:
+        """The client went away: abort the sequences and end the stream without waiting for the engine."""
+        self.abort()
+        self.queue.put_nowait(None)
+
+    def add(self, prompt_ids: list[int], params: SamplingParams, choice: int,
+            grammar: GrammarState | None = None) -> None:
+        detok = IncrementalDetokenizer(self.state.tokenizer, prompt_ids, params.stop, params.skip_special_tokens)
+        seq = Sequence(prompt_ids, params, detok, emit=self.emit, grammar=grammar, lora=self.lora)
+        self.index[seq.seq_id] = choice
+        self.emitted_tokens[seq.seq_id] = 0
+        self.seqs.append(seq)
+
+    def submit(self) -> None:
+        for seq in self.seqs:
+            self.state.engine.add(seq)
+        self.state.metrics.prompt_tokens.inc(sum(len(s.prompt_ids) for s in self.seqs))
+
+    def abort(self) -> None:
+        for seq in self.seqs:
+            if not seq.finished:
+                self.state.engine.abort(seq)
+
+    def observe_finish(self, seq: Sequence) -> None:
+        m = self.state.metrics
+        m.finished.labels(seq.finish_reason).inc()
+        m.generation_tokens.inc(len(seq.output_ids))
+        if seq.first_token_time is not None:
+            m.ttft.observe(seq.first_token_time - seq.arrival)
+            m.e2e.observe(seq.last_token_time - seq.arrival)
+
+
+def admit(state: ServerState, req: PendingRequest) -> None:
+    """Queue the request's sequences, or answer 429 when the queue is full."""
+    if state.engine.num_waiting + len(req.seqs) > state.max_queued_requests:
+        raise APIError(429, f"the server is at capacity ({state.max_queued_requests} queued sequences); retry "
+                            "shortly", "rate_limit_error", code="queue_full", headers={"Retry-After": "1"})
+    req.submit()
+
+
+# ---- waiting for output ---------------------------------------------------------------------------------------
+if sys.version_info >= (3, 11):
+    async def _get(queue: asyncio.Queue):
+        async with asyncio.timeout(DISCONNECT_POLL_S):  # a timer on this task (wait_for wraps a new task per call)
+            return await queue.get()
+else:  # pragma: no cover - Python 3.10
+    async def _get(queue: asyncio.Queue):
+        return await asyncio.wait_for(queue.get(), DISCONNECT_POLL_S)
+
+
+async def next_event(req: PendingRequest, request: Request):
+    """The next engine event (a gathered request gets one per sequence, when it finishes); every DISCONNECT_POLL_S
+    without one, a client that has gone away has the request's sequences aborted."""
+    while True:
+        if not req.queue.empty():
+            return req.queue.get_nowait()
+        try:
+            return await _get(req.queue)
+        except asyncio.TimeoutError:
+            if await request.is_disconnected():
+                req.abort()
+                raise asyncio.CancelledError("client disconnected")
+
+
+async def gather(req: PendingRequest, request: Request) -> list[Sequence]:
+    pending = len(req.seqs)
+    try:
+        while pending:
+            seq, _, finished, _ = await next_event(req, request)
+            if finished:
+                pending -= 1
+                req.observe_finish(seq)
+    except BaseException:
+        req.abort()
+        raise
+    if any(s.finish_reason == "error" for s in req.seqs):
+        raise APIError(503, f"the engine failed while serving this request: {req.state.engine.dead}",
+                       "service_unavailable", code="engine_failed")
+    return req.seqs
+
+
+async def stream_events(req: PendingRequest):
+    """(seq, new text, finished, first token index, end token index) for every engine event, until all finish or the
+    client goes away (`PendingRequest.close`, called by the response that watches the connection). The response
+    aborts whatever is still running when it ends, however it ends (server/api/bodies.py, EventStream)."""
+    pending = len(req.seqs)
+    queue = req.queue
+    while pending:
+        event = queue.get_nowait() if not queue.empty() else await queue.get()
+        if event is None:
+            return
+        seq, text, finished, n = event
+        a = req.emitted_tokens[seq.seq_id]
+        req.emitted_tokens[seq.seq_id] = n
+        if finished:
+            pending -= 1
+            req.observe_finish(seq)
+        yield seq, text, finished, a, n

@@ -1,0 +1,1 @@
+"""The `tpserve` command and the launch of the ranks."""

@@ -1,0 +1,422 @@
+"""The `tpserve` command: `serve` (the OpenAI-compatible server), `generate` (offline), `prepare` (default model).
+
+`tpserve serve` launches its own ranks on this host; under torchrun each process is one rank and only rank 0 serves
+HTTP. On SIGTERM/SIGINT the server drains: /health answers 503, new requests get 503, requests in flight finish
+(up to --shutdown-timeout), then every rank exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import threading
+import time
+
+logger = logging.getLogger("tpserve")
+STARTED = time.monotonic()  # the start's phases are logged with the time from here to serving
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", nargs="?", default=None,
+                   help="a local Hugging Face checkpoint folder (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--model", dest="model_flag", default=None, help=argparse.SUPPRESS)
+    p.add_argument("-tp", "--tensor-parallel-size", type=int, default=1,
+                   help="ranks each layer is split over (default 1)")
+    p.add_argument("-pp", "--pipeline-parallel-size", type=int, default=1,
+                   help="pipeline stages: contiguous groups of layers, each on its own tp ranks (default 1; "
+                        "TPSERVE_PP_LAYER_PARTITION=3,2 sets the layers per stage)")
+    p.add_argument("-dp", "--data-parallel-size", type=int, default=1,
+                   help="replicas of the tp x pp ranks behind the one server (default 1)")
+    p.add_argument("--sequence-parallel", action="store_true",
+                   help="prefill steps split the tokens over the tp ranks between layers (Megatron sequence "
+                        "parallelism): norms and residuals on a rank's tokens only; decode steps are unchanged")
+    p.add_argument("--enable-expert-parallel", action="store_true",
+                   help="mixture-of-experts models: the tp ranks own whole experts (split as evenly as possible) "
+                        "instead of a slice of every expert; attention stays tensor-parallel (default off)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="weights and activations dtype (auto: the checkpoint's)")
+    p.add_argument("--quantization", "-q", default=None, choices=["int8", "int4", "bf16"],
+                   help="quantization of the linears and the LM head, done by each rank on its own shard at load: "
+                        "int8 per block of 32 inputs (llama.cpp's Q8_0), int4 per group of inputs (Q4_0), bf16 "
+                        "(16-bit weights); with AVX-512 VNNI / BF16 the linears' inputs are rounded to int8 / "
+                        "bfloat16 as llama.cpp does (default: none)")
+    p.add_argument("--quantization-group-size", type=int, default=32, choices=[32, 128],
+                   help="int4: inputs per scale (default 32, as llama.cpp's Q4_0; 32 for layers whose input size is "
+                        "not a multiple of 128)")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="longest prompt + completion in tokens (default: min(model maximum, 2048))")
+    p.add_argument("--max-num-seqs", type=int, default=32,
+                   help="most sequences in the running batch (default 32; reserves no memory)")
+    p.add_argument("--kv-cache-memory", type=parse_bytes, default=None, metavar="SIZE",
+                   help="KV cache per rank, e.g. 4GiB, 512MiB (default: half the memory available after the weights, "
+                        "split among this host's ranks, at most what --max-num-seqs sequences of --max-model-len "
+                        "tokens use; on CUDA see --gpu-memory-utilization)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="CUDA: fraction of the device's memory this process may use in all (default 0.9)")
+    p.add_argument("--block-size", type=int, default=16, choices=[8, 16, 32, 64, 128],
+                   help="tokens per KV-cache block (default 16)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="tokens per step: decoding sequences first, then prefill chunks (default 512)")
+    p.add_argument("--max-prefill-tokens-while-decoding", type=int, default=64,
+                   help="while sequences decode, prefill tokens per step at most (default 64; 0: the step budget): "
+                        "bounds the pause a long prompt puts in every running stream")
+    p.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help='speculative decoding (vLLM\'s keys), e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
+                        '"prompt_lookup_min": 2, "prompt_lookup_max": 5}\'; methods ngram and suffix; greedy output '
+                        'is unchanged, sampled output keeps its distribution')
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse the KV cache of earlier requests' identical prefixes (default on)")
+
+
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
+          "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}
+
+
+def parse_bytes(text: str) -> int:
+    """'4GiB', '512MiB', '1.5GB', '1000000' -> bytes (an argparse type: a readable error for anything else)."""
+    import re
+
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", text)
+    unit = m and m.group(2).lower()
+    if not m or unit not in _UNITS:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size: use a number with an optional unit, e.g. 4GiB, "
+                                         "512MiB, 2GB")
+    value = int(float(m.group(1)) * _UNITS[unit])
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: the KV cache needs more than 0 bytes")
+    return value
+
+
+def positive(name: str, value: int | None) -> None:
+    if value is not None and value < 1:
+        raise SystemExit(f"tpserve: error: {name} must be at least 1 (got {value})")
+
+
+def engine_config(args):
+    from server.cli.launcher import resolve_model
+    from sharding.runner import EngineConfig
+
+    positive("--tensor-parallel-size", args.tensor_parallel_size)
+    positive("--pipeline-parallel-size", args.pipeline_parallel_size)
+    positive("--data-parallel-size", args.data_parallel_size)
+    positive("--max-num-seqs", args.max_num_seqs)
+    positive("--max-model-len", args.max_model_len)
+    positive("--max-num-batched-tokens", args.max_num_batched_tokens)
+    if args.max_prefill_tokens_while_decoding < 0:
+        raise SystemExit("tpserve: error: --max-prefill-tokens-while-decoding must be at least 0 "
+                         f"(got {args.max_prefill_tokens_while_decoding})")
+    if args.max_num_batched_tokens is not None and args.max_num_batched_tokens < args.max_num_seqs:
+        raise SystemExit(f"tpserve: error: --max-num-batched-tokens ({args.max_num_batched_tokens}) must be at least "
+                         f"--max-num-seqs ({args.max_num_seqs}): every running sequence decodes one token per step")
+    if not 0 < args.gpu_memory_utilization <= 1:
+        raise SystemExit("tpserve: error: --gpu-memory-utilization must be in (0, 1] "
+                         f"(got {args.gpu_memory_utilization})")
+    model = args.model or args.model_flag
+    return EngineConfig(resolve_model(model), args.dtype, args.max_num_seqs, args.max_model_len,
+                        block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
+                        gpu_memory_utilization=args.gpu_memory_utilization,
+                        pipeline_parallel_size=args.pipeline_parallel_size, data_parallel_size=args.data_parallel_size,
+                        sequence_parallel=args.sequence_parallel, quantization=args.quantization,
+                        quantization_group_size=args.quantization_group_size,
+                        enable_expert_parallel=args.enable_expert_parallel, **lora_config(args))
+
+
+def lora_config(args) -> dict:
+    """The LoRA flags (serve only) as EngineConfig fields, checked."""
+    if not getattr(args, "enable_lora", False):
+        if getattr(args, "lora_modules", None):
+            raise SystemExit("tpserve: error: --lora-modules needs --enable-lora")
+        return {}
+    positive("--max-loras", args.max_loras)
+    positive("--max-lora-rank", args.max_lora_rank)
+    cpu = args.max_cpu_loras if args.max_cpu_loras is not None else args.max_loras
+    positive("--max-cpu-loras", cpu)
+    if cpu < args.max_loras:
+        raise SystemExit(f"tpserve: error: --max-cpu-loras ({cpu}) must be at least --max-loras ({args.max_loras}): "
+                         "every adapter of a step needs a slot")
+    return dict(enable_lora=True, max_cpu_loras=cpu, max_lora_rank=args.max_lora_rank)
+
+
+def describe_cache(runner, engine) -> str:
+    """The pool at start, as vLLM prints it: blocks, tokens, and how many max-length sequences fit at once."""
+    tokens = runner.num_blocks * runner.block_size
+    return (f"KV cache {runner.kv_cache_bytes() / 2**20:.0f} MiB per rank: {runner.num_blocks} blocks of "
+            f"{runner.block_size} tokens = {tokens} tokens; maximum concurrency at {runner.max_model_len} tokens per "
+            f"sequence: {tokens / runner.max_model_len:.2f}x; prefix caching "
+            f"{'on' if engine.blocks.enable_prefix_caching else 'off'}; {engine.scheduler.max_num_batched_tokens} "
+            f"tokens per step ({engine.scheduler.max_prefill_tokens_while_decoding or 'no cap on'} prefill tokens "
+            f"while decoding)")
+
+
+def serve(args) -> int:
+    import uvicorn
+
+    from server.api.app import ServerState, build_app
+    from server.api.embeddings import pooling_config
+    from server.api.responses import ResponseStore
+    from server.engine.spec_decode.proposers import parse_speculative_config
+    from server.engine.supervisor import Supervisor
+    from server.engine.core import Engine, EngineThread
+    from server.cli.launcher import kill_workers, launch, torchrun_worker_signals
+    from server.engine.tokenizer import load_tokenizer
+    from sharding.cpu import kernels
+
+    api_key = args.api_key or os.environ.get("TPSERVE_API_KEY") or None
+    cfg = engine_config(args)
+    if not args.grammar_compile_timeout > 0:
+        raise SystemExit(f"tpserve: error: --grammar-compile-timeout must be above 0 (got {args.grammar_compile_timeout})")
+    from transformers import AutoConfig
+
+    speculative = parse_speculative_config(args.speculative_config)  # refused before any rank starts
+    if speculative is not None and speculative.method == "draft_model" and os.path.isdir(cfg.model):
+        from server.engine.spec_decode.draft_model import check_draft  # (the draft's vocabulary, before any rank starts)
+
+        check_draft(speculative.model, AutoConfig.from_pretrained(cfg.model), load_tokenizer(cfg.model))
+    name = args.served_model_name or os.path.basename(os.path.normpath(cfg.model))
+    loras = None
+    if cfg.enable_lora:  # every adapter checked against the base checkpoint before any rank starts
+        from loaders.checkpoint import Checkpoint
+        from server.engine.lora_registry import LoraRegistry, parse_lora_modules
+        from sharding.layers.lora import supports_lora
+        from sharding.models import model_class
+
+        with Checkpoint(cfg.model) as ckpt:
+            if not supports_lora(model_class(ckpt.architecture)):
+                raise ValueError(f"--enable-lora: LoRA adapters are not supported for {ckpt.architecture} yet")
+        loras = LoraRegistry(cfg.model, name, args.max_loras, cfg.max_cpu_loras, cfg.max_lora_rank)
+        for lora_name, path, base in parse_lora_modules(args.lora_modules):
+            loras.register(loras.check(lora_name, path, base))
+    pooling = None
+    if os.path.isdir(cfg.model):  # checked before any rank starts: a pipeline this server cannot pool is refused
+        try:
+            pooling = pooling_config(cfg.model, AutoConfig.from_pretrained(cfg.model), args.pooling,
+                                     args.normalize_embeddings)
+        except (OSError, KeyError) as e:
+            raise ValueError(f"cannot read the model's config or its sentence-transformers files: {e}") from None
+    torchrun_worker_signals()
+    compute = EngineThread()  # every torch call of this process runs there: loading now, the engine loop later
+    runner, dist, workers = compute.call(launch, cfg, args.tensor_parallel_size)
+    tokenizer = load_tokenizer(cfg.model)
+    if pooling is None:
+        pooling = pooling_config(cfg.model, runner.config, args.pooling, args.normalize_embeddings)
+    exit_code = {"code": 0}
+    server_ref: dict = {}
+
+    def fatal(reason: str) -> None:
+        """A rank died or hung: fail everything in flight, then stop the whole server non-zero."""
+        logger.error("fatal: %s; stopping", reason)
+        exit_code["code"] = 1
+
+        def stop_later() -> None:
+            time.sleep(1.0)  # let in-flight streams receive their error event
+            kill_workers(workers)
+            srv = server_ref.get("server")
+            if srv is not None:
+                srv.should_exit = True
+            time.sleep(args.shutdown_timeout + 5)
+            os._exit(1)  # uvicorn did not stop in time
+        threading.Thread(target=stop_later, daemon=True).start()
+
+    engine = Engine(runner, tokenizer, args.max_num_batched_tokens, args.enable_prefix_caching, on_fatal=fatal,
+                    max_prefill_tokens_while_decoding=args.max_prefill_tokens_while_decoding,
+                    speculative=speculative)
+    engine.grammars.compile_timeout = args.grammar_compile_timeout
+    if loras is not None:
+        engine.enable_lora(loras)
+    state = ServerState(engine, tokenizer, name, runner.vocab_size, api_key=api_key,
+                        max_queued_requests=args.max_queued_requests, max_body_bytes=args.max_body_bytes,
+                        tool_call_parser=args.tool_call_parser,
+                        pooling=pooling, responses=ResponseStore(args.responses_store_max_bytes,
+                                                                 args.responses_store_max_count),
+                        loras=loras)
+    engine.step_listeners.append(lambda dt, _: state.metrics.step_seconds.observe(dt))
+    supervisor = None
+    if workers.procs:  # ranks this process spawned: a dead or hung replica is isolated and (by default) restarted
+        supervisor = Supervisor(engine, runner, workers, cfg, restart=args.restart_failed_ranks,
+                                max_restarts=args.max_rank_restarts, window_s=args.rank_restart_window)
+        state.supervisor = supervisor
+    else:
+        workers.on_death = lambda rank, msg: engine.fail(msg)
+    workers.watch()
+    engine.start(compute)
+    engine.watchdog(args.step_timeout, supervisor.on_hang if supervisor is not None else None)
+    app = build_app(state)
+
+    class DrainingServer(uvicorn.Server):
+        """First SIGTERM/SIGINT: drain (503 for new work) until idle or --shutdown-timeout, then stop; a second
+        signal stops at once. (uvicorn's own handler would re-raise the signal after shutdown, killing this process
+        before it can stop the other ranks.)"""
+
+        def handle_exit(self, sig, frame) -> None:
+            if state.draining or exit_code["code"]:
+                self.should_exit = self.force_exit = True
+                return
+            state.draining = True
+            logger.info("draining: waiting up to %.0f s for %d request(s) in flight", args.shutdown_timeout,
+                        engine.num_running + engine.num_waiting)
+
+            def wait() -> None:
+                deadline = time.monotonic() + args.shutdown_timeout
+                while time.monotonic() < deadline and (engine.num_running or engine.num_waiting):
+                    time.sleep(0.05)
+                time.sleep(0.2)  # let the last responses flush
+                self.should_exit = True
+
+            threading.Thread(target=wait, daemon=True).start()
+
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
+                            timeout_graceful_shutdown=5, limit_concurrency=args.max_connections)
+    server = DrainingServer(config)
+    server_ref["server"] = server
+    print(f"tpserve: {describe_cache(runner, engine)}", flush=True)
+    layout = (f"tensor parallel size {args.tensor_parallel_size}" + (
+        f", pipeline parallel size {args.pipeline_parallel_size}" if args.pipeline_parallel_size > 1 else "") + (
+        f", data parallel size {args.data_parallel_size}" if args.data_parallel_size > 1 else "") + (
+        f", {runner.cfg.quantization} weights" if runner.cfg.quantization else "") + (
+        f", {runner.cfg.dtype} activations" if runner.cfg.dtype != args.dtype else "") + (
+        f", {kernels.describe()}" if dist.device.type == "cpu" else ""))  # see cpu_precision, sharding/cpu/variants.py
+    total = time.monotonic() - STARTED
+    logger.info("started in %.1f s: %s, the rest %.1f s (imports, tokenizer, the other ranks)", total,
+                runner.phases.summary(), max(total - sum(runner.phases.seconds.values()), 0.0))
+    if engine.speculative is not None:
+        print(f"tpserve: {engine.speculative.describe()}", flush=True)
+    print(f"tpserve: serving {name} on http://{args.host}:{args.port} ({layout})", flush=True)
+    try:
+        server.run()
+    finally:
+        if supervisor is not None:
+            supervisor.close()
+        engine.stop()
+        live = [r for r in range(dist.layout.dp) if r not in engine.down]
+        if engine.dead is None and dist.global_world_size > 1 and live:
+            try:  # on the engine thread, which owns the collectives (free once the loop has stopped)
+                compute.submit(runner.stop_workers, live).result(timeout=10)
+            except Exception:  # noqa: BLE001 - a rank already gone, or the loop never came back
+                exit_code["code"] = exit_code["code"] or 1
+        workers.close(timeout=10)
+        dist.shutdown()
+    if engine.dead is not None:
+        exit_code["code"] = 1
+    return exit_code["code"]
+
+
+def generate(args) -> int:
+    from server.llm import LLM
+    from server.engine.sampler import SamplingParams
+
+    prompts = list(args.prompt) or [line.rstrip("\n") for line in sys.stdin if line.strip()]
+    if not prompts:
+        raise SystemExit("tpserve: error: give --prompt (repeatable) or prompts on standard input, one per line")
+    cfg = engine_config(args)
+    llm = LLM(cfg.model, args.tensor_parallel_size, cfg.dtype, cfg.max_num_seqs, cfg.max_model_len,
+              block_size=cfg.block_size, kv_cache_memory=cfg.kv_cache_memory,
+              gpu_memory_utilization=cfg.gpu_memory_utilization, max_num_batched_tokens=args.max_num_batched_tokens,
+              enable_prefix_caching=args.enable_prefix_caching,
+              max_prefill_tokens_while_decoding=args.max_prefill_tokens_while_decoding,
+              pipeline_parallel_size=cfg.pipeline_parallel_size, data_parallel_size=cfg.data_parallel_size,
+              sequence_parallel=cfg.sequence_parallel, quantization=cfg.quantization,
+              quantization_group_size=cfg.quantization_group_size, speculative_config=args.speculative_config,
+              enable_expert_parallel=cfg.enable_expert_parallel)
+    try:
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
+        if args.chat:
+            outs = [llm.chat([{"role": "user", "content": p}], params) for p in prompts]
+        else:
+            outs = llm.generate(prompts, params)
+        for p, o in zip(prompts, outs):
+            if args.json:
+                print(json.dumps({"prompt": p, "text": o.text, "token_ids": o.token_ids,
+                                  "finish_reason": o.finish_reason}))
+            else:
+                print(o.text)
+    finally:
+        llm.close()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="tpserve", description="A readable tensor-parallel LLM server")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    s = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
+    add_engine_args(s)
+    s.add_argument("--host", default="0.0.0.0")
+    s.add_argument("--port", type=int, default=int(os.environ.get("TPSERVE_PORT") or 8000),
+                   help="HTTP port (default: TPSERVE_PORT, else 8000; the Docker image's healthcheck probes the same)")
+    s.add_argument("--served-model-name", default=None, help="the model id clients use (default: folder name)")
+    s.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on /v1 (or TPSERVE_API_KEY); several keys "
+                        "comma-separated, and a stored response is visible only to the key that made it")
+    s.add_argument("--responses-store-max-bytes", type=parse_bytes, default=64 * 1024 * 1024, metavar="SIZE",
+                   help="bound of the stored /v1/responses (their JSON), least recently used evicted (default 64M)")
+    s.add_argument("--responses-store-max-count", type=int, default=10_000,
+                   help="most stored /v1/responses, least recently used evicted (default 10000)")
+    s.add_argument("--max-queued-requests", type=int, default=256, help="waiting sequences before answering 429")
+    s.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024, help="largest request body (413 above)")
+    s.add_argument("--tool-call-parser", choices=["hermes"], default=None,
+                   help='read tool calls out of the model\'s text for tool_choice "auto" (hermes: <tool_call>{...}'
+                        '</tool_call>, as Qwen2/Qwen3 and SmolLM-style templates teach); without it, "auto" is '
+                        'refused and "required" or a named function still force a call')
+    s.add_argument("--grammar-compile-timeout", type=float, default=10.0, metavar="SECONDS",
+                   help="longest a structured-output grammar may take to compile before the request is refused "
+                        "(default 10)")
+    s.add_argument("--pooling", choices=["last", "mean", "cls"], default=None,
+                   help="/v1/embeddings pooling (default: a sentence-transformers config in the model folder, else "
+                        "last token)")
+    s.add_argument("--no-normalize-embeddings", dest="normalize_embeddings", action="store_false", default=None,
+                   help="return /v1/embeddings vectors without L2 normalization")
+    s.add_argument("--max-connections", type=int, default=1024, help="open connections before uvicorn answers 503")
+    s.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds to finish requests on SIGTERM")
+    s.add_argument("--step-timeout", type=float, default=120.0,
+                   help="seconds without a step result before the ranks are declared hung: their replica's ranks are "
+                        "killed and restarted (see --restart-failed-ranks), else the server stops")
+    s.add_argument("--enable-lora", action="store_true",
+                   help="serve LoRA adapters of the base model, picked by a request's `model` (docs/lora.md)")
+    s.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
+                   help="adapters to serve: name=path (a local PEFT folder) or JSON "
+                        "{\"name\": ..., \"path\": ..., \"base_model_name\": ...}")
+    s.add_argument("--max-loras", type=int, default=1, help="distinct adapters in one step (default 1)")
+    s.add_argument("--max-lora-rank", type=int, default=16, help="the largest adapter rank accepted (default 16)")
+    s.add_argument("--max-cpu-loras", type=int, default=None,
+                   help="adapters kept loaded on the ranks; the least recently used one is evicted and read again "
+                        "when needed (default: --max-loras)")
+    s.add_argument("--restart-failed-ranks", action=argparse.BooleanOptionalAction, default=True,
+                   help="start a replica's ranks again when one of them dies or hangs; its requests continue on the "
+                        "other replicas or wait for it (default on; ranks started by torchrun are left to torchrun)")
+    s.add_argument("--max-rank-restarts", type=int, default=3, metavar="N",
+                   help="a replica that fails more than N times within --rank-restart-window is not restarted: the "
+                        "server exits non-zero (default 3)")
+    s.add_argument("--rank-restart-window", type=float, default=600.0, metavar="SECONDS",
+                   help="the window --max-rank-restarts counts failures in (default 600)")
+    s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    g = sub.add_parser("generate", help="generate offline (no HTTP)")
+    add_engine_args(g)
+    g.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable); else stdin, one per line")
+    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--chat", action="store_true", help="wrap each prompt as a user message in the chat template")
+    g.add_argument("--json", action="store_true", help="one JSON object per prompt")
+    sub.add_parser("prepare", help="convert the embedded default model into the cache folder and print its path")
+    args = ap.parse_args(argv)
+    rank = os.environ.get("RANK", "0")
+    logging.basicConfig(level=logging.INFO if rank == "0" else logging.WARNING,
+                        format=f"%(asctime)s [rank {rank}] %(levelname)s %(name)s: %(message)s")
+    try:
+        if args.cmd == "serve":
+            return serve(args)
+        if args.cmd == "generate":
+            return generate(args)
+        from loaders.default_model import ensure_default_model
+
+        print(ensure_default_model())
+        return 0
+    except (ValueError, FileNotFoundError, RuntimeError) as e:  # bad input, or a rank that failed to start
+        print(f"tpserve: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Rank 0's engine: scheduling, the step loop, sampling, detokenization, replicas."""

@@ -1,0 +1,276 @@
+"""Continuous batching over a paged KV cache: which sequences run in the next step, and how many tokens each.
+
+A step has a token budget (`max_num_batched_tokens`). It serves every decoding sequence first (one token each),
+then fills the rest with prefill chunks: sequences part-way through their prompt, then waiting ones in arrival order.
+A prompt longer than what is left is prefilled over several steps while the other streams keep decoding. While any
+sequence decodes, a step's prefill tokens are also capped at `max_prefill_tokens_while_decoding`: on a CPU a prefill
+token costs about as much as a whole decode step's weight streaming, so this cap is what bounds the gap a long prompt
+puts between two tokens of every running stream; deep into a long prompt, where each token's attention reads
+thousands of keys, the cap shrinks in proportion. With nothing decoding, prefill takes the whole budget.
+
+Blocks come from the block manager (server/engine/block_manager.py). A waiting sequence starts with the longest run of
+cached full blocks that matches its tokens (automatic prefix caching) and computes the rest. When a running sequence
+needs a block and none is free, the most recently admitted sequences are preempted: their blocks are freed (kept in
+the prefix cache until evicted), they go back to the front of the queue, and they are recomputed later with their
+generated tokens as part of the prompt, so their output does not change.
+
+Each running sequence also holds a row of the block table that every rank mirrors (sharding/wire.py); the step
+message carries the (row, index, block) entries that changed.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from server.engine.block_manager import BlockManager
+from server.engine.detokenizer import IncrementalDetokenizer
+from server.engine.structured.grammar import GrammarState
+from server.engine.sampler import SamplingParams
+
+_ids = itertools.count()
+
+WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    prompt_ids: list[int]
+    params: SamplingParams
+    detok: IncrementalDetokenizer
+    emit: Callable[["Sequence", str, bool], None]  # (sequence, new text, finished) called from the engine thread
+    eos_ids: frozenset[int] = frozenset()
+    seq_id: int = field(default_factory=lambda: next(_ids))
+    output_ids: list[int] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)  # prompt + output: every token whose K/V it will need
+    token_logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    prompt_logprobs: list[float] | None = None  # of prompt tokens 1.. (the first has none), when params ask
+    prompt_top_logprobs: list[list[tuple[int, float]]] | None = None
+    status: str = WAITING
+    row: int = -1  # its row of the block table while running
+    num_computed: int = 0  # tokens whose K/V are in the cache
+    num_preemptions: int = 0
+    num_cached_prompt: int = 0  # prompt tokens its first admission found in the prefix cache (usage's cached_tokens)
+    finish_reason: str | None = None
+    generator: torch.Generator | None = None
+    grammar: "GrammarState | None" = None  # the output constraint's matcher (server/engine/structured/grammar.py), if any
+    lane: int = 0  # the engine lane (replica and in-flight slot) whose scheduler runs it
+    pooling: str | None = None  # an embedding sequence (prefill only): "last", "mean" or "cls" (server/api/embeddings.py)
+    pooled: torch.Tensor | None = None  # its pooled hidden state: the sum so far under "mean", then the result
+    spec: object = None  # its speculation state (server/engine/spec_decode/proposers.py SpecState), when the server speculates
+    lora: object = None  # its LoRA adapter (server/engine/lora_registry.py Adapter), None for the base model
+    arrival: float = field(default_factory=time.monotonic)
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+
+    def __post_init__(self) -> None:
+        self.token_ids = list(self.prompt_ids)
+        if self.params.seed is not None:
+            self.generator = torch.Generator().manual_seed(self.params.seed)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def num_remaining(self) -> int:
+        """Known tokens not yet in the cache: 1 while decoding, more during a prefill (or a recompute)."""
+        return len(self.token_ids) - self.num_computed
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """It needs the logits of every prompt token (echo + logprobs), so cached blocks cannot stand in for them."""
+        return self.params.prompt_logprobs is not None and (
+            self.prompt_logprobs is None or len(self.prompt_logprobs) < len(self.prompt_ids) - 1)
+
+    @property
+    def computes_every_token(self) -> bool:
+        """Cached blocks cannot stand in for its prompt: it needs every prompt token's logits or hidden state."""
+        return self.wants_prompt_logprobs or self.pooling in ("mean", "cls")
+
+    def banned_ids(self, ahead: int = 0) -> list[int]:
+        """Ids masked out of its next token (`ahead` tokens further on, for a verification row): EOS and the stop
+        token ids before min_tokens."""
+        if self.params.ignore_eos or len(self.output_ids) + ahead >= self.params.min_tokens:
+            return []
+        return sorted(self.eos_ids | set(self.params.stop_token_ids))
+
+
+@dataclass(slots=True)
+class Scheduled:
+    """One sequence's part of a step: tokens token_ids[start : start + n]; it samples when they reach its end. A
+    decoding sequence may carry draft tokens to verify: they run after its token in the same step, one decode row
+    each at the next positions (server/engine/spec_decode/proposers.py), and are not in token_ids until verified."""
+
+    seq: Sequence
+    start: int
+    n: int
+    drafts: list[int] = field(default_factory=list)
+
+    @property
+    def samples(self) -> bool:
+        return self.start + self.n == len(self.seq.token_ids)
+
+
+@dataclass(slots=True)
+class Batch:
+    items: list[Scheduled]
+    block_updates: list[tuple[int, int, int]]  # (row, index, block) entries of the block table that changed
+
+
+class Scheduler:
+    def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, blocks: BlockManager,
+                 max_prefill_tokens_while_decoding: int | None = None, attention_depth: int | None = None,
+                 first_row: int = 0):
+        if max_num_batched_tokens < max_num_seqs:
+            raise ValueError(f"--max-num-batched-tokens ({max_num_batched_tokens}) must be at least --max-num-seqs "
+                             f"({max_num_seqs}): every running sequence decodes one token per step")
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_prefill_tokens_while_decoding = max_prefill_tokens_while_decoding
+        # the context length at which a token's attention costs as much as its linears (attention_depth_tokens):
+        # a chunk deep into a long prompt is shortened so that its step stays about as long as one near the start
+        self.attention_depth = attention_depth
+        self.blocks = blocks
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # in admission order: preemption takes from the end
+        self.free_rows = list(range(first_row, first_row + max_num_seqs))  # its rows of the block table
+        self.num_preemptions = 0
+        # speculative decoding: (sequence, running sequences, token budget left) -> draft tokens (server/engine/core.py)
+        self.propose: Callable[[Sequence, int, int], list[int]] | None = None
+        # LoRA: (waiting sequence, running sequences) -> whether it may join the batch now: its adapter in a slot and
+        # no more than --max-loras adapters in one step (server/engine/core.py); one that may not keeps its place
+        self.admit: Callable[[Sequence, list[Sequence]], bool] | None = None
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def schedule(self) -> Batch:
+        """The next step: every decoding sequence, then prefill chunks within the token budget."""
+        self.running = [s for s in self.running if not s.finished]
+        self.waiting = deque(s for s in self.waiting if not s.finished)
+        updates: list[tuple[int, int, int]] = []
+        items: list[Scheduled] = []
+        decoding = sum(1 for s in self.running if s.num_remaining == 1)
+        prefill_budget = self.max_num_batched_tokens - decoding  # decoders' tokens are set aside first
+        if decoding and self.max_prefill_tokens_while_decoding:
+            prefill_budget = min(prefill_budget, self.max_prefill_tokens_while_decoding)
+        preempted = False
+        i = 0
+        while i < len(self.running):
+            seq = self.running[i]
+            is_decode = seq.num_remaining == 1
+            n = 1 if is_decode else min(seq.num_remaining, self._chunk(prefill_budget, seq.num_computed, decoding))
+            if n <= 0:
+                i += 1
+                continue
+            while not self._grow(seq, seq.num_computed + n, updates):
+                victim = self.running[-1]  # the most recently admitted
+                preempted = True
+                if victim.num_remaining == 1 and victim is not seq:
+                    prefill_budget += 1  # its reserved decode token is free again
+                self._preempt(victim)
+                if victim is seq:
+                    break
+            if seq.status != RUNNING:  # it preempted itself: nothing later in `running` is left either
+                break
+            if not is_decode:
+                prefill_budget -= n
+            drafts: list[int] = []
+            if is_decode and self.propose is not None and prefill_budget > 0:  # drafts spend the prefill budget
+                drafts = self.propose(seq, len(self.running), prefill_budget)
+                if drafts and self._grow(seq, seq.num_computed + 1 + len(drafts), updates):
+                    prefill_budget -= len(drafts)
+                else:
+                    drafts = []  # no block for them: no preemption for the sake of a guess
+            items.append(Scheduled(seq, seq.num_computed, n, drafts))
+            i += 1
+        # admit waiting sequences while rows, budget and blocks allow (none after a preemption: blocks are short)
+        held: list[Sequence] = []  # waiting ones `admit` turned down this step: they keep their places
+        while self.waiting and not preempted and self.free_rows and prefill_budget > 0:
+            seq = self.waiting.popleft()
+            if seq.lora is not None and self.admit is not None and not self.admit(seq, self.running):
+                if not seq.finished:
+                    held.append(seq)
+                continue
+            computed: list[int] = []
+            root = seq.lora.cache_root if seq.lora is not None else None
+            if self.blocks.enable_prefix_caching and not seq.computes_every_token:
+                computed = self.blocks.lookup(seq.token_ids, root)
+            num_cached = len(computed) * self.blocks.block_size
+            n = min(len(seq.token_ids) - num_cached, self._chunk(prefill_budget, num_cached, decoding))
+            new = self.blocks.allocate(seq, num_cached + n, computed)
+            if new is None:
+                self.waiting.appendleft(seq)
+                break  # wait for blocks; running sequences are never preempted for a waiting one
+            self.blocks.record_prefix_query(len(seq.token_ids), num_cached)
+            seq.status, seq.row, seq.num_computed = RUNNING, heapq.heappop(self.free_rows), num_cached
+            if not seq.num_preemptions:
+                seq.num_cached_prompt = num_cached
+            self.running.append(seq)
+            self._record(seq, new, updates)
+            prefill_budget -= n
+            items.append(Scheduled(seq, num_cached, n))
+        self.waiting.extendleft(reversed(held))
+        return Batch(items, updates)
+
+    def _chunk(self, budget: int, depth: int, decoding: int) -> int:
+        """Prefill tokens for a sequence whose first `depth` tokens are cached: the budget, shortened while others
+        decode by how much more a token costs at that depth (its attention reads `depth` keys)."""
+        if budget > 0 and decoding and self.max_prefill_tokens_while_decoding and self.attention_depth and depth:
+            return max(1, budget * self.attention_depth // (self.attention_depth + depth))
+        return budget
+
+    def _grow(self, seq: Sequence, num_tokens: int, updates: list) -> bool:
+        new = self.blocks.allocate(seq, num_tokens)
+        if new is None:
+            return False
+        self._record(seq, new, updates)
+        return True
+
+    def _record(self, seq: Sequence, new: list[int], updates: list) -> None:
+        if new:
+            first = len(self.blocks.block_table(seq)) - len(new)
+            updates.extend((seq.row, first + j, b) for j, b in enumerate(new))
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Free its blocks and row; it is recomputed from the front of the queue later (same output)."""
+        self.running.remove(seq)
+        self._release(seq)
+        seq.status, seq.num_computed = WAITING, 0
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def _release(self, seq: Sequence) -> None:
+        self.blocks.free(seq)
+        if seq.row >= 0:
+            heapq.heappush(self.free_rows, seq.row)
+            seq.row = -1
+
+    def finished_step(self, batch: Batch) -> None:
+        """After the step: the scheduled tokens are in the cache; their full blocks join the prefix cache (not for
+        a sequence aborted while its step was in flight: its blocks are gone)."""
+        for item in batch.items:
+            seq = item.seq
+            if seq.status != RUNNING:
+                continue
+            seq.num_computed = item.start + item.n
+            self.blocks.cache_blocks(seq, seq.token_ids, seq.num_computed,
+                                     seq.lora.cache_root if seq.lora is not None else None)
+
+    def free(self, seq: Sequence) -> None:
+        """The sequence is finished or aborted: give its blocks and row back."""
+        if seq.status == RUNNING:
+            self.running.remove(seq)
+            self._release(seq)
+        elif seq.status == WAITING and seq in self.waiting:
+            self.waiting.remove(seq)
+        seq.status = FINISHED

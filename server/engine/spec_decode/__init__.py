@@ -1,0 +1,1 @@
+"""Speculative decoding: proposers and the draft model."""

@@ -1,0 +1,1 @@
+"""Structured outputs: request constraints and the grammar matcher."""

@@ -1,0 +1,917 @@
+// The work between the linears of a Llama-family decode layer, as three ops (CPU, float32), for the decode fast path
+// of sharding/models/llama.py. In torch it is ~40 small ops per layer, each a dispatch of a few microseconds on a
+// decode batch of a few rows; here it is three calls, with the same arithmetic:
+//
+//   decode_attention(qkv, cos, sin, pool, slots, table, lens, q_index, heads, kv_heads, scale, window) -> [B, P * D]
+//       qkv [B, (heads + 2 kv_heads) * D]: the fused projection's output. Rotary on q and k (rotary.cpp's
+//       rotate_head: transformers' formula, product by product), k and v stored at their slots in the paged cache
+//       (pool [2, kv_heads, blocks, block_size, D]), then paged_decode_attention. q_index (optional, [P]): the local
+//       query head of each of the P = kv_heads * group padded positions when GQA groups are uneven (attention.py
+//       GroupedHeads); the caller drops the padding from the output.
+//   add_rms_norm_(h, delta, w, eps) -> rms_norm(h += delta, w, eps): the residual add, in place, and the next norm.
+//   silu_mul(gate_up [B, 2I]) -> silu(gate) * up [B, I].
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/custom_class.h>
+#include <torch/library.h>
+
+#include "tpserve_kernels.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+#include <omp.h>
+#include <optional>
+#include <vector>
+
+namespace tpserve {  // f32_linear.cpp: the op the fast path's Python loop calls too
+at::Tensor f32_linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias, int64_t N);
+}  // namespace tpserve
+
+namespace {
+
+using tpserve::rotate_head;
+
+at::Tensor decode_attention(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor pool,
+                            const at::Tensor& slots, const at::Tensor& table, const at::Tensor& lens,
+                            const std::optional<at::Tensor>& q_index, int64_t heads, int64_t kv_heads, double scale,
+                            int64_t window) {
+  TORCH_CHECK(qkv.dim() == 2 && pool.dim() == 5 && cos.dim() == 2 && sin.dim() == 2 && slots.dim() == 1,
+              "decode_attention: shapes");
+  TORCH_CHECK(qkv.scalar_type() == at::kFloat && pool.scalar_type() == at::kFloat && cos.scalar_type() == at::kFloat &&
+                  sin.scalar_type() == at::kFloat && slots.scalar_type() == at::kLong,
+              "decode_attention: float32 activations and cache, int64 slots");
+  const int64_t B = qkv.size(0), D = pool.size(4), per_head = pool.size(2) * pool.size(3);
+  TORCH_CHECK(pool.size(0) == 2 && pool.size(1) == kv_heads && qkv.size(1) == (heads + 2 * kv_heads) * D &&
+                  cos.size(0) == B && cos.size(1) == D && sin.sizes() == cos.sizes() && slots.size(0) == B &&
+                  D % 2 == 0,
+              "decode_attention: sizes do not match");
+  TORCH_CHECK(qkv.is_contiguous() && pool.is_contiguous() && cos.is_contiguous() && sin.is_contiguous() &&
+                  slots.is_contiguous(),
+              "decode_attention: layout");
+  const int64_t P = q_index.has_value() ? q_index->size(0) : heads;
+  TORCH_CHECK(P % kv_heads == 0, "decode_attention: query positions must group evenly over the KV heads");
+  const int64_t* qi = nullptr;
+  at::Tensor qic;
+  if (q_index.has_value()) {
+    qic = q_index->to(at::kLong).contiguous();
+    qi = qic.data_ptr<int64_t>();
+  }
+  at::Tensor q = at::empty({B, kv_heads, P / kv_heads, D}, qkv.options());
+  const float* src = qkv.data_ptr<float>();
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  float* qp = q.data_ptr<float>();
+  float* kc = pool.data_ptr<float>();
+  float* vc = kc + kv_heads * per_head * D;
+  const int64_t width = (heads + 2 * kv_heads) * D;
+  for (int64_t b = 0; b < B; ++b) {
+    const float* row = src + b * width;
+    const float* c = cp + b * D;
+    const float* s = sp + b * D;
+    for (int64_t p = 0; p < P; ++p) {
+      const int64_t h = qi ? qi[p] : p;
+      TORCH_CHECK(h >= 0 && h < heads, "decode_attention: q_index out of range");
+      rotate_head(qp + (b * P + p) * D, row + h * D, c, s, D);
+    }
+    TORCH_CHECK(slot[b] >= 0 && slot[b] < per_head, "decode_attention: slot out of range");
+    for (int64_t h = 0; h < kv_heads; ++h) {
+      rotate_head(kc + (h * per_head + slot[b]) * D, row + (heads + h) * D, c, s, D);
+      const float* v = row + (heads + kv_heads + h) * D;
+      std::copy(v, v + D, vc + (h * per_head + slot[b]) * D);
+    }
+  }
+  return tpserve::paged_decode_attention(q, pool, table, lens, scale, window).view({B, P * D});
+}
+
+// the residual add and SiLU(gate) * up of one row: one definition for the ops and decode_layers (bitwise the same)
+inline void add_row(float* h, const float* d, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) h[i] += d[i];
+}
+
+inline void silu_mul_row(const float* gate, const float* up, float* o, int64_t I) {
+#pragma omp simd
+  for (int64_t i = 0; i < I; ++i) o[i] = gate[i] / (1.f + std::exp(-gate[i])) * up[i];
+}
+
+at::Tensor add_rms_norm_(at::Tensor h, const at::Tensor& delta, const at::Tensor& w, double eps) {
+  TORCH_CHECK(h.dim() == 2 && delta.sizes() == h.sizes() && h.scalar_type() == at::kFloat &&
+                  delta.scalar_type() == at::kFloat && h.is_contiguous(),
+              "add_rms_norm_: h and delta [M, D] float32, h contiguous");
+  const at::Tensor dc = delta.contiguous();
+  float* hp = h.data_ptr<float>();
+  const float* dp = dc.data_ptr<float>();
+  const int64_t D = h.size(1);
+  for (int64_t r = 0; r < h.size(0); ++r) add_row(hp + r * D, dp + r * D, D);
+  return tpserve::rms_norm(h, w, eps);
+}
+
+at::Tensor silu_mul(const at::Tensor& gate_up) {
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0 && gate_up.scalar_type() == at::kFloat,
+              "silu_mul: gate_up [M, 2I] float32");
+  const at::Tensor g = gate_up.contiguous();
+  const int64_t M = g.size(0), I = g.size(1) / 2;
+  at::Tensor out = at::empty({M, I}, g.options());
+  const float* gp = g.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  for (int64_t m = 0; m < M; ++m) silu_mul_row(gp + m * 2 * I, gp + m * 2 * I + I, op + m * I, I);
+  return out;
+}
+
+
+// argmax_rows(logits [B, V] float32) -> [B] int64: torch.argmax(logits, -1) (the first maximal value; a NaN counts as
+// the maximum, as torch's does), for greedy sampling. torch's CPU argmax reads a 49,152-wide row at ~4.5 GB/s (44 us
+// per decode step); this is one vectorized max pass and one compare pass over the row.
+inline bool is_nan(float v) {  // by its bits: -ffast-math folds std::isnan to false
+  uint32_t bits;
+  std::memcpy(&bits, &v, sizeof bits);
+  return (bits & 0x7FFFFFFFu) > 0x7F800000u;
+}
+
+at::Tensor argmax_rows(const at::Tensor& logits) {
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.size(1) > 0,
+              "argmax_rows: float32 logits [B, V], V > 0");
+  const at::Tensor lc = logits.contiguous();
+  const int64_t B = lc.size(0), V = lc.size(1);
+  at::Tensor out = at::empty({B}, lc.options().dtype(at::kLong));
+  const float* lp = lc.data_ptr<float>();
+  int64_t* op = out.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b) {
+    const float* row = lp + b * V;
+    float best = row[0];
+    bool nan = false;
+    int64_t i = 0;
+#if defined(__AVX512F__)
+    __m512 m = _mm512_set1_ps(row[0]);
+    __mmask16 unordered = 0;
+    for (; i + 16 <= V; i += 16) {
+      const __m512 v = _mm512_loadu_ps(row + i);
+      unordered |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+      m = _mm512_max_ps(m, v);
+    }
+    best = _mm512_reduce_max_ps(m);
+    nan = unordered != 0;
+#endif
+    for (; i < V; ++i) {
+      nan |= is_nan(row[i]);
+      best = row[i] > best ? row[i] : best;
+    }
+    int64_t at = 0;
+    if (nan) {
+      while (!is_nan(row[at])) ++at;
+    } else {
+      i = 0;
+#if defined(__AVX512F__)
+      const __m512 target = _mm512_set1_ps(best);
+      for (; i + 16 <= V; i += 16) {
+        const __mmask16 eq = _mm512_cmp_ps_mask(_mm512_loadu_ps(row + i), target, _CMP_EQ_OQ);
+        if (eq) break;
+      }
+#endif
+      while (row[i] != best) ++i;
+      at = i;
+    }
+    op[b] = at;
+  }
+  return out;
+}
+
+// ---- the whole decode step of a model's layers in one call (TP=1) ---------------------------------------------------
+// DecodeLayers holds, once, what each layer needs (its four linears with their kernels, norms, cache pool, heads);
+// decode_layers(plan, h, x, ...) then runs every layer in one OpenMP team: each thread takes its share of each phase
+// (the output blocks of a linear, the (sequence, KV head) pairs of attention, the rows of a norm) and the team meets
+// at a barrier between phases. Against one op per phase (fork-join of the thread team, a tensor allocated, the
+// dispatcher, and the Python loop between ops), the other threads no longer idle through the single-threaded glue
+// and a linear starts without waking a team. The residual stream h is updated in place; the result is the final
+// norm's output. The kernels are the ops' own (tpserve_kernels.h): the same arithmetic, bitwise.
+
+struct PlanLinear {
+  int64_t kind;  // 0 float32 (f32_linear.cpp), 1 int8, 2 int4, 3 bf16 (quant_linear.cpp)
+  at::Tensor w, scale;
+  std::optional<at::Tensor> bias;
+  int64_t n, group, k, blocks;
+};
+
+// One LoRA adapter of one linear (sharding/layers/lora.py): A^T [K, R] and B^T * scale [R, N], float32, copied into the
+// order the step reads them: A^T as panels of 16 of its R columns ([ceil(R/16)][K][16], zero-padded), so the shrink
+// streams each panel in order; B^T by chunks of 16 output columns, each chunk holding only the rows of B^T that can
+// be nonzero there ([j0, j1): a fused linear's B^T is block-diagonal over its pieces, and its zero blocks are neither
+// stored nor read), [j1 - j0][16] contiguous.
+constexpr int64_t LORA_W = 16;
+
+struct PlanLora {
+  std::vector<float> ap, bp;      // A^T in panels, B^T in chunks
+  int64_t r = 0, rp = 0;          // rank (sum of the pieces' ranks) and rank padded to a multiple of 16
+  std::vector<int32_t> cj0, cj1;  // per chunk of 16 output columns: the rows of B^T that can be nonzero there
+  std::vector<int64_t> coff;      // per chunk: where its rows start in bp
+};
+
+struct PlanLayer {
+  PlanLinear qkv, o, gate_up, down;
+  at::Tensor pool, post_w, next_w;
+  int64_t heads, kv_heads;
+  double scale, post_eps, next_eps;
+  std::vector<PlanLora> lora[4];  // per linear (qkv, o, gate_up, down), by adapter slot (r == 0: none)
+};
+
+// A linear as the compiled steps run it (kind 0 float32 in blocks of 32 columns, 1 int8, 2 int4, 3 bf16), checked
+PlanLinear make_plan_linear(int64_t kind, at::Tensor w, at::Tensor scale, std::optional<at::Tensor> bias, int64_t n,
+                            int64_t group) {
+  TORCH_CHECK(w.dim() >= 2 && w.is_contiguous() && n > 0, "add_linear: a contiguous weight");
+  int64_t k = 0, blocks = w.size(0);
+  if (kind == 0) {
+    TORCH_CHECK(w.dim() == 3 && w.scalar_type() == at::kFloat && w.size(2) == tpserve::F32_BLOCK &&
+                    blocks == (n + tpserve::F32_BLOCK - 1) / tpserve::F32_BLOCK,
+                "add_linear: float32 weights [ceil(n/32), K, 32]");
+    k = w.size(1);
+  } else {
+    const int64_t rb = kind == 3 ? tpserve::bf16_rows() : tpserve::int_rows();  // rows per block
+    TORCH_CHECK(w.dim() == 2 && blocks == (n + rb - 1) / rb,
+                "add_linear: packed weights [ceil(n/rows), rows x row bytes]");
+    if (kind == 1) {
+      k = w.size(1) / rb;
+      TORCH_CHECK(w.scalar_type() == at::kChar && scale.scalar_type() == at::kHalf && k % 32 == 0 &&
+                      scale.dim() == 3 && scale.size(0) == blocks && scale.size(1) == k / 32 &&
+                      scale.size(2) == rb && scale.is_contiguous(),
+                  "add_linear: int8 weights with float16 scales [ceil(n/rows), K/32, rows]");
+    } else if (kind == 2) {
+      k = w.size(1) * 2 / rb;
+      TORCH_CHECK(w.scalar_type() == at::kByte && scale.scalar_type() == at::kHalf && group > 0 && group % 32 == 0 &&
+                      k % group == 0 && scale.dim() == 3 && scale.size(0) == blocks &&
+                      scale.size(1) == k / group && scale.size(2) == rb && scale.is_contiguous(),
+                  "add_linear: int4 weights with float16 scales [ceil(n/rows), K/group, rows]");
+    } else {
+      TORCH_CHECK(kind == 3 && w.scalar_type() == at::kByte, "add_linear: kind 0-3");
+      k = w.size(1) / (2 * rb);
+      TORCH_CHECK(k % 16 == 0, "add_linear: bf16 inputs a multiple of 16");
+    }
+  }
+  if (bias.has_value())
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->numel() == n && bias->is_contiguous(),
+                "add_linear: float32 bias [n]");
+  return PlanLinear{kind, std::move(w), std::move(scale), std::move(bias), n, group, k, blocks};
+}
+
+struct DecodeLayers : torch::CustomClassHolder {
+  std::vector<PlanLinear> pending;
+  std::vector<PlanLayer> layers;
+  int64_t lora_rp = 0;  // the widest padded adapter rank set (the shrink's scratch per row)
+
+  void add_linear(int64_t kind, at::Tensor w, at::Tensor scale, std::optional<at::Tensor> bias, int64_t n,
+                  int64_t group) {
+    TORCH_CHECK(pending.size() < 4, "DecodeLayers.add_linear: 4 per layer");
+    pending.push_back(make_plan_linear(kind, std::move(w), std::move(scale), std::move(bias), n, group));
+  }
+
+  // after the layer's four linears, in order: qkv, o, gate_up, down (uniform GQA groups: query head p reads KV head
+  // p / (heads / kv_heads))
+  void add_layer(at::Tensor pool, int64_t heads, int64_t kv_heads, double scale, at::Tensor post_w, double post_eps,
+                 at::Tensor next_w, double next_eps) {
+    TORCH_CHECK(pending.size() == 4, "DecodeLayers.add_layer: add the layer's 4 linears first");
+    const PlanLinear &qkv = pending[0], &o = pending[1], &gu = pending[2], &down = pending[3];
+    TORCH_CHECK(pool.dim() == 5 && pool.scalar_type() == at::kFloat && pool.is_contiguous() && pool.size(0) == 2 &&
+                    pool.size(1) == kv_heads && kv_heads > 0 && heads % kv_heads == 0,
+                "DecodeLayers.add_layer: cache pool [2, kv_heads, blocks, block_size, head_dim], even groups");
+    const int64_t D = pool.size(4), hidden = qkv.k;
+    TORCH_CHECK(D % 2 == 0 && qkv.n == (heads + 2 * kv_heads) * D && o.k == heads * D && o.n == hidden &&
+                    gu.k == hidden && gu.n % 2 == 0 && down.k == gu.n / 2 && down.n == hidden,
+                "DecodeLayers.add_layer: the linears' shapes do not chain");
+    TORCH_CHECK(post_w.scalar_type() == at::kFloat && next_w.scalar_type() == at::kFloat && post_w.is_contiguous() &&
+                    next_w.is_contiguous() && post_w.numel() == hidden && next_w.numel() == hidden,
+                "DecodeLayers.add_layer: float32 norm weights [hidden]");
+    TORCH_CHECK(layers.empty() || layers[0].qkv.k == hidden, "DecodeLayers.add_layer: one hidden size");
+    layers.push_back(PlanLayer{pending[0], pending[1], pending[2], pending[3], std::move(pool), std::move(post_w),
+                               std::move(next_w), heads, kv_heads, scale, post_eps, next_eps});
+    pending.clear();
+  }
+
+  // the adapter in `slot` of linear `which` (0 qkv, 1 o, 2 gate_up, 3 down) of layer `layer`: A^T [K, R] and
+  // B^T * scale [R, N] float32 (copied in the step's order), or none (at/bt None)
+  void set_lora(int64_t layer, int64_t which, int64_t slot, std::optional<at::Tensor> at,
+                std::optional<at::Tensor> bt) {
+    TORCH_CHECK(layer >= 0 && layer < size() && which >= 0 && which < 4 && slot > 0, "set_lora: no such linear");
+    PlanLayer& l = layers[layer];
+    const PlanLinear& lin = which == 0 ? l.qkv : which == 1 ? l.o : which == 2 ? l.gate_up : l.down;
+    auto& slots = l.lora[which];
+    if (static_cast<int64_t>(slots.size()) <= slot) slots.resize(slot + 1);
+    if (!at.has_value() || !bt.has_value()) {
+      slots[slot] = PlanLora{};
+      return;
+    }
+    TORCH_CHECK(at->dim() == 2 && bt->dim() == 2 && at->size(0) == lin.k && at->size(1) == bt->size(0) &&
+                    bt->size(1) == lin.n && at->size(1) > 0 && at->scalar_type() == at::kFloat &&
+                    bt->scalar_type() == at::kFloat && at->is_contiguous() && bt->is_contiguous(),
+                "set_lora: A^T [K, R] and B^T [R, N] float32, contiguous, matching the linear");
+    PlanLora p;
+    p.r = at->size(1);
+    p.rp = (p.r + LORA_W - 1) / LORA_W * LORA_W;
+    const int64_t K = lin.k, N = lin.n, R = p.r;
+    const float* a = at->data_ptr<float>();
+    p.ap.assign(p.rp * K, 0.0f);
+    for (int64_t k = 0; k < K; ++k)
+      for (int64_t j = 0; j < R; ++j) p.ap[((j / LORA_W) * K + k) * LORA_W + j % LORA_W] = a[k * R + j];
+    const float* b = bt->data_ptr<float>();
+    const int64_t chunks = (N + LORA_W - 1) / LORA_W;
+    p.cj0.assign(chunks, 0);
+    p.cj1.assign(chunks, 0);
+    for (int64_t j = 0; j < R; ++j) {
+      int64_t lo = 0, hi = N;  // row j's nonzero columns lie in [lo, hi)
+      while (lo < hi && b[j * N + lo] == 0.0f) ++lo;
+      while (hi > lo && b[j * N + hi - 1] == 0.0f) --hi;
+      if (lo == hi) continue;
+      for (int64_t ci = lo / LORA_W; ci <= (hi - 1) / LORA_W; ++ci) {
+        if (p.cj0[ci] == p.cj1[ci]) p.cj0[ci] = static_cast<int32_t>(j);
+        p.cj1[ci] = static_cast<int32_t>(j + 1);
+      }
+    }
+    p.coff.assign(chunks, 0);
+    int64_t total = 0;
+    for (int64_t ci = 0; ci < chunks; ++ci) {
+      p.coff[ci] = total;
+      total += (p.cj1[ci] - p.cj0[ci]) * LORA_W;
+    }
+    p.bp.assign(total, 0.0f);
+    for (int64_t ci = 0; ci < chunks; ++ci)
+      for (int64_t j = p.cj0[ci]; j < p.cj1[ci]; ++j)
+        for (int64_t c = ci * LORA_W; c < std::min(N, (ci + 1) * LORA_W); ++c)
+          p.bp[p.coff[ci] + (j - p.cj0[ci]) * LORA_W + c % LORA_W] = b[j * N + c];
+    lora_rp = std::max(lora_rp, p.rp);
+    slots[slot] = std::move(p);
+  }
+
+  int64_t size() const { return static_cast<int64_t>(layers.size()); }
+};
+
+// The LoRA delta of the compiled step, y[m] += (x[m] @ A^T) @ B^T for every row m with an adapter, in two phases
+// split over the team, rows grouped by adapter slot (each slot's A and B read once per step, whatever its rows):
+// - shrink: thread t takes its share of the K inputs and writes, per row, its partial x[m, k0..k1) @ A^T[k0..k1)
+//   (tiles of up to 4 rows of one slot against a 16-column panel of A^T, two accumulators over k);
+// - (a barrier), expand: each thread sums the partials of its rows and adds u @ B^T over its own output columns,
+//   in chunks of 16 columns accumulated in registers over the rows of B^T that can be nonzero there.
+
+// rows[0..NR) (all of one slot): part[m][0..rp) = x[m, k0..k1) @ A^T[k0..k1, :]
+template <int NR>
+void lora_shrink_tile(const PlanLora& p, const int64_t* rows, const float* x, int64_t K, int64_t k0, int64_t k1,
+                      float* part, int64_t stride) {
+  const float* xr[NR];
+  for (int r = 0; r < NR; ++r) xr[r] = x + rows[r] * K;
+  for (int64_t pi = 0; pi < p.rp / LORA_W; ++pi) {
+    const float* ap = p.ap.data() + pi * K * LORA_W;
+    float acc0[NR][LORA_W], acc1[NR][LORA_W];
+    for (int r = 0; r < NR; ++r)
+      for (int i = 0; i < LORA_W; ++i) acc0[r][i] = acc1[r][i] = 0.0f;
+    int64_t k = k0;
+    for (; k + 1 < k1; k += 2) {
+      const float* a0 = ap + k * LORA_W;
+      const float* a1 = a0 + LORA_W;
+      for (int r = 0; r < NR; ++r) {
+        const float x0 = xr[r][k], x1 = xr[r][k + 1];
+#pragma omp simd
+        for (int i = 0; i < LORA_W; ++i) {
+          acc0[r][i] += x0 * a0[i];
+          acc1[r][i] += x1 * a1[i];
+        }
+      }
+    }
+    if (k < k1) {
+      const float* a0 = ap + k * LORA_W;
+      for (int r = 0; r < NR; ++r) {
+        const float x0 = xr[r][k];
+#pragma omp simd
+        for (int i = 0; i < LORA_W; ++i) acc0[r][i] += x0 * a0[i];
+      }
+    }
+    for (int r = 0; r < NR; ++r) {
+      float* dst = part + rows[r] * stride + pi * LORA_W;
+      for (int i = 0; i < LORA_W; ++i) dst[i] = acc0[r][i] + acc1[r][i];
+    }
+  }
+}
+
+// rows[0..NR) (all of one slot): y[m, c0..c1) += u[m] @ B^T[:, c0..c1)
+template <int NR>
+void lora_expand_tile(const PlanLora& p, const int64_t* rows, const float* u, int64_t stride, float* y, int64_t N,
+                      int64_t c0, int64_t c1) {
+  for (int64_t c = c0; c < c1;) {
+    const int64_t ci = c / LORA_W, ce = std::min(c1, (ci + 1) * LORA_W), w = ce - c;
+    const int64_t j0 = p.cj0[ci], j1 = p.cj1[ci];
+    if (j0 < j1) {
+      const float* chunk = p.bp.data() + p.coff[ci] + (c - ci * LORA_W);  // row j0's columns c..ce
+      float acc[NR][LORA_W];
+      for (int r = 0; r < NR; ++r)
+        for (int i = 0; i < LORA_W; ++i) acc[r][i] = 0.0f;
+      if (w == LORA_W) {
+        for (int64_t j = j0; j < j1; ++j) {
+          const float* br = chunk + (j - j0) * LORA_W;
+          for (int r = 0; r < NR; ++r) {
+            const float uj = u[rows[r] * stride + j];
+#pragma omp simd
+            for (int i = 0; i < LORA_W; ++i) acc[r][i] += uj * br[i];
+          }
+        }
+      } else {
+        for (int64_t j = j0; j < j1; ++j) {
+          const float* br = chunk + (j - j0) * LORA_W;
+          for (int r = 0; r < NR; ++r) {
+            const float uj = u[rows[r] * stride + j];
+            for (int64_t i = 0; i < w; ++i) acc[r][i] += uj * br[i];
+          }
+        }
+      }
+      for (int r = 0; r < NR; ++r) {
+        float* yr = y + rows[r] * N + c;
+        for (int64_t i = 0; i < w; ++i) yr[i] += acc[r][i];
+      }
+    }
+    c = ce;
+  }
+}
+
+// a step's rows grouped by adapter slot: rows[first[g] .. first[g + 1]) have slot slot[g] (> 0)
+struct LoraGroups {
+  std::vector<int64_t> slot, first, rows;
+  explicit LoraGroups(const int64_t* rs, int64_t B) {
+    if (rs == nullptr) return;
+    std::vector<int64_t> order;
+    for (int64_t m = 0; m < B; ++m)
+      if (rs[m] > 0) order.push_back(m);
+    std::stable_sort(order.begin(), order.end(), [&](int64_t x, int64_t y) { return rs[x] < rs[y]; });
+    for (size_t i = 0; i < order.size(); ++i) {
+      if (i == 0 || rs[order[i]] != rs[order[i - 1]]) {
+        slot.push_back(rs[order[i]]);
+        first.push_back(static_cast<int64_t>(i));
+      }
+      rows.push_back(order[i]);
+    }
+    first.push_back(static_cast<int64_t>(rows.size()));
+  }
+  size_t size() const { return slot.size(); }
+};
+
+// the adapter of group g's slot in this linear, or nullptr
+inline const PlanLora* group_lora(const std::vector<PlanLora>& lo, const LoraGroups& g, size_t i) {
+  const int64_t s = g.slot[i];
+  return s < static_cast<int64_t>(lo.size()) && lo[s].r > 0 ? &lo[s] : nullptr;
+}
+
+// thread t of T: its partial shrinks of every adapted row (part [B, stride])
+void lora_shrink(const std::vector<PlanLora>& lo, const LoraGroups& g, const float* x, int64_t K, int t, int T,
+                 float* part, int64_t stride) {
+  const int64_t k0 = K * t / T, k1 = K * (t + 1) / T;
+  for (size_t i = 0; i < g.size(); ++i) {
+    const PlanLora* p = group_lora(lo, g, i);
+    if (p == nullptr) continue;
+    for (int64_t f = g.first[i]; f < g.first[i + 1]; f += 4) {
+      const int64_t* rows = g.rows.data() + f;
+      switch (std::min<int64_t>(4, g.first[i + 1] - f)) {
+        case 1: lora_shrink_tile<1>(*p, rows, x, K, k0, k1, part, stride); break;
+        case 2: lora_shrink_tile<2>(*p, rows, x, K, k0, k1, part, stride); break;
+        case 3: lora_shrink_tile<3>(*p, rows, x, K, k0, k1, part, stride); break;
+        default: lora_shrink_tile<4>(*p, rows, x, K, k0, k1, part, stride);
+      }
+    }
+  }
+}
+
+// after every thread's lora_shrink: the partials summed into u (this thread's own [B, stride] scratch), then the
+// expand over output columns [c0, c1)
+void lora_expand(const std::vector<PlanLora>& lo, const LoraGroups& g, const float* parts, int T, int64_t B,
+                 int64_t stride, float* u, float* y, int64_t N, int64_t c0, int64_t c1) {
+  if (c0 >= c1) return;
+  for (size_t i = 0; i < g.size(); ++i) {
+    const PlanLora* p = group_lora(lo, g, i);
+    if (p == nullptr) continue;
+    for (int64_t f = g.first[i]; f < g.first[i + 1]; ++f) {
+      const int64_t m = g.rows[f];
+      float* um = u + m * stride;
+      std::copy(parts + m * stride, parts + m * stride + p->rp, um);
+      for (int q = 1; q < T; ++q) {
+        const float* pq = parts + (q * B + m) * stride;
+        for (int64_t j = 0; j < p->rp; ++j) um[j] += pq[j];
+      }
+    }
+    for (int64_t f = g.first[i]; f < g.first[i + 1]; f += 4) {
+      const int64_t* rows = g.rows.data() + f;
+      switch (std::min<int64_t>(4, g.first[i + 1] - f)) {
+        case 1: lora_expand_tile<1>(*p, rows, u, stride, y, N, c0, c1); break;
+        case 2: lora_expand_tile<2>(*p, rows, u, stride, y, N, c0, c1); break;
+        case 3: lora_expand_tile<3>(*p, rows, u, stride, y, N, c0, c1); break;
+        default: lora_expand_tile<4>(*p, rows, u, stride, y, N, c0, c1);
+      }
+    }
+  }
+}
+
+// output columns [c0, c1) of linear l's output blocks [b0, b1)
+void block_columns(const PlanLinear& l, int64_t b0, int64_t b1, int64_t& c0, int64_t& c1) {
+  const int64_t per = l.kind == 0 ? tpserve::F32_BLOCK : l.kind == 3 ? tpserve::bf16_rows() : tpserve::int_rows();
+  c0 = std::min(b0 * per, l.n);
+  c1 = std::min(b1 * per, l.n);
+}
+
+// whether linear l multiplies its input quantized to int8 (int8 and int4 weights on CPUs with AVX-512 VNNI)
+// whether linear l multiplies its input rounded to bfloat16 (bf16 weights on CPUs with AVX-512 BF16)
+bool takes_rows(const PlanLinear& l) { return (l.kind == 1 || l.kind == 2) && tpserve::vnni_layout(); }
+bool takes_bf16(const PlanLinear& l) { return l.kind == 3 && tpserve::bf16_dot_layout(); }
+
+// y[:, output blocks b0..b1) of linear l over the M rows of x (xq: x quantized, see takes_rows)
+void linear_range(const PlanLinear& l, const float* x, const tpserve::Int8Rows* xq, int64_t M, float* y, int64_t b0,
+                  int64_t b1) {
+  const float* bias = l.bias.has_value() ? l.bias->data_ptr<float>() : nullptr;
+  switch (l.kind) {
+    case 0:
+      tpserve::f32_range(x, M, l.k, l.w.data_ptr<float>(), bias, l.n, y, b0, b1);
+      break;
+    case 1:
+      tpserve::int8_range(x, xq, M, l.k, l.w.data_ptr<int8_t>(), l.scale.data_ptr<at::Half>(), bias, l.n, y, b0, b1);
+      break;
+    case 2:
+      tpserve::int4_range(x, xq, M, l.k, l.w.data_ptr<uint8_t>(), l.scale.data_ptr<at::Half>(), l.group, bias, l.n, y,
+                          b0, b1);
+      break;
+    default:
+      tpserve::bf16_range(x, xq, M, l.k, reinterpret_cast<const uint16_t*>(l.w.data_ptr<uint8_t>()), bias, l.n, y, b0,
+                          b1);
+  }
+}
+
+at::Tensor decode_layers(const c10::intrusive_ptr<DecodeLayers>& plan, at::Tensor h, const at::Tensor& x,
+                         const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& slots,
+                         const at::Tensor& table, const at::Tensor& lens, int64_t window,
+                         const std::optional<at::Tensor>& lora_slots) {
+  // every check before the team starts: an exception inside an OpenMP region cannot be caught
+  const auto& layers = plan->layers;
+  TORCH_CHECK(!layers.empty(), "decode_layers: an empty plan");
+  const int64_t B = h.size(0), hidden = layers[0].qkv.k, D = layers[0].pool.size(4);
+  TORCH_CHECK(h.dim() == 2 && h.size(1) == hidden && h.scalar_type() == at::kFloat && h.is_contiguous() &&
+                  x.sizes() == h.sizes() && x.scalar_type() == at::kFloat && x.is_contiguous(),
+              "decode_layers: h and x [B, hidden] float32, contiguous");
+  TORCH_CHECK(cos.dim() == 2 && cos.size(0) == B && cos.size(1) == D && sin.sizes() == cos.sizes() &&
+                  cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
+                  sin.is_contiguous(),
+              "decode_layers: cos/sin [B, head_dim] float32");
+  TORCH_CHECK(slots.dim() == 1 && slots.size(0) == B && lens.dim() == 1 && lens.size(0) == B && table.dim() == 2 &&
+                  table.size(0) == B && slots.scalar_type() == at::kLong && lens.scalar_type() == at::kLong &&
+                  table.scalar_type() == at::kLong && slots.is_contiguous() && lens.is_contiguous() &&
+                  table.is_contiguous(),
+              "decode_layers: slots [B], lens [B], table [B, blocks] int64");
+  TORCH_CHECK(!lora_slots.has_value() || (lora_slots->dim() == 1 && lora_slots->size(0) == B &&
+                                           lora_slots->scalar_type() == at::kLong && lora_slots->is_contiguous()),
+              "decode_layers: lora_slots [B] int64");
+  const int64_t* rs = lora_slots.has_value() ? lora_slots->data_ptr<int64_t>() : nullptr;  // rows' adapter slots
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  const int64_t* lp = lens.data_ptr<int64_t>();
+  const int64_t* tp = table.data_ptr<int64_t>();
+  const int64_t MAXB = table.size(1);
+  const int64_t max_q = layers[0].qkv.n, max_att = layers[0].o.k, max_gu = layers[0].gate_up.n;
+  const int64_t NB = layers[0].pool.size(2), BS = layers[0].pool.size(3);
+  for (int64_t b = 0; b < B; ++b) {  // one block table for every layer's pool (all of one geometry, checked below)
+    TORCH_CHECK(sp[b] >= 0 && sp[b] < NB * BS && lp[b] >= 1 && lp[b] <= MAXB * BS,
+                "decode_layers: slot or length out of range");
+    for (int64_t i = 0; i < (lp[b] + BS - 1) / BS; ++i)
+      TORCH_CHECK(tp[b * MAXB + i] >= 0 && tp[b * MAXB + i] < NB, "decode_layers: block out of range");
+  }
+  bool int8_rows = false, bf16_rows = false;  // whether any linear takes its input as int8 (VNNI) or bfloat16
+  for (const PlanLayer& l : layers) {
+    TORCH_CHECK(l.pool.size(2) == NB && l.pool.size(3) == BS && l.pool.size(4) == D,
+                "decode_layers: every layer's cache of one geometry");
+    TORCH_CHECK(l.qkv.n == layers[0].qkv.n && l.o.k == layers[0].o.k && l.gate_up.n == layers[0].gate_up.n,
+                "decode_layers: layers of one shape");
+    for (const PlanLinear* lin : {&l.qkv, &l.o, &l.gate_up, &l.down}) {
+      int8_rows |= takes_rows(*lin);
+      bf16_rows |= takes_bf16(*lin);
+    }
+  }
+  const auto opts = h.options();
+  at::Tensor qkv = at::empty({B, max_q}, opts), q = at::empty({B, max_att}, opts), att = at::empty({B, max_att}, opts);
+  at::Tensor ob = at::empty({B, hidden}, opts), gu = at::empty({B, max_gu}, opts), act = at::empty({B, max_gu / 2}, opts);
+  at::Tensor dd = at::empty({B, hidden}, opts), out = at::empty({B, hidden}, opts);
+  float *qkvp = qkv.data_ptr<float>(), *qp = q.data_ptr<float>(), *attp = att.data_ptr<float>();
+  float *obp = ob.data_ptr<float>(), *gup = gu.data_ptr<float>(), *actp = act.data_ptr<float>();
+  float *ddp = dd.data_ptr<float>(), *outp = out.data_ptr<float>(), *hp = h.data_ptr<float>();
+  const float *cp = cos.data_ptr<float>(), *snp = sin.data_ptr<float>();
+  // int8 (int8, int4 through VNNI) or bfloat16 (bf16 through AVX-512 BF16) copies of each linear's input, one per
+  // input kind: x/out (qkv, gate_up), att (o), act (down)
+  tpserve::Int8Rows xq_x, xq_att, xq_act;
+  if (int8_rows) {
+    tpserve::resize_rows(xq_x, B, hidden);
+    tpserve::resize_rows(xq_att, B, max_att);
+    tpserve::resize_rows(xq_act, B, max_gu / 2);
+  }
+  if (bf16_rows) {
+    tpserve::resize_bf16_rows(xq_x, B, hidden);
+    tpserve::resize_bf16_rows(xq_att, B, max_att);
+    tpserve::resize_bf16_rows(xq_act, B, max_gu / 2);
+  }
+  const int nt = std::max(1, at::get_num_threads());
+  std::vector<std::vector<float>> scores(nt), lora_u(nt);
+  const LoraGroups groups(rs, B);  // the adapter rows by slot (none: the base-only step, untouched)
+  const int64_t lstride = plan->lora_rp;
+  std::vector<float> lora_parts(groups.size() > 0 ? nt * B * lstride : 0);
+  if (groups.size() > 0)
+    for (auto& u : lora_u) u.assign(B * lstride, 0.0f);
+  const float* x0 = x.data_ptr<float>();
+
+#pragma omp parallel num_threads(nt)
+  {
+    const float* xin = x0;  // this layer's input: x, then the previous layer's output
+    const int t = omp_get_thread_num(), T = omp_get_num_threads();
+    const auto share = [&](int64_t n, int64_t& a, int64_t& b) {  // this thread's part of n work items
+      a = n * t / T;
+      b = n * (t + 1) / T;
+    };
+    int64_t a, b, c0, c1;
+    // linear `which` of layer l over this thread's output blocks [a, b): the base product, then the adapters' deltas
+    // (their shrink first, over this thread's share of the inputs, and a barrier: the expand needs every share)
+    const auto linear = [&](const PlanLayer& l, int which, const PlanLinear& lin, const float* in,
+                            const tpserve::Int8Rows* inq, float* y) {
+      const bool adapted = groups.size() > 0 && !l.lora[which].empty();
+      if (adapted) {
+        lora_shrink(l.lora[which], groups, in, lin.k, t, T, lora_parts.data() + t * B * lstride, lstride);
+#pragma omp barrier
+      }
+      linear_range(lin, in, inq, B, y, a, b);
+      if (adapted) {
+        block_columns(lin, a, b, c0, c1);
+        lora_expand(l.lora[which], groups, lora_parts.data(), T, B, lstride, lora_u[t].data(), y, lin.n, c0, c1);
+      }
+    };
+    const auto quantize = [&](const PlanLinear& l, const float* src, tpserve::Int8Rows& rows, int64_t r0, int64_t r1) {
+      if (takes_rows(l)) tpserve::quantize_rows(src, rows, r0, r1, 0, l.k / 32);
+      if (takes_bf16(l)) tpserve::round_rows_bf16(src, rows, r0, r1);
+    };
+    // h += delta and out = rms_norm(h), over this thread's rows (which stay a, b for the quantize after it)
+    const auto residual_norm = [&](const float* delta, const at::Tensor& w, double eps) {
+      share(B, a, b);
+      for (int64_t r = a; r < b; ++r) {
+        add_row(hp + r * hidden, delta + r * hidden, hidden);
+        tpserve::rms_norm_rows(hp, w.data_ptr<float>(), static_cast<float>(eps), outp, hidden, r, r + 1);
+      }
+    };
+    share(B, a, b);
+    quantize(layers[0].qkv, xin, xq_x, a, b);
+#pragma omp barrier
+    for (size_t li = 0; li < layers.size(); ++li) {
+      const PlanLayer& l = layers[li];
+      const int64_t heads = l.heads, kvh = l.kv_heads, G = heads / kvh, width = l.qkv.n;
+      const int64_t NB = l.pool.size(2), BS = l.pool.size(3), per_head = NB * BS;
+      float* kc = l.pool.data_ptr<float>();
+      float* vc = kc + kvh * per_head * D;
+      // q, k, v
+      share(l.qkv.blocks, a, b);
+      linear(l, 0, l.qkv, xin, &xq_x, qkvp);
+#pragma omp barrier
+      // rotary, the cache write and attention, per (sequence, KV head)
+      share(B * kvh, a, b);
+      for (int64_t task = a; task < b; ++task) {
+        const int64_t s = task / kvh, kh = task % kvh;
+        const float* row = qkvp + s * width;
+        const float *c = cp + s * D, *sn = snp + s * D;
+        for (int64_t g = 0; g < G; ++g) {
+          const int64_t p = kh * G + g;
+          tpserve::rotate_head(qp + (s * heads + p) * D, row + p * D, c, sn, D);
+        }
+        tpserve::rotate_head(kc + (kh * per_head + sp[s]) * D, row + (heads + kh) * D, c, sn, D);
+        const float* v = row + (heads + kvh + kh) * D;
+        std::copy(v, v + D, vc + (kh * per_head + sp[s]) * D);
+      }
+#pragma omp barrier
+      // every row's K/V is in the cache before any row attends (several rows of one sequence: speculation)
+      for (int64_t task = a; task < b; ++task) {
+        const int64_t s = task / kvh, kh = task % kvh;
+        const int64_t len = lp[s], first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+        tpserve::paged_attention_head(qp + (s * heads + kh * G) * D, kc + kh * per_head * D, vc + kh * per_head * D,
+                                      tp + s * MAXB, len, first, G, D, BS, static_cast<float>(l.scale), scores[t],
+                                      attp + (s * heads + kh * G) * D);
+      }
+#pragma omp barrier
+      if (takes_rows(l.o) || takes_bf16(l.o)) {
+        share(B, a, b);
+        quantize(l.o, attp, xq_att, a, b);
+#pragma omp barrier
+      }
+      share(l.o.blocks, a, b);
+      linear(l, 1, l.o, attp, &xq_att, obp);
+#pragma omp barrier
+      residual_norm(obp, l.post_w, l.post_eps);  // the post-attention norm
+      quantize(l.gate_up, outp, xq_x, a, b);
+#pragma omp barrier
+      share(l.gate_up.blocks, a, b);
+      linear(l, 2, l.gate_up, outp, &xq_x, gup);
+#pragma omp barrier
+      const int64_t I = l.gate_up.n / 2;
+      share(B, a, b);
+      for (int64_t r = a; r < b; ++r) silu_mul_row(gup + r * 2 * I, gup + r * 2 * I + I, actp + r * I, I);
+      quantize(l.down, actp, xq_act, a, b);
+#pragma omp barrier
+      share(l.down.blocks, a, b);
+      linear(l, 3, l.down, actp, &xq_act, ddp);
+#pragma omp barrier
+      residual_norm(ddp, l.next_w, l.next_eps);  // the next layer's input norm (or the final norm)
+      if (li + 1 < layers.size()) quantize(layers[li + 1].qkv, outp, xq_x, a, b);
+      xin = outp;
+#pragma omp barrier
+    }
+  }
+  return out;
+}
+
+
+// ---- the grouped experts of an MoE layer (sharding/layers/moe.py) ----------------------------------------------------------
+// moe_experts(plan, x [M, H], ids [M, k], weights [M, k]) -> out [M, H]: for each expert of the plan that a row was
+// routed to, gate/up -> SiLU(gate) * up -> down over the rows routed to it (each expert's weights read once per call,
+// whatever its row count), then out[m] = sum over m's experts, in expert order, of weight * expert(x[m]). Experts not
+// in the plan (another rank's, under expert parallelism) are skipped. One OpenMP team through every phase: the rows
+// gathered, each phase's work (the active experts' output blocks) split over the threads, barriers between.
+
+struct MoeExperts : torch::CustomClassHolder {
+  std::vector<int64_t> index;  // the global expert id of each local expert, ascending
+  std::vector<PlanLinear> gate_up, down;
+
+  void add_expert(int64_t id, int64_t kind, at::Tensor w, at::Tensor scale, std::optional<at::Tensor> bias, int64_t n,
+                  int64_t group, int64_t kind2, at::Tensor w2, at::Tensor scale2, std::optional<at::Tensor> bias2,
+                  int64_t n2, int64_t group2) {
+    TORCH_CHECK(index.empty() || id > index.back(), "MoeExperts.add_expert: ascending expert ids");
+    PlanLinear gu = make_plan_linear(kind, std::move(w), std::move(scale), std::move(bias), n, group);
+    PlanLinear dn = make_plan_linear(kind2, std::move(w2), std::move(scale2), std::move(bias2), n2, group2);
+    TORCH_CHECK(gu.n % 2 == 0 && dn.k == gu.n / 2 && dn.n == gu.k, "MoeExperts.add_expert: shapes do not chain");
+    TORCH_CHECK(gate_up.empty() || (gu.k == gate_up[0].k && gu.n == gate_up[0].n),
+                "MoeExperts.add_expert: experts of one shape");
+    index.push_back(id);
+    gate_up.push_back(std::move(gu));
+    down.push_back(std::move(dn));
+  }
+
+  int64_t size() const { return static_cast<int64_t>(index.size()); }
+};
+
+at::Tensor moe_experts(const c10::intrusive_ptr<MoeExperts>& plan, const at::Tensor& x, const at::Tensor& ids,
+                       const at::Tensor& weights) {
+  TORCH_CHECK(plan->size() > 0, "moe_experts: an empty plan");
+  const int64_t M = x.size(0), H = plan->gate_up[0].k, I = plan->gate_up[0].n / 2, K = ids.size(1);
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == H && x.scalar_type() == at::kFloat && x.is_contiguous(),
+              "moe_experts: x [M, hidden] float32, contiguous");
+  TORCH_CHECK(ids.dim() == 2 && ids.size(0) == M && ids.scalar_type() == at::kLong && ids.is_contiguous() &&
+                  weights.sizes() == ids.sizes() && weights.scalar_type() == at::kFloat && weights.is_contiguous(),
+              "moe_experts: ids [M, k] int64 and weights [M, k] float32, contiguous");
+  // the (row, expert) pairs of this plan's experts, grouped by expert (ascending), rows ascending within
+  const int64_t E = plan->size();
+  const int64_t* idp = ids.data_ptr<int64_t>();
+  const float* wp = weights.data_ptr<float>();
+  const int64_t first_id = plan->index.front(), last_id = plan->index.back();
+  std::vector<int64_t> local(last_id - first_id + 1, -1);
+  for (int64_t e = 0; e < E; ++e) local[plan->index[e] - first_id] = e;
+  std::vector<int64_t> count(E + 1, 0);
+  for (int64_t i = 0; i < M * K; ++i) {
+    const int64_t g = idp[i];
+    if (g >= first_id && g <= last_id && local[g - first_id] >= 0) ++count[local[g - first_id] + 1];
+  }
+  std::vector<int64_t> start(E + 1, 0);
+  for (int64_t e = 0; e < E; ++e) start[e + 1] = start[e] + count[e + 1];
+  const int64_t P = start[E];
+  at::Tensor out = at::zeros({M, H}, x.options());
+  if (P == 0) return out;
+  std::vector<int64_t> row(P), fill(start.begin(), start.end() - 1);
+  std::vector<float> pw(P);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t j = 0; j < K; ++j) {
+      const int64_t g = idp[m * K + j];
+      if (g < first_id || g > last_id || local[g - first_id] < 0) continue;
+      const int64_t p = fill[local[g - first_id]]++;
+      row[p] = m;
+      pw[p] = wp[m * K + j];
+    }
+  // each row's pairs in expert order (for the sum), and the active experts with their phases' work items
+  std::vector<int64_t> row_start(M + 1, 0), row_pairs(P);
+  for (int64_t p = 0; p < P; ++p) ++row_start[row[p] + 1];
+  for (int64_t m = 0; m < M; ++m) row_start[m + 1] += row_start[m];
+  {
+    std::vector<int64_t> at(row_start.begin(), row_start.end() - 1);
+    for (int64_t p = 0; p < P; ++p) row_pairs[at[row[p]]++] = p;
+  }
+  std::vector<int64_t> active;
+  for (int64_t e = 0; e < E; ++e)
+    if (start[e + 1] > start[e]) active.push_back(e);
+  const int64_t A = static_cast<int64_t>(active.size());
+  std::vector<int64_t> gu_items(A + 1, 0), dn_items(A + 1, 0);  // prefix sums of output blocks per active expert
+  for (int64_t a = 0; a < A; ++a) {
+    gu_items[a + 1] = gu_items[a] + plan->gate_up[active[a]].blocks;
+    dn_items[a + 1] = dn_items[a] + plan->down[active[a]].blocks;
+  }
+  const auto opts = x.options();
+  at::Tensor xg = at::empty({P, H}, opts), gu = at::empty({P, 2 * I}, opts), act = at::empty({P, I}, opts);
+  at::Tensor y = at::empty({P, H}, opts);
+  float *xgp = xg.data_ptr<float>(), *gup = gu.data_ptr<float>(), *actp = act.data_ptr<float>();
+  float *yp = y.data_ptr<float>(), *outp = out.data_ptr<float>();
+  const float* xp = x.data_ptr<float>();
+  // int8 (VNNI) or bfloat16 copies of each active expert's input rows, per linear
+  std::vector<tpserve::Int8Rows> xq(A), aq(A);
+  for (int64_t a = 0; a < A; ++a) {
+    const int64_t e = active[a], c = start[e + 1] - start[e];
+    if (takes_rows(plan->gate_up[e])) tpserve::resize_rows(xq[a], c, H);
+    if (takes_bf16(plan->gate_up[e])) tpserve::resize_bf16_rows(xq[a], c, H);
+    if (takes_rows(plan->down[e])) tpserve::resize_rows(aq[a], c, I);
+    if (takes_bf16(plan->down[e])) tpserve::resize_bf16_rows(aq[a], c, I);
+  }
+  const int nt = std::max(1, at::get_num_threads());
+#pragma omp parallel num_threads(nt)
+  {
+    const int t = omp_get_thread_num(), T = omp_get_num_threads();
+    const auto share = [&](int64_t n, int64_t& lo, int64_t& hi) {
+      lo = n * t / T;
+      hi = n * (t + 1) / T;
+    };
+    // runs f(active expert a, its first pair, its pair count, blocks [b0, b1)) over this thread's share of the
+    // work items (the active experts' output blocks, laid end to end)
+    const auto blocks = [&](const std::vector<int64_t>& items, const auto& f) {
+      int64_t lo, hi;
+      share(items[A], lo, hi);
+      for (int64_t a = 0; a < A && lo < hi; ++a) {
+        const int64_t b0 = std::max(lo, items[a]) - items[a], b1 = std::min(hi, items[a + 1]) - items[a];
+        if (b0 < b1) f(a, start[active[a]], start[active[a] + 1] - start[active[a]], b0, b1);
+      }
+    };
+    int64_t lo, hi;
+    share(P, lo, hi);
+    for (int64_t p = lo; p < hi; ++p) std::copy(xp + row[p] * H, xp + row[p] * H + H, xgp + p * H);
+#pragma omp barrier
+    // a linear's input rows as int8 / bfloat16 copies, per active expert (this thread's share of the experts)
+    const auto quantize = [&](const std::vector<PlanLinear>& lin, const float* src, int64_t width,
+                              std::vector<tpserve::Int8Rows>& rows) {
+      int64_t a0, a1;
+      share(A, a0, a1);
+      for (int64_t a = a0; a < a1; ++a) {
+        const int64_t e = active[a], s0 = start[e], c = start[e + 1] - s0;
+        if (takes_rows(lin[e])) tpserve::quantize_rows(src + s0 * width, rows[a], 0, c, 0, width / 32);
+        if (takes_bf16(lin[e])) tpserve::round_rows_bf16(src + s0 * width, rows[a], 0, c);
+      }
+    };
+    quantize(plan->gate_up, xgp, H, xq);
+#pragma omp barrier
+    blocks(gu_items, [&](int64_t a, int64_t s0, int64_t c, int64_t b0, int64_t b1) {
+      linear_range(plan->gate_up[active[a]], xgp + s0 * H, &xq[a], c, gup + s0 * 2 * I, b0, b1);
+    });
+#pragma omp barrier
+    share(P, lo, hi);
+    for (int64_t p = lo; p < hi; ++p) silu_mul_row(gup + p * 2 * I, gup + p * 2 * I + I, actp + p * I, I);
+#pragma omp barrier
+    quantize(plan->down, actp, I, aq);
+#pragma omp barrier
+    blocks(dn_items, [&](int64_t a, int64_t s0, int64_t c, int64_t b0, int64_t b1) {
+      linear_range(plan->down[active[a]], actp + s0 * I, &aq[a], c, yp + s0 * H, b0, b1);
+    });
+#pragma omp barrier
+    share(M, lo, hi);  // each row: its experts' weighted outputs, summed in expert order
+    for (int64_t m = lo; m < hi; ++m) {
+      float* o = outp + m * H;
+      for (int64_t r = row_start[m]; r < row_start[m + 1]; ++r) {
+        const int64_t p = row_pairs[r];
+        const float w = pw[p];
+        const float* yr = yp + p * H;
+#pragma omp simd
+        for (int64_t i = 0; i < H; ++i) o[i] += yr[i] * w;
+      }
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(tpserve, m) {
+  m.def("decode_attention(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) pool, Tensor slots, Tensor table, "
+        "Tensor lens, Tensor? q_index, int heads, int kv_heads, float scale, int window) -> Tensor");
+  m.def("add_rms_norm_(Tensor(a!) h, Tensor delta, Tensor w, float eps) -> Tensor");
+  m.def("silu_mul(Tensor gate_up) -> Tensor");
+  m.def("argmax_rows(Tensor logits) -> Tensor");
+  m.class_<DecodeLayers>("DecodeLayers")
+      .def(torch::init<>())
+      .def("add_linear", &DecodeLayers::add_linear)
+      .def("add_layer", &DecodeLayers::add_layer)
+      .def("set_lora", &DecodeLayers::set_lora)
+      .def("size", &DecodeLayers::size);
+  m.def("decode_layers(__torch__.torch.classes.tpserve.DecodeLayers plan, Tensor(a!) h, Tensor x, Tensor cos, "
+        "Tensor sin, Tensor slots, Tensor table, Tensor lens, int window, Tensor? lora_slots=None) -> Tensor");
+  m.class_<MoeExperts>("MoeExperts")
+      .def(torch::init<>())
+      .def("add_expert", &MoeExperts::add_expert)
+      .def("size", &MoeExperts::size);
+  m.def("moe_experts(__torch__.torch.classes.tpserve.MoeExperts plan, Tensor x, Tensor ids, Tensor weights) -> "
+        "Tensor");
+}
+
+TORCH_LIBRARY_IMPL(tpserve, CPU, m) {
+  m.impl("decode_attention", &decode_attention);
+  m.impl("add_rms_norm_", &add_rms_norm_);
+  m.impl("silu_mul", &silu_mul);
+  m.impl("argmax_rows", &argmax_rows);
+  m.impl("decode_layers", &decode_layers);
+  m.impl("moe_experts", &moe_experts);
+}

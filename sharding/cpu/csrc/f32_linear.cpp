@@ -1,0 +1,128 @@
+// Float32 linears on CPU from weights stored once at load in column blocks: y = x @ W^T (+ bias).
+//
+//   f32_linear(x [M, K] f32, w [ceil(N/32), K, 32] f32, bias [N] f32 or None, N) -> y [M, N]
+//       w[b, k, j] = W[32 b + j, k] (zeros pad the last block): each block of 32 output columns is K runs of 32
+//       weights, one per input.
+//
+// One kernel for every row count, decode and prefill alike. Each task takes a block of 32 outputs and walks its
+// weights once, in order, for up to 8 activation rows at a time: per input k, two vector loads of the block's
+// weights and, for each row, one broadcast of x[m, k] and two FMAs into 8 x 2 accumulators that stay in registers
+// (the microkernel shape of BLAS GEMMs). Over the threads, each one's blocks are one contiguous range, so at one row
+// a thread reads its weights as a single sequential stream, the pattern that reaches this host's memory bandwidth
+// (BENCHMARKS.md). oneDNN's packed linears, used before, took 23.8 ms per token for SmolLM2's decode step where this
+// takes 14.5, and this kernel was faster than them from 8 rows to 512 too (BENCHMARKS.md section 10).
+//
+// Every output is summed the same way whatever the row count or the tile: acc = fma(x[m, k], W[n, k], acc) for
+// k = 0 .. K-1 from zero, then + bias. So a row's product does not depend on the rows batched with it (oneDNN picks
+// its kernel by the row count).
+//
+// Other CPUs get the same loops in portable C++ (auto-vectorized). Built by sharding/cpu/kernels.py with the others.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include "tpserve_kernels.h"
+
+#include <algorithm>
+#include <cstdint>
+#include <type_traits>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int64_t BW = tpserve::F32_BLOCK;  // output columns per block
+constexpr int64_t MR = 8;   // activation rows per tile (8 x 2 accumulators)
+
+template <int R>
+inline void f32_tile(const float* x, int64_t ldx, const float* w, int64_t K, const float* bias, float* y, int64_t ldy,
+                     int64_t ncols) {
+#if defined(__AVX512F__)
+  __m512 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    const __m512 w0 = _mm512_loadu_ps(w + k * BW), w1 = _mm512_loadu_ps(w + k * BW + 16);
+    for (int r = 0; r < R; ++r) {
+      const __m512 xb = _mm512_set1_ps(x[r * ldx + k]);
+      acc[r][0] = _mm512_fmadd_ps(xb, w0, acc[r][0]);
+      acc[r][1] = _mm512_fmadd_ps(xb, w1, acc[r][1]);
+    }
+  }
+  const __mmask16 m0 = ncols >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << ncols) - 1);
+  const __mmask16 m1 = ncols >= 32 ? 0xFFFF : ncols <= 16 ? 0 : static_cast<__mmask16>((1u << (ncols - 16)) - 1);
+  for (int r = 0; r < R; ++r) {
+    __m512 a0 = acc[r][0], a1 = acc[r][1];
+    if (bias) {
+      a0 = _mm512_add_ps(a0, _mm512_maskz_loadu_ps(m0, bias));
+      a1 = _mm512_add_ps(a1, _mm512_maskz_loadu_ps(m1, bias + 16));
+    }
+    _mm512_mask_storeu_ps(y + r * ldy, m0, a0);
+    _mm512_mask_storeu_ps(y + r * ldy + 16, m1, a1);
+  }
+#else
+  float acc[R][BW] = {};
+  for (int64_t k = 0; k < K; ++k) {
+    const float* wk = w + k * BW;
+    for (int r = 0; r < R; ++r) {
+      const float xv = x[r * ldx + k];
+#pragma omp simd
+      for (int64_t j = 0; j < BW; ++j) acc[r][j] += xv * wk[j];
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int64_t j = 0; j < ncols; ++j) y[r * ldy + j] = bias ? acc[r][j] + bias[j] : acc[r][j];
+#endif
+}
+
+}  // namespace
+
+namespace tpserve {
+
+void f32_range(const float* x, int64_t M, int64_t K, const float* w, const float* bias, int64_t N, float* y, int64_t b0,
+               int64_t b1) {
+  for (int64_t b = b0; b < b1; ++b) {
+    const int64_t n0 = b * BW, ncols = std::min<int64_t>(BW, N - n0);
+    const float* wb = w + b * K * BW;
+    for (int64_t m0 = 0; m0 < M; m0 += MR)
+      with_rows<MR>(std::min<int64_t>(MR, M - m0), [&](auto r) {
+        f32_tile<decltype(r)::value>(x + m0 * K, K, wb, K, bias ? bias + n0 : nullptr, y + m0 * N + n0, N, ncols);
+      });
+  }
+}
+
+at::Tensor f32_linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias, int64_t N) {
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 3 && x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat,
+              "f32_linear: float32 x [M, K] and w [N/32, K, 32]");
+  const int64_t M = x.size(0), K = x.size(1), blocks = w.size(0);
+  TORCH_CHECK(w.size(1) == K && w.size(2) == BW && blocks == (N + BW - 1) / BW && w.is_contiguous(),
+              "f32_linear: w must be [ceil(N/32), K, 32], contiguous");
+  const float* bp = nullptr;
+  at::Tensor bc;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N && bias->scalar_type() == at::kFloat, "f32_linear: bias [N]");
+    bc = bias->contiguous();
+    bp = bc.data_ptr<float>();
+  }
+  const at::Tensor xc = x.contiguous();
+  at::Tensor y = at::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return y;
+  const float* xp = xc.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  // one block is K * 128 bytes of weights: a split per block keeps 2 threads even on the smallest linears
+  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) { f32_range(xp, M, K, wp, bp, N, yp, b0, b1); });
+  return y;
+}
+
+}  // namespace tpserve
+
+TORCH_LIBRARY_FRAGMENT(tpserve, m) {
+  m.def("f32_linear(Tensor x, Tensor w, Tensor? bias, int n) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(tpserve, CPU, m) {
+  m.impl("f32_linear", &tpserve::f32_linear);
+}

@@ -1,0 +1,117 @@
+// Decode attention read straight from the paged KV cache (CPU, float32): no gather of the blocks into a contiguous
+// copy. One (sequence, KV head) pair per task; a KV head's `group` query heads share each key and value row read.
+//
+//   q      [B, H, G, D]             float32: the decode tokens' queries, grouped by KV head (G per head)
+//   pool   [2, H, NB, BS, D]        float32: K and V of every block (sharding/layers/attention.py, PagedKVCache)
+//   table  [B, MAXB]                int64:   the blocks of each sequence, in position order
+//   lens   [B]                      int64:   keys each sequence sees (its position + 1)
+//   window                          keys within the last `window` positions only (0: all)
+//   out    [B, H, G, D]             float32
+//
+// Built at start by sharding/cpu/kernels.py (torch.utils.cpp_extension, with quant_linear.cpp); a pure-torch path stands in without it.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include "tpserve_kernels.h"
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+namespace tpserve {
+
+void paged_attention_head(const float* qbh, const float* kh, const float* vh, const int64_t* blocks, int64_t len,
+                          int64_t first, int64_t G, int64_t D, int64_t BS, float fscale, std::vector<float>& scores,
+                          float* obh) {
+  const int64_t n = len - first;
+  scores.resize(G * n);
+  // scores[g][t] = q[g] . k[t] * scale, each key row read once for the group
+  for (int64_t t = first; t < len; ++t) {
+    const float* krow = kh + (blocks[t / BS] * BS + t % BS) * D;
+    if (t + BS < len) {  // the same row of the next block: blocks are scattered, so the hardware cannot guess
+      const float* next = kh + (blocks[(t + BS) / BS] * BS + t % BS) * D;
+      for (int64_t d = 0; d < D; d += 16) __builtin_prefetch(next + d);
+    }
+    for (int64_t g = 0; g < G; ++g) {
+      const float* qg = qbh + g * D;
+      float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+      for (int64_t d = 0; d < D; ++d) acc += qg[d] * krow[d];
+      scores[g * n + (t - first)] = acc * fscale;
+    }
+  }
+  // softmax per query head
+  for (int64_t g = 0; g < G; ++g) {
+    float* s = scores.data() + g * n;
+    float m = s[0];  // (no infinities here: every key in [first, len) is attended; built with -ffast-math)
+#pragma omp simd reduction(max : m)
+    for (int64_t i = 1; i < n; ++i) m = std::max(m, s[i]);
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t i = 0; i < n; ++i) {
+      s[i] = std::exp(s[i] - m);  // vectorized through glibc's libmvec (-ffast-math)
+      sum += s[i];
+    }
+    const float inv = 1.f / sum;
+#pragma omp simd
+    for (int64_t i = 0; i < n; ++i) s[i] *= inv;
+  }
+  // out[g] = sum_t p[g][t] v[t], each value row read once for the group
+  std::fill(obh, obh + G * D, 0.f);
+  for (int64_t t = first; t < len; ++t) {
+    const float* vrow = vh + (blocks[t / BS] * BS + t % BS) * D;
+    if (t + BS < len) {
+      const float* next = vh + (blocks[(t + BS) / BS] * BS + t % BS) * D;
+      for (int64_t d = 0; d < D; d += 16) __builtin_prefetch(next + d);
+    }
+    for (int64_t g = 0; g < G; ++g) {
+      const float w = scores[g * n + (t - first)];
+      float* og = obh + g * D;
+#pragma omp simd
+      for (int64_t d = 0; d < D; ++d) og[d] += w * vrow[d];
+    }
+  }
+}
+
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& pool, const at::Tensor& table,
+                                  const at::Tensor& lens, double scale, int64_t window) {
+  TORCH_CHECK(q.dim() == 4 && pool.dim() == 5 && table.dim() == 2 && lens.dim() == 1, "paged_decode_attention: shapes");
+  TORCH_CHECK(q.scalar_type() == at::kFloat && pool.scalar_type() == at::kFloat, "paged_decode_attention: float32 only");
+  TORCH_CHECK(table.scalar_type() == at::kLong && lens.scalar_type() == at::kLong, "paged_decode_attention: int64 indices");
+  TORCH_CHECK(pool.is_contiguous() && table.is_contiguous() && lens.is_contiguous(), "paged_decode_attention: layout");
+  const at::Tensor qc = q.contiguous();
+  const int64_t B = qc.size(0), H = qc.size(1), G = qc.size(2), D = qc.size(3);
+  const int64_t NB = pool.size(2), BS = pool.size(3), MAXB = table.size(1);
+  TORCH_CHECK(pool.size(0) == 2 && pool.size(1) == H && pool.size(4) == D && table.size(0) == B && lens.size(0) == B,
+              "paged_decode_attention: shapes do not match");
+  at::Tensor out = at::empty_like(qc);
+  const float* qp = qc.data_ptr<float>();
+  const float* kp = pool.data_ptr<float>();
+  const float* vp = kp + H * NB * BS * D;
+  const int64_t* tp = table.data_ptr<int64_t>();
+  const int64_t* lp = lens.data_ptr<int64_t>();
+  float* op = out.data_ptr<float>();
+  const float fscale = static_cast<float>(scale);
+
+  at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;
+    for (int64_t bh = begin; bh < end; ++bh) {
+      const int64_t b = bh / H, h = bh % H;
+      const int64_t len = lp[b];
+      const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+      paged_attention_head(qp + bh * G * D, kp + h * NB * BS * D, vp + h * NB * BS * D, tp + b * MAXB, len, first, G, D,
+                           BS, fscale, scores, op + bh * G * D);
+    }
+  });
+  return out;
+}
+
+}  // namespace tpserve
+
+TORCH_LIBRARY_FRAGMENT(tpserve, m) {
+  m.def("paged_decode_attention(Tensor q, Tensor pool, Tensor table, Tensor lens, float scale, int window) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(tpserve, CPU, m) { m.impl("paged_decode_attention", &tpserve::paged_decode_attention); }

@@ -1,0 +1,1 @@
+"""The tensor-parallel layers: linears, attention and the KV cache, norms, MoE, LoRA, quantization."""

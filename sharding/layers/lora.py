@@ -1,0 +1,301 @@
+"""LoRA adapters on a tensor-parallel model: slots of float32 A/B per linear, and the grouped delta of a mixed step.
+
+A model with adapters enabled (`LoraManager(model, num_slots)`) has `num_slots` adapter slots, numbered 1..num_slots
+(0 is the base model). Loading an adapter into a slot reads, on each rank, only the blocks its linears need, by byte
+ranges (loaders/adapters.py AdapterFiles):
+- column-parallel linears (q/k/v, gate/up, fused or not) keep A [r, in] whole and the rows of B [out, r] that follow
+  the base layer's split (its Pieces: uneven head splits, replicated KV heads, sections of Phi-3's fused tensors);
+- row-parallel linears (o_proj, down_proj) keep the columns of A that match their input block and B whole; their
+  delta is added to the partial product before the all-reduce the layer already does (sum over ranks of
+  x_r A_r^T = x A^T), so adapters add no collective.
+Each linear stores, per slot, A^T [in, R] and B^T * scale [R, out_local] in float32 (whatever the base weights:
+float32, bfloat16 or quantized). A fused column linear whose pieces come from several adapted modules (q, k, v)
+concatenates their A's (R = the sum of their ranks) and places each B block-diagonally, so a delta is two matmuls.
+
+A step says each sequence's slot in its flags (sharding/wire.py: with_lora); AttentionMetadata.build turns them into
+`LoraRows` (for each slot present, the step's tokens of that slot), which the model's forward hands to its
+`LoraContext`. Every adapted linear's `matmul` then adds, per slot present, (x[rows] @ A^T) @ (B^T * scale) to its
+output rows (a grouped shrink and expand over that adapter's rows only; S-LoRA / Punica's idea). A step without
+adapter rows has no LoraRows: its linears check one attribute and do nothing else. The decode fast paths see the
+adapters too: the per-layer loop through the linears' `matmul`, the compiled one-call step of TP=1
+(sharding/cpu/csrc/decode_glue.cpp: decode_layers) through each linear's adapters registered with it (`set_lora`) and the
+rows' slots passed per step; loading or unloading rebuilds that step at its next use (LlamaForCausalLM.lora_changed).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from loaders.checkpoint import Checkpoint
+from loaders.adapters import AdapterFiles, AdapterInfo, LoraError, check_against_base, read_adapter
+from sharding.layers.linear import ColumnParallelLinear, RowParallelLinear
+from sharding.wire import LORA_SHIFT
+
+# ---- the step's rows ------------------------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class LoraRows:
+    """A step's tokens by adapter slot: `groups` [(slot, token indices, or None when the slot has every token)],
+    slots > 0 only; `token_slots` [N] int64, every token's slot (0: base)."""
+
+    groups: list[tuple[int, torch.Tensor | None]]
+    token_slots: torch.Tensor
+
+
+def lora_rows(flags: torch.Tensor | np.ndarray, ns: torch.Tensor | np.ndarray | None) -> LoraRows | None:
+    """The LoraRows of a step whose sequences have these flags and token counts (ns None: one token each), or None
+    when no sequence uses an adapter (the common case: one vectorized test)."""
+    if isinstance(flags, np.ndarray):
+        slots_np = flags >> LORA_SHIFT
+        if not slots_np.any():
+            return None
+        seq_slots = torch.from_numpy(slots_np.copy())
+    else:
+        seq_slots = flags >> LORA_SHIFT
+        if not bool(seq_slots.any()):
+            return None
+    token_slots = seq_slots if ns is None else seq_slots.repeat_interleave(torch.as_tensor(ns))
+    groups = []
+    for slot in sorted(set(token_slots.tolist()) - {0}):
+        idx = (token_slots == slot).nonzero().squeeze(1)
+        groups.append((slot, None if idx.numel() == token_slots.numel() else idx))
+    return LoraRows(groups, token_slots)
+
+
+class LoraContext:
+    """The current step's LoraRows, shared by a model's adapted linears (set by the model's forward)."""
+
+    __slots__ = ("rows",)
+
+    def __init__(self) -> None:
+        self.rows: LoraRows | None = None
+
+
+# ---- one linear ----------------------------------------------------------------------------------------------------
+
+
+# A fused linear's expand runs block by block (its B^T's zero blocks skipped) from this many rows on; below it, one
+# matmul over the whole B^T costs less than a dispatch per block.
+BLOCK_ROWS = 32
+
+Block = tuple[int, int, int, int]  # rows r0:r1 of B^T nonzero only in its columns c0:c1
+
+
+class LoraLinear:
+    """The adapters of one column- or row-parallel linear, slot by slot: (A^T [in_local, R], B^T * scale
+    [R, out_local]) float32, or None where that slot's adapter does not adapt this linear; and per slot the nonzero
+    blocks of a fused linear's block-diagonal B^T (None: B^T is one block)."""
+
+    __slots__ = ("ctx", "slots", "blocks")
+
+    def __init__(self, ctx: LoraContext, num_slots: int) -> None:
+        self.ctx = ctx
+        self.slots: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * (num_slots + 1)
+        self.blocks: list[list[Block] | None] = [None] * (num_slots + 1)
+
+    def apply(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """y += the delta of every slot present in the step, over that slot's rows of x; returns y."""
+        x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+        y2 = y if y.dim() == 2 else y.view(-1, y.shape[-1])
+        for slot, idx in self.ctx.rows.groups:
+            w = self.slots[slot]
+            if w is None:
+                continue
+            at, bt = w
+            xs = x2 if idx is None else x2.index_select(0, idx)
+            if xs.dtype != at.dtype:
+                xs = xs.to(at.dtype)
+            shrunk = torch.mm(xs, at)  # [rows, R]
+            blocks = self.blocks[slot]
+            if blocks is None or shrunk.shape[0] < BLOCK_ROWS:
+                if idx is None and y2.dtype == bt.dtype:
+                    y2.addmm_(shrunk, bt)
+                    continue
+                delta = torch.mm(shrunk, bt)
+            elif idx is None and y2.dtype == bt.dtype:  # B^T's nonzero blocks only, into y's columns
+                for r0, r1, c0, c1 in blocks:
+                    y2[:, c0:c1].addmm_(shrunk[:, r0:r1], bt[r0:r1, c0:c1])
+                continue
+            else:
+                delta = shrunk.new_zeros(shrunk.shape[0], bt.shape[1])
+                for r0, r1, c0, c1 in blocks:
+                    delta[:, c0:c1].addmm_(shrunk[:, r0:r1], bt[r0:r1, c0:c1])
+            if idx is None:
+                y2.add_(delta.to(y2.dtype))
+            else:
+                y2.index_add_(0, idx, delta.to(y2.dtype))
+        return y
+
+
+def _load_column(lin: ColumnParallelLinear, info: AdapterInfo, files: AdapterFiles, device: torch.device):
+    """(A^T, B^T * scale, blocks) of a column-parallel linear: A whole per adapted module, B's rows of each piece;
+    blocks: B^T's nonzero blocks when it has several (a fused linear), else None."""
+    names = [n for n in dict.fromkeys(p.name for p in lin.pieces) if n in info.modules]
+    if not names:
+        return None
+    cols, a_parts = {}, []
+    r0 = 0
+    for n in names:
+        m = info.modules[n]
+        a_parts.append(files.read(m.a).float())
+        cols[n] = (r0, r0 + m.rank)
+        r0 += m.rank
+    b = torch.zeros(sum(lin.out_sizes), r0, dtype=torch.float32)
+    off = 0
+    blocks: list[list[int]] = []
+    for p, size in zip(lin.pieces, lin.out_sizes):
+        if p.name in cols:
+            m = info.modules[p.name]
+            c0, c1 = cols[p.name]
+            b[off:off + size, c0:c1] = files.read(m.b, 0, [(p.start, p.stop)]).float() * m.scale
+            if blocks and blocks[-1][:2] == [c0, c1] and blocks[-1][3] == off:
+                blocks[-1][3] = off + size  # the next rows of the same module
+            else:
+                blocks.append([c0, c1, off, off + size])
+        off += size
+    whole = len(blocks) == 1 and blocks[0] == [0, r0, 0, off]
+    return (torch.cat(a_parts).t().contiguous().to(device), b.t().contiguous().to(device),
+            None if whole else [tuple(x) for x in blocks])
+
+
+def _load_row(lin: RowParallelLinear, info: AdapterInfo, files: AdapterFiles, device: torch.device):
+    """(A^T, B^T * scale) of a row-parallel linear: A's columns of this rank's input block, B whole."""
+    m = info.modules.get(lin.piece.name)
+    if m is None:
+        return None
+    p = lin.piece
+    a = files.read(m.a, 1, [(p.start, p.stop)]).float()  # [r, in_local]
+    b = files.read(m.b).float() * m.scale  # [out, r]
+    return a.t().contiguous().to(device), b.t().contiguous().to(device), None
+
+
+# ---- the model -----------------------------------------------------------------------------------------------------
+
+
+def supports_lora(model_cls: type) -> bool:
+    return bool(getattr(model_cls, "supports_lora", False))
+
+
+def validate_adapter(folder: str, base: Checkpoint, max_rank: int, base_names: tuple[str, ...] | list[str] = (),
+                     check_name: bool = True) -> AdapterInfo:
+    """Rank 0's check of an adapter folder against the served base checkpoint (headers only, no tensor data, no
+    other rank involved). Raises LoraError (a ValueError) naming the problem; returns the parsed adapter. `base_names`:
+    the names the base model goes by (its folder, served model name, config _name_or_path), see check_against_base."""
+    from sharding.models import model_class
+
+    arch = base.architecture
+    if not supports_lora(model_class(arch)):
+        raise LoraError(f"LoRA adapters are not supported for {arch} yet")
+    info = read_adapter(folder)
+    names = list(base_names) + [str(base.folder), base.config_dict.get("_name_or_path") or ""]
+    check_against_base(info, base.tensors, max_rank, names, check_name)
+    return info
+
+
+class LoraManager:
+    """A model's adapter slots on this rank. Construct it once per rank after the weights are loaded (any format:
+    float32, bfloat16, int8/int4/bf16 quantized); then `load(slot, path)` / `unload(slot)` on every rank, with the same
+    slot and path on each, between steps. Slots are 1..num_slots; loading into an occupied slot replaces its adapter.
+
+    The rank reads only its byte ranges of the adapter's tensors. `load` checks the folder itself (read_adapter) but
+    not against the base checkpoint: that is rank 0's `validate_adapter`, done before asking the ranks to load.
+    """
+
+    def __init__(self, model: torch.nn.Module, num_slots: int, max_rank: int = 64) -> None:
+        if not supports_lora(type(model)):
+            raise LoraError(f"LoRA adapters are not supported for {type(model).__name__} yet")
+        if num_slots < 1:
+            raise ValueError(f"the number of LoRA slots must be at least 1, not {num_slots}")
+        self.num_slots, self.max_rank = num_slots, max_rank
+        self.ctx = LoraContext()
+        model.lora = self.ctx
+        self.model = model
+        self.columns: list[tuple[ColumnParallelLinear, LoraLinear]] = []
+        self.rows: list[tuple[RowParallelLinear, LoraLinear]] = []
+        for module in model.modules():
+            if isinstance(module, ColumnParallelLinear):
+                module.lora = LoraLinear(self.ctx, num_slots)
+                self.columns.append((module, module.lora))
+            elif isinstance(module, RowParallelLinear):
+                module.lora = LoraLinear(self.ctx, num_slots)
+                self.rows.append((module, module.lora))
+        self.device = next(model.parameters()).device
+        self.adapters: dict[int, AdapterInfo] = {}  # slot -> what it holds
+        self.bytes_read = 0  # by the last load
+
+    def _check_slot(self, slot: int) -> None:
+        if not 1 <= slot <= self.num_slots:
+            raise ValueError(f"LoRA slot {slot} does not exist (slots are 1 to {self.num_slots}; 0 is the base model)")
+
+    def load(self, slot: int, adapter: str | AdapterInfo) -> AdapterInfo:
+        """Read this rank's blocks of the adapter at `adapter` (a local folder, or its read_adapter result) into
+        `slot`. Every module the adapter adapts in this rank's layers is placed; modules of other pipeline stages
+        are skipped."""
+        self._check_slot(slot)
+        info = read_adapter(adapter) if isinstance(adapter, str) else adapter
+        if info.max_rank > self.max_rank:
+            raise LoraError(f"{info.path!r}: rank {info.max_rank} is above the maximum LoRA rank {self.max_rank}")
+        loaded: dict[LoraLinear, tuple] = {}
+        with AdapterFiles(info) as files:
+            for lin, lora in self.columns:
+                w = _load_column(lin, info, files, self.device)
+                if w is not None:
+                    loaded[lora] = w
+            for lin, lora in self.rows:
+                w = _load_row(lin, info, files, self.device)
+                if w is not None:
+                    loaded[lora] = w
+            self.bytes_read = files.bytes_read
+        if not loaded:
+            raise LoraError(f"{info.path!r} adapts none of this model's linears")
+        # every read succeeded: swap the slot in at once
+        for _, lora in self.columns + self.rows:
+            w = loaded.get(lora)
+            lora.slots[slot], lora.blocks[slot] = (None, None) if w is None else (w[:2], w[2])
+        self.adapters[slot] = info
+        self._changed()
+        return info
+
+    def _changed(self) -> None:
+        changed = getattr(self.model, "lora_changed", None)
+        if changed is not None:
+            changed()  # the compiled decode step holds the adapters: rebuilt at its next use
+
+    def unload(self, slot: int) -> None:
+        """Free `slot` (its tensors are dropped; steps must no longer name it)."""
+        self._check_slot(slot)
+        for _, lora in self.columns + self.rows:
+            lora.slots[slot] = lora.blocks[slot] = None
+        self.adapters.pop(slot, None)
+        self._changed()
+
+    def nbytes(self, slot: int | None = None) -> int:
+        """Bytes of adapter tensors held on this rank (in `slot`, or in every slot)."""
+        total = 0
+        for _, lora in self.columns + self.rows:
+            for s, w in enumerate(lora.slots):
+                if w is not None and (slot is None or s == slot):
+                    total += sum(t.numel() * t.element_size() for t in w)
+        return total
+
+
+# ---- the runtime-load command's payload (for the step protocol) --------------------------------------------------
+
+
+def encode_load(slot: int, path: str) -> torch.Tensor:
+    """int64 [2 + ceil(len / 8)]: slot, byte length, then the path's UTF-8 bytes (a load command's payload: each rank
+    decodes it with decode_load and reads its own byte ranges from that local path)."""
+    raw = path.encode()
+    buf = np.zeros(-(-len(raw) // 8) * 8, dtype=np.uint8)
+    buf[: len(raw)] = np.frombuffer(raw, dtype=np.uint8)
+    return torch.cat([torch.tensor([slot, len(raw)], dtype=torch.int64), torch.from_numpy(buf.view(np.int64).copy())])
+
+
+def decode_load(payload: torch.Tensor) -> tuple[int, str]:
+    slot, n = int(payload[0]), int(payload[1])
+    raw = payload[2:].numpy().view(np.uint8)[:n].tobytes()
+    return slot, raw.decode()

@@ -1,0 +1,232 @@
+"""Quantization of the linears (`--quantization int8|int4|bf16`).
+
+Each rank quantizes its own shard right after reading it, so it never holds more than one layer's weight in the
+checkpoint's precision next to the quantized model. What the products multiply depends on the CPU, as in llama.cpp:
+with AVX-512 VNNI, int8 and int4 weights multiply activations quantized to int8 per row and block of 32 inputs
+(scale max|x| / 127, Q8_0's); with AVX-512 BF16, bf16 weights multiply activations rounded to bfloat16; elsewhere the
+activations stay float32 (`int8_activations()`, `bf16_activations()` say which). Norms, attention and the residual
+stream stay in the model's dtype.
+
+- int8: symmetric, one float16 scale per block of 32 inputs, as llama.cpp's Q8_0: W[n, k] ~= q[n, k] * s[n, k / 32],
+  s = max|block| / 127, q in [-127, 127].
+- bf16: the weight rounded to bfloat16 (half of float32's bytes; no scale), for float32 checkpoints served at the
+  speed of 16-bit weights (llama.cpp's F16 files are the same idea). Unlike --dtype bfloat16, norms, attention and
+  the residual stream stay in float32.
+- int4: symmetric, one float16 scale per group of `group` (32 or 128; 32 where the input size is not a multiple of
+  128) inputs, as llama.cpp's Q4_0: the input of largest magnitude m in a group maps to -8, so scale = m / -8
+  (rounded to float16) and q = round(W / scale) clamped to [-8, 7]; stored as q + 8 in a nibble, two per byte.
+
+Layout (pack_rows), chosen at load by what this machine's kernel reads (kernel_rows):
+- where the kernel multiplies bytes or bfloat16 pairs: blocks of 16 output rows, each 64-byte line holding 4 bytes of
+  each row (4 int8 inputs; 8 int4 inputs, byte i holding input i low and i + 4 high; 2 bf16 inputs), so one
+  vpdpbusd / vdpbf16ps feeds one int32 / float32 lane per output row;
+- elsewhere: blocks of 4 output rows interleaved in runs of 16 bytes (32 for bf16: 16 weights, a vector of the
+  float32 kernel; int4: byte j of a run of 32 inputs holds inputs j and j + 16), so that the kernel, which computes 4
+  output rows at a time, reads its weights as one sequential stream.
+Scales are stored beside, [blocks, in / group, rows per block], so a block's scales of a group are one load.
+
+Kernels: on CPU, sharding/cpu/csrc/quant_linear.cpp (`torch.ops.tpserve.int8_linear/int4_linear/bf16_linear`) for every
+step, decode and prefill: they beat dequantizing to float32 for `F.linear` at every batch size measured (1 to 512
+rows; scripts/bench_quant.py --linears). Without them (no compiler, another device: CUDA included) the weight is
+dequantized in chunks of output rows for `F.linear`: correct, not fast.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from sharding.cpu import kernels
+
+MODES = ("int8", "int4", "bf16")
+INT4_GROUP_SIZES = (32, 128)
+INT8_GROUP = 32  # inputs per int8 scale (Q8_0's block)
+DEQUANT_CHUNK = 1024  # output rows dequantized at a time on the fallback path (bounded transient memory)
+
+
+ROW_BLOCK = 4  # output rows stored (and computed) together
+RUN = {"int8": 16, "int4": 16, "bf16": 32}  # bytes of one row stored together: the 16 weights of one kernel vector
+# (32 for int4, two per byte)
+VNNI_ROWS, VNNI_RUN = 16, 4  # int8 and int4 where the kernel multiplies bytes: 16 rows x 4 bytes per 64-byte line
+
+
+def pack_rows(q: torch.Tensor, run: int = 16, rows: int = ROW_BLOCK) -> torch.Tensor:
+    """[N, R] bytes (R % run == 0) -> [ceil(N / rows), rows * R]: each block of `rows` rows (zero rows pad the last
+    block) holds its rows' first `run` bytes in turn, then their next `run` bytes, and so on.
+
+    Against the plain layout, where the kernel read its 4 rows as 4 short streams side by side, this made SmolLM2's
+    int8 linears at one activation row 17 -> 26-32 GB/s (2 threads, Zen 4; BENCHMARKS.md)."""
+    n, r = q.shape
+    if n % rows:
+        q = torch.cat([q, q.new_zeros(rows - n % rows, r)])
+    nb = q.shape[0] // rows
+    return q.reshape(nb, rows, r // run, run).transpose(1, 2).reshape(nb, rows * r).contiguous()
+
+
+def unpack_rows(packed: torch.Tensor, r: int, run: int = 16, rows: int = ROW_BLOCK) -> torch.Tensor:
+    """pack_rows' inverse: [B, rows * R] -> [rows * B, R] (the padding rows included)."""
+    nb = packed.shape[0]
+    return packed.reshape(nb, r // run, rows, run).transpose(1, 2).reshape(nb * rows, r)
+
+
+@dataclass(slots=True)
+class QuantizedWeight:
+    """A quantized [out, in] weight: `data` the rows as pack_rows stores them, int8 (int8: a row is `in` bytes) or
+    uint8 (int4: `in / 2` bytes; bf16: `2 * in`); `scale` empty (bf16), or for int8 and int4 float16
+    [ceil(out / 4), in / group, 4]: each block of 4 rows' scales, group by group (zeros pad the last block), so that
+    the kernel reads a block's scales with its weights (`row_scales` gives [out, in / group])."""
+
+    mode: str
+    data: torch.Tensor
+    scale: torch.Tensor
+    in_features: int
+    out_features: int
+    group: int = 0
+    rows: int = ROW_BLOCK  # rows per block: 4, or VNNI_ROWS (int8, int4 multiplied as bytes)
+    kernel: tuple | None = None  # (op, its arguments after x): see bind
+
+    def row_scales(self) -> torch.Tensor:
+        """int8, int4: the scales as [out, in / group]."""
+        nb, ng, _ = self.scale.shape
+        return self.scale.transpose(1, 2).reshape(nb * self.rows, ng)[: self.out_features].float()
+
+    @property
+    def run(self) -> int:
+        return VNNI_RUN if self.rows == VNNI_ROWS else RUN[self.mode]
+
+    @property
+    def row_bytes(self) -> int:
+        return {"int8": self.in_features, "int4": self.in_features // 2, "bf16": 2 * self.in_features}[self.mode]
+
+    def nbytes(self) -> int:
+        return self.data.numel() * self.data.element_size() + self.scale.numel() * self.scale.element_size()
+
+
+def check(mode: str | None, group: int) -> None:
+    if mode is not None and mode not in MODES:
+        raise ValueError(f"--quantization must be one of {', '.join(MODES)}, not {mode!r}")
+    if mode == "int4" and group not in INT4_GROUP_SIZES:
+        raise ValueError(f"--quantization-group-size must be one of {INT4_GROUP_SIZES} for int4, not {group}")
+
+
+def group_for(in_features: int, group: int) -> int:
+    """The int4 group a linear gets: `group`, or 32 where the input size is not a multiple of it (SmolLM2's 576)."""
+    return group if in_features % group == 0 else 32
+
+
+def supported(mode: str, in_features: int, group: int) -> bool:
+    """Whether a linear with this many inputs can be quantized (the kernels need whole vectors / groups)."""
+    need = {"int4": group_for(in_features, group), "int8": INT8_GROUP}.get(mode, 16)
+    return in_features % need == 0
+
+
+def kernel_rows(mode: str, device: torch.device) -> int:
+    """Rows per block of the layout this device's kernel reads: VNNI_ROWS where the CPU kernel multiplies int8
+    activations (int8, int4 on AVX-512 VNNI) or bfloat16 ones (bf16 on AVX-512 BF16), else 4."""
+    if device.type != "cpu":
+        return ROW_BLOCK
+    dot = bf16_activations() if mode == "bf16" else int8_activations()
+    return VNNI_ROWS if dot else ROW_BLOCK
+
+
+def quantize(weight: torch.Tensor, mode: str, group: int = 32, rows: int | None = None) -> QuantizedWeight:
+    """`rows`: the layout's rows per block (default: kernel_rows, what this device's kernel reads)."""
+    w = weight.detach().float()
+    out_features, in_features = w.shape
+    rows = rows or kernel_rows(mode, w.device)
+    run = VNNI_RUN if rows == VNNI_ROWS else RUN[mode]
+    if mode == "bf16":
+        data = w.to(torch.bfloat16).view(torch.int16).view(torch.uint8)  # [out, 2 * in], little-endian values
+        return bind(QuantizedWeight(mode, pack_rows(data, run, rows), w.new_zeros(0), in_features, out_features,
+                                    rows=rows))
+    if mode == "int8":
+        g = w.reshape(out_features, in_features // INT8_GROUP, INT8_GROUP)
+        scale = (g.abs().amax(dim=-1) / 127.0).clamp(max=65504).half().float()  # stored as float16
+        inv = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
+        q = torch.round(g * inv[..., None]).clamp_(-127, 127).to(torch.int8).reshape(out_features, in_features)
+        return bind(QuantizedWeight(mode, pack_rows(q, run, rows), block_scales(scale, rows), in_features,
+                                    out_features, INT8_GROUP, rows))
+    group = group_for(in_features, group)
+    g = w.reshape(out_features, in_features // group, group)
+    idx = g.abs().argmax(dim=-1, keepdim=True)
+    scale = (torch.gather(g, -1, idx) / -8.0).squeeze(-1).clamp(-65504, 65504).half().float()  # stored as float16
+    inv = torch.where(scale != 0, 1.0 / scale, torch.zeros_like(scale))
+    q = (torch.round(g * inv[..., None]).clamp_(-8, 7) + 8).to(torch.uint8)  # [out, in/group, group]
+    span = 2 * run  # inputs per run of bytes: j and j + run share byte j
+    q = q.reshape(out_features, in_features // span, 2, run)
+    packed = q[:, :, 0, :] | (q[:, :, 1, :] << 4)
+    return bind(QuantizedWeight(mode, pack_rows(packed.reshape(out_features, in_features // 2), run, rows),
+                                block_scales(scale, rows), in_features, out_features, group, rows))
+
+
+def block_scales(scale: torch.Tensor, rows: int = ROW_BLOCK) -> torch.Tensor:
+    """[out, in / group] -> float16 [ceil(out / rows), in / group, rows]: each block of rows' scales side by side,
+    group by group (zeros pad the last block), read by the kernel with the block's weights."""
+    pad = -scale.shape[0] % rows
+    if pad:
+        scale = torch.cat([scale, scale.new_zeros(pad, scale.shape[1])])
+    return scale.reshape(-1, rows, scale.shape[1]).transpose(1, 2).half().contiguous()
+
+
+def dequantize(qw: QuantizedWeight, start: int = 0, stop: int | None = None) -> torch.Tensor:
+    """Float32 rows [start, stop) of the weight (start a multiple of the layout's rows per block)."""
+    stop = qw.out_features if stop is None else min(stop, qw.out_features)
+    assert start % qw.rows == 0
+    blocks = qw.data[start // qw.rows : -(-stop // qw.rows)]
+    data = unpack_rows(blocks, qw.row_bytes, qw.run, qw.rows)[: stop - start]
+    if qw.mode == "bf16":
+        return data.contiguous().view(torch.bfloat16).float()
+    scale = qw.row_scales()[start:stop]
+    if qw.mode == "int8":
+        return data.float() * scale.repeat_interleave(INT8_GROUP, dim=1)
+    n = data.shape[0]
+    b = data.reshape(n, qw.in_features // (2 * qw.run), qw.run)
+    q = torch.stack([b & 0x0F, b >> 4], dim=2).reshape(n, qw.in_features // qw.group, qw.group)
+    return ((q.float() - 8.0) * scale[..., None]).reshape(n, qw.in_features)
+
+
+def int8_activations() -> bool:
+    """Whether int8 and int4 linears quantize their activations to int8 (the compiled kernel on a CPU with AVX-512
+    VNNI)."""
+    return kernels.quant_linear_ops() is not None and bool(torch.ops.tpserve.quant_int8_activations())
+
+
+def bf16_activations() -> bool:
+    """Whether bf16 linears round their activations to bfloat16 (the compiled kernel on a CPU with AVX-512 BF16)."""
+    return kernels.quant_linear_ops() is not None and bool(torch.ops.tpserve.quant_bf16_activations())
+
+
+def bind(qw: QuantizedWeight) -> QuantizedWeight:
+    """Resolve, once, at load, the compiled op and its arguments (a decode step makes ~120 of these calls)."""
+    ops = kernels.quant_linear_ops() if qw.data.device.type == "cpu" else None
+    if ops is None or qw.rows != kernel_rows(qw.mode, qw.data.device):  # not the layout the kernel reads
+        qw.kernel = None
+    elif qw.mode == "int8":
+        qw.kernel = (ops[0], (qw.data, qw.scale, qw.out_features))
+    elif qw.mode == "int4":
+        qw.kernel = (ops[1], (qw.data, qw.scale, qw.group, qw.out_features))
+    else:
+        qw.kernel = (ops[2], (qw.data, qw.out_features))
+    return qw
+
+
+def linear(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., in] @ dequant(W)^T (+ bias), in x's dtype."""
+    if qw.kernel is not None and x.dim() == 2 and x.dtype == torch.float32:
+        op, args = qw.kernel  # the fast path: every step of a float32 model
+        y = op(x, *args)
+        return y + bias if bias is not None else y
+    shape, dtype = x.shape, x.dtype
+    x2 = x.reshape(-1, shape[-1]).float()
+    if qw.kernel is not None:
+        op, args = qw.kernel
+        y = op(x2, *args)
+    elif qw.out_features <= DEQUANT_CHUNK:
+        y = F.linear(x2, dequantize(qw))
+    else:
+        y = torch.cat([F.linear(x2, dequantize(qw, a, a + DEQUANT_CHUNK))
+                       for a in range(0, qw.out_features, DEQUANT_CHUNK)], dim=-1)
+    y = y.to(dtype).reshape(*shape[:-1], qw.out_features)
+    return y + bias if bias is not None else y

@@ -1,0 +1,113 @@
+"""One step's description, as rank 0 decides it and every rank receives it.
+
+A step is a flat run of N tokens from S sequences: sequence i owns tokens [offset_i, offset_i + n_i), starts at
+position start_i (the tokens before it are in the KV cache) and reads and writes the cache through row_i of the block
+table. The block table ([max_num_seqs, blocks per sequence], int64) lives on every rank as a mirror of rank 0's block
+manager: a step carries only the entries that changed since the last step, as (row, index, block) triples, and every
+rank applies them before the forward. A decoding sequence adds at most one block per step, so a decode step's updates
+are at most S.
+
+Per sequence, `flags` say which logits the step returns: LOGITS_LAST for its last token (it samples after this step),
+LOGITS_ALL for every one of its tokens (prompt logprobs), neither for a prefill chunk that is not the prompt's last.
+An embedding sequence (prefill only) asks for one row of final-normed hidden states instead, pooled over its tokens
+of this step: HIDDEN_LAST its last token, HIDDEN_FIRST its first (CLS), HIDDEN_SUM the sum of all of them (mean
+pooling over chunks: rank 0 adds the chunks' sums and divides). The last stage returns those rows beside the logits.
+The bits of `flags` from LORA_SHIFT up hold the sequence's LoRA adapter slot (0: the base model; sharding/layers/lora.py):
+`with_lora(flags, slot)` sets them, `lora_slot(flags)` reads them, `flags & FLAG_BITS` is the rest. A step without
+adapter rows is byte-identical to one from before adapters existed.
+
+On the wire: one int64 message of a fixed size known to every rank (`message_size`): a header [cmd, N, S, U], then
+the payload ids[N], (row, n, start, flags)[S], (row, index, block)[U]; positions are derived. Every decode step fits,
+so a decode step costs one broadcast; a step whose payload does not fit (a prefill, a prefix-cache hit) sends the
+payload in a second broadcast, sized from the header.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+CMD_STEP = 1
+CMD_SHUTDOWN = 2
+CMD_NOOP = 3  # a heartbeat while idle, so waiting ranks can tell a quiet server from a dead one
+HEADER = 4
+
+LOGITS_LAST = 1
+LOGITS_ALL = 2
+HIDDEN_LAST = 4
+HIDDEN_SUM = 8
+HIDDEN_FIRST = 16
+HIDDEN = HIDDEN_LAST | HIDDEN_SUM | HIDDEN_FIRST
+LORA_SHIFT = 16  # flags >> LORA_SHIFT: the sequence's LoRA adapter slot, 0 for the base model
+FLAG_BITS = (1 << LORA_SHIFT) - 1  # the logits / hidden bits above
+
+
+def with_lora(flags: int, slot: int) -> int:
+    """`flags` with the sequence's adapter slot set (0: the base model)."""
+    if slot < 0:
+        raise ValueError(f"adapter slot {slot} must be >= 0")
+    return (flags & FLAG_BITS) | (slot << LORA_SHIFT)
+
+
+def lora_slot(flags: int) -> int:
+    """The adapter slot a sequence's flags carry (0: the base model)."""
+    return flags >> LORA_SHIFT
+
+SEQ_FIELDS = 4  # row, n_tokens, start_pos, flags
+UPDATE_FIELDS = 3  # row, index in the row, block id
+
+
+@dataclass(slots=True)
+class Step:
+    input_ids: torch.Tensor  # [N] int64
+    seq_table: torch.Tensor  # [S, 4] int64: row, n_tokens, start_pos, flags
+    block_updates: torch.Tensor | None = None  # [U, 3] int64: row, index, block id
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids.numel()
+
+    def num_logits(self) -> int:
+        """Rows of logits the step returns (sharding/layers/attention.py: _logits_indices): every token of a LOGITS_ALL
+        sequence, one for a LOGITS_LAST one."""
+        n, flags = self.seq_table[:, 1], self.seq_table[:, 3]
+        rows = torch.where((flags & LOGITS_ALL) != 0, n, ((flags & LOGITS_LAST) != 0).long())
+        return int(rows.sum())
+
+    def num_hidden(self) -> int:
+        """Rows of pooled hidden states the step returns: one per sequence with a HIDDEN_* flag."""
+        return int(((self.seq_table[:, 3] & HIDDEN) != 0).sum())
+
+    def pack(self) -> tuple[torch.Tensor, torch.Tensor]:
+        parts = [self.input_ids, self.seq_table.reshape(-1)]
+        u = 0 if self.block_updates is None else self.block_updates.shape[0]
+        if u:
+            parts.append(self.block_updates.reshape(-1))
+        header = torch.tensor([CMD_STEP, self.num_tokens, self.seq_table.shape[0], u], dtype=torch.int64)
+        return header, torch.cat(parts)
+
+    @staticmethod
+    def message_size(max_num_seqs: int) -> int:
+        """Header plus the largest decode step's payload: N = S <= max_num_seqs tokens, 4 S, 3 U with U <= S."""
+        return HEADER + (1 + SEQ_FIELDS + UPDATE_FIELDS) * max_num_seqs
+
+    def pack_into(self, message: torch.Tensor) -> torch.Tensor | None:
+        """Write the step into `message`; returns the payload when it must follow in a second broadcast."""
+        header, payload = self.pack()
+        message[:HEADER] = header
+        if HEADER + payload.numel() <= message.numel():
+            message[HEADER : HEADER + payload.numel()] = payload
+            return None
+        return payload
+
+    @staticmethod
+    def payload_size(header: torch.Tensor) -> int:
+        return int(header[1]) + SEQ_FIELDS * int(header[2]) + UPDATE_FIELDS * int(header[3])
+
+    @staticmethod
+    def unpack(header: torch.Tensor, payload: torch.Tensor) -> "Step":
+        n, s, u = int(header[1]), int(header[2]), int(header[3])
+        e = n + SEQ_FIELDS * s
+        return Step(payload[:n], payload[n:e].view(s, SEQ_FIELDS),
+                    payload[e : e + UPDATE_FIELDS * u].view(u, UPDATE_FIELDS) if u else None)
