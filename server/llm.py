@@ -13,7 +13,7 @@ from server.engine.core import Engine
 from server.cli.launcher import launch, resolve_model, torchrun_worker_signals
 from server.engine.detokenizer import IncrementalDetokenizer
 from server.engine.sampler import SamplingParams
-from server.engine.scheduler import Sequence
+from server.engine.request import Sequence
 from server.engine.spec_decode.proposers import parse_speculative_config
 from server.engine.tokenizer import load_tokenizer
 from sharding.runner import EngineConfig

@@ -54,6 +54,18 @@ def lora_slot(flags: int) -> int:
     """The adapter slot a sequence's flags carry (0: the base model)."""
     return flags >> LORA_SHIFT
 
+
+
+def output_rows(ns: torch.Tensor, flags: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The one definition of what a step returns, per entry of its sequence table (n tokens, flags): how many rows
+    of logits (n under LOGITS_ALL, its tokens in order; 1 under LOGITS_LAST, its last token; else 0) and of pooled
+    hidden states (1 under a HIDDEN_* flag, else 0). Both come back entry after entry in table order. The last stage
+    picks its rows by it (sharding/layers/attention.py), rank 0 sizes what it receives by it (sharding/runner.py)
+    and splits the rows by sequence by it (server/engine/outputs.py)."""
+    logits = torch.where((flags & LOGITS_ALL) != 0, ns, ((flags & LOGITS_LAST) != 0).long())
+    return logits, ((flags & HIDDEN) != 0).long()
+
+
 SEQ_FIELDS = 4  # row, n_tokens, start_pos, flags
 UPDATE_FIELDS = 3  # row, index in the row, block id
 
@@ -69,15 +81,12 @@ class Step:
         return self.input_ids.numel()
 
     def num_logits(self) -> int:
-        """Rows of logits the step returns (sharding/layers/attention.py: _logits_indices): every token of a LOGITS_ALL
-        sequence, one for a LOGITS_LAST one."""
-        n, flags = self.seq_table[:, 1], self.seq_table[:, 3]
-        rows = torch.where((flags & LOGITS_ALL) != 0, n, ((flags & LOGITS_LAST) != 0).long())
-        return int(rows.sum())
+        """Rows of logits the step returns (`output_rows`)."""
+        return int(output_rows(self.seq_table[:, 1], self.seq_table[:, 3])[0].sum())
 
     def num_hidden(self) -> int:
-        """Rows of pooled hidden states the step returns: one per sequence with a HIDDEN_* flag."""
-        return int(((self.seq_table[:, 3] & HIDDEN) != 0).sum())
+        """Rows of pooled hidden states the step returns (`output_rows`)."""
+        return int(output_rows(self.seq_table[:, 1], self.seq_table[:, 3])[1].sum())
 
     def pack(self) -> tuple[torch.Tensor, torch.Tensor]:
         parts = [self.input_ids, self.seq_table.reshape(-1)]

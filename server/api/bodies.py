@@ -16,7 +16,7 @@ from fastapi.responses import Response
 
 from server.api.state import PendingRequest, ServerState, stream_events
 from server.api.protocol import APIError, ChatCompletionRequest, CompletionRequest
-from server.engine.scheduler import Sequence
+from server.engine.request import Sequence
 from server.api.tool_calls import ToolCallParser, new_call_id, parse_tool_calls
 
 

@@ -35,7 +35,7 @@ from server.api.state import PendingRequest, ServerState, admit, gather
 from server.api.preprocess import check_model, tokenize_prompts
 from server.api.protocol import APIError, RequestBody, check_prompts
 from server.engine.sampler import SamplingParams
-from server.engine.scheduler import Sequence
+from server.engine.request import Sequence
 
 logger = logging.getLogger(__name__)
 

@@ -35,7 +35,7 @@ from server.api.state import PendingRequest, ServerState, admit, gather, stream_
 from server.api.preprocess import check_length, check_model, output_constraint, render_chat, sampling_params
 from server.api.protocol import APIError, ChatCompletionRequest, RequestBody
 from server.api.bodies import EventStream, chat_logprobs, forced_tools, truncated_call
-from server.engine.scheduler import Sequence
+from server.engine.request import Sequence
 from server.api.tool_calls import ToolCallParser, parse_tool_calls
 
 DEFAULT_STORE_MAX_BYTES = 64 * 1024 * 1024

@@ -26,7 +26,7 @@ from server.engine.structured.grammar import GrammarState
 from server.api.metrics import Metrics
 from server.api.protocol import APIError
 from server.engine.sampler import SamplingParams
-from server.engine.scheduler import Sequence
+from server.engine.request import Sequence
 
 DISCONNECT_POLL_S = 0.5
 

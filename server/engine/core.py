@@ -30,10 +30,11 @@ import torch
 from server.engine.block_manager import BlockManager
 from server.engine.structured.grammar import Grammars
 from server.engine.sampler import SampleRow, sample
-from server.engine.scheduler import WAITING, Batch, Scheduled, Scheduler, Sequence
+from server.engine.outputs import Scheduled, SchedulerOutput, StepOutput
+from server.engine.request import WAITING, Sequence
+from server.engine.scheduler import Scheduler
 from server.engine.spec_decode.proposers import SpeculativeConfig, Speculator
 from sharding.runner import Launched, ModelRunner
-from sharding.wire import HIDDEN, HIDDEN_FIRST, HIDDEN_LAST, HIDDEN_SUM, LOGITS_ALL, LOGITS_LAST, Step, with_lora
 
 logger = logging.getLogger(__name__)
 
@@ -45,15 +46,6 @@ HEARTBEAT_S = 1.0
 # decode steps (BENCHMARKS.md, "A long prompt arrives").
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 512
 DEFAULT_MAX_PREFILL_TOKENS_WHILE_DECODING = 64
-
-
-# an embedding sequence's flags for one chunk of its prompt (sharding/wire.py): the last token's hidden state with
-# the prompt's last chunk, the first token's with the chunk from position 0, the sum over every chunk's tokens
-POOL_FLAGS: dict[str, Callable[[Scheduled], int]] = {
-    "last": lambda item: HIDDEN_LAST if item.samples else 0,
-    "cls": lambda item: HIDDEN_FIRST if item.start == 0 else 0,
-    "mean": lambda item: HIDDEN_SUM,
-}
 
 
 class EngineThread:
@@ -141,10 +133,8 @@ class Lane:
 @dataclass(slots=True)
 class InFlight:
     lane: Lane
-    batch: Batch
-    table: list[tuple[int, int, int, int]]
+    batch: SchedulerOutput
     launched: Launched
-    num_tokens: int
     started: float
 
 
@@ -479,36 +469,15 @@ class Engine:
             if not seq.finished:
                 self._place(seq)
 
-    def _launch(self, lane: Lane, batch: Batch) -> None:
+    def _launch(self, lane: Lane, batch: SchedulerOutput) -> None:
         if lane.replica in self.down:  # (taken down while this batch was scheduled: its sequences moved already)
             return
         t0 = time.perf_counter()
-        ids, table, rows = [], [], []  # rows: the step's table; `table` has each item's first entry
-        for item in batch.items:
-            seq = item.seq
-            ids.extend(seq.token_ids[item.start : item.start + item.n])
-            if seq.pooling is not None:  # an embedding: a pooled row instead of logits (sharding/wire.py)
-                flags = POOL_FLAGS[seq.pooling](item)
-            else:
-                flags = LOGITS_LAST if item.samples else 0
-                if seq.wants_prompt_logprobs and item.start <= len(seq.prompt_ids) - 2:
-                    flags |= LOGITS_ALL
-            slot = seq.lora.slot if seq.lora is not None else 0  # its adapter's slot (sharding/wire.py)
-            if slot:
-                flags = with_lora(flags, slot)
-            table.append((seq.row, item.n, item.start, flags))
-            rows.append(table[-1])
-            if item.drafts:  # verification: one decode row per draft, at the next positions of the same cache row
-                ids.extend(item.drafts)
-                rows.extend((seq.row, 1, item.start + 1 + j, with_lora(LOGITS_LAST, slot))
-                            for j in range(len(item.drafts)))
-        updates = torch.tensor(batch.block_updates, dtype=torch.int64) if batch.block_updates else None
-        step = Step(torch.tensor(ids, dtype=torch.int64), torch.tensor(rows, dtype=torch.int64), updates)
-        launched, ok = self._runner_call(lane.replica, self.runner.launch, step, lane.replica)
+        launched, ok = self._runner_call(lane.replica, self.runner.launch, batch.to_step(), lane.replica)
         if not ok:
             return
         lane.busy = True
-        self._inflight.append(InFlight(lane, batch, table, launched, len(ids), t0))
+        self._inflight.append(InFlight(lane, batch, launched, t0))
 
     def _complete(self, f: InFlight) -> None:
         logits, ok = self._runner_call(f.lane.replica, self.runner.collect, f.launched)
@@ -516,42 +485,34 @@ class Engine:
             return
         f.lane.busy = False
         f.lane.scheduler.finished_step(f.batch)
-        sampling, rows, at, pooled_at, verify = [], [], 0, 0, []
-        for item, (_, n, start, flags) in zip(f.batch.items, f.table):
-            live = not item.seq.finished  # not aborted while its step was in flight
-            if flags & HIDDEN:
-                if live:
-                    self._pool(item, f.launched.pooled[pooled_at])
-                pooled_at += 1
+        out = StepOutput.split(f.batch, f.launched.step, logits, f.launched.pooled)
+        sampling: list[Scheduled] = []
+        verifying: list[Scheduled] = []
+        for item in f.batch.items:
+            seq = item.seq
+            if seq.finished:  # aborted while its step was in flight
                 continue
-            if item.seq.pooling is not None:
-                if live and item.samples:  # "cls": the first token's row came with an earlier chunk
-                    self._finish_embedding(item.seq)
-                continue
-            if flags & LOGITS_ALL:
-                if live:
-                    self._record_prompt_logprobs(item.seq, logits[at : at + n], start)
-                at += n
-                if flags & LOGITS_LAST and live:
+            got = out[seq]
+            if seq.pooling is not None:
+                if got.pooled is not None:
+                    self._pool(item, got.pooled)
+                elif item.samples:  # "cls": the first token's row came with an earlier chunk
+                    self._finish_embedding(seq)
+            elif got.every_token:
+                self._record_prompt_logprobs(seq, out.rows_of(seq), item.start)
+                if item.samples:
                     sampling.append(item)
-                    rows.append(at - 1)
             elif item.drafts:
-                k = len(item.drafts)
-                if live:
-                    verify.append((item, at))
-                at += 1 + k
-            elif flags & LOGITS_LAST:
-                if live:
-                    sampling.append(item)
-                    rows.append(at)
-                at += 1
+                verifying.append(item)
+            elif item.samples:
+                sampling.append(item)
         if sampling:
-            self._sample(sampling, logits if len(rows) == logits.shape[0] else logits[rows])
-        for item, at in verify:
-            self._verify(item, logits[at : at + 1 + len(item.drafts)])
+            self._sample(sampling, out.last_rows([item.seq for item in sampling]))
+        for item in verifying:
+            self._verify(item, out.rows_of(item.seq))
         dt = time.perf_counter() - f.started
         for listener in self.step_listeners:
-            listener(dt, f.num_tokens)
+            listener(dt, f.launched.step.num_tokens)
 
     def _sample(self, items: list[Scheduled], logits: torch.Tensor) -> None:
         seqs = [item.seq for item in items]

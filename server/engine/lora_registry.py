@@ -26,6 +26,11 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from loaders.adapters import AdapterInfo, LoraError, check_against_base, read_adapter
+from loaders.checkpoint import Checkpoint
+from sharding.layers.lora import supports_lora
+from sharding.models import model_class
+
 logger = logging.getLogger(__name__)
 
 RUNTIME_UPDATES_ENV = "TPSERVE_ALLOW_RUNTIME_LORA_UPDATING"  # vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING
@@ -90,7 +95,6 @@ class LoraRegistry:
     def check(self, name: str, path: str, base_model_name: str | None = None) -> Adapter:
         """Rank 0's check of an adapter before anything reaches the ranks; raises ValueError naming the problem."""
         from loaders.checkpoint import Checkpoint
-        from sharding.layers.lora import validate_adapter
 
         if not name or name == self.served_name:
             raise ValueError(f"the adapter name {name!r} is empty or the base model's own name")
@@ -150,3 +154,17 @@ class LoraRegistry:
         self.slots[slot], adapter.slot = adapter, slot
         adapter.loads += 1
         return slot
+
+
+def validate_adapter(folder: str, base: Checkpoint, max_rank: int, base_names: tuple[str, ...] | list[str] = (),
+                     check_name: bool = True) -> AdapterInfo:
+    """Rank 0's check of an adapter folder against the served base checkpoint (headers only, no tensor data, no
+    other rank involved). Raises LoraError (a ValueError) naming the problem; returns the parsed adapter. `base_names`:
+    the names the base model goes by (its folder, served model name, config _name_or_path), see check_against_base."""
+    arch = base.architecture
+    if not supports_lora(model_class(arch)):
+        raise LoraError(f"LoRA adapters are not supported for {arch} yet")
+    info = read_adapter(folder)
+    names = list(base_names) + [str(base.folder), base.config_dict.get("_name_or_path") or ""]
+    check_against_base(info, base.tensors, max_rank, names, check_name)
+    return info

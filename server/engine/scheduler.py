@@ -21,109 +21,12 @@ message carries the (row, index, block) entries that changed.
 from __future__ import annotations
 
 import heapq
-import itertools
-import time
 from collections import deque
-from dataclasses import dataclass, field
 from typing import Callable
 
-import torch
-
 from server.engine.block_manager import BlockManager
-from server.engine.detokenizer import IncrementalDetokenizer
-from server.engine.structured.grammar import GrammarState
-from server.engine.sampler import SamplingParams
-
-_ids = itertools.count()
-
-WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
-
-
-@dataclass(eq=False)
-class Sequence:
-    prompt_ids: list[int]
-    params: SamplingParams
-    detok: IncrementalDetokenizer
-    emit: Callable[["Sequence", str, bool], None]  # (sequence, new text, finished) called from the engine thread
-    eos_ids: frozenset[int] = frozenset()
-    seq_id: int = field(default_factory=lambda: next(_ids))
-    output_ids: list[int] = field(default_factory=list)
-    token_ids: list[int] = field(default_factory=list)  # prompt + output: every token whose K/V it will need
-    token_logprobs: list[float] = field(default_factory=list)
-    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
-    prompt_logprobs: list[float] | None = None  # of prompt tokens 1.. (the first has none), when params ask
-    prompt_top_logprobs: list[list[tuple[int, float]]] | None = None
-    status: str = WAITING
-    row: int = -1  # its row of the block table while running
-    num_computed: int = 0  # tokens whose K/V are in the cache
-    num_preemptions: int = 0
-    num_cached_prompt: int = 0  # prompt tokens its first admission found in the prefix cache (usage's cached_tokens)
-    finish_reason: str | None = None
-    generator: torch.Generator | None = None
-    grammar: "GrammarState | None" = None  # the output constraint's matcher (server/engine/structured/grammar.py), if any
-    lane: int = 0  # the engine lane (replica and in-flight slot) whose scheduler runs it
-    pooling: str | None = None  # an embedding sequence (prefill only): "last", "mean" or "cls" (server/api/embeddings.py)
-    pooled: torch.Tensor | None = None  # its pooled hidden state: the sum so far under "mean", then the result
-    spec: object = None  # its speculation state (server/engine/spec_decode/proposers.py SpecState), when the server speculates
-    lora: object = None  # its LoRA adapter (server/engine/lora_registry.py Adapter), None for the base model
-    arrival: float = field(default_factory=time.monotonic)
-    first_token_time: float | None = None
-    last_token_time: float | None = None
-
-    def __post_init__(self) -> None:
-        self.token_ids = list(self.prompt_ids)
-        if self.params.seed is not None:
-            self.generator = torch.Generator().manual_seed(self.params.seed)
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
-    @property
-    def num_remaining(self) -> int:
-        """Known tokens not yet in the cache: 1 while decoding, more during a prefill (or a recompute)."""
-        return len(self.token_ids) - self.num_computed
-
-    @property
-    def wants_prompt_logprobs(self) -> bool:
-        """It needs the logits of every prompt token (echo + logprobs), so cached blocks cannot stand in for them."""
-        return self.params.prompt_logprobs is not None and (
-            self.prompt_logprobs is None or len(self.prompt_logprobs) < len(self.prompt_ids) - 1)
-
-    @property
-    def computes_every_token(self) -> bool:
-        """Cached blocks cannot stand in for its prompt: it needs every prompt token's logits or hidden state."""
-        return self.wants_prompt_logprobs or self.pooling in ("mean", "cls")
-
-    def banned_ids(self, ahead: int = 0) -> list[int]:
-        """Ids masked out of its next token (`ahead` tokens further on, for a verification row): EOS and the stop
-        token ids before min_tokens."""
-        if self.params.ignore_eos or len(self.output_ids) + ahead >= self.params.min_tokens:
-            return []
-        return sorted(self.eos_ids | set(self.params.stop_token_ids))
-
-
-@dataclass(slots=True)
-class Scheduled:
-    """One sequence's part of a step: tokens token_ids[start : start + n]; it samples when they reach its end. A
-    decoding sequence may carry draft tokens to verify: they run after its token in the same step, one decode row
-    each at the next positions (server/engine/spec_decode/proposers.py), and are not in token_ids until verified."""
-
-    seq: Sequence
-    start: int
-    n: int
-    drafts: list[int] = field(default_factory=list)
-
-    @property
-    def samples(self) -> bool:
-        return self.start + self.n == len(self.seq.token_ids)
-
-
-@dataclass(slots=True)
-class Batch:
-    items: list[Scheduled]
-    block_updates: list[tuple[int, int, int]]  # (row, index, block) entries of the block table that changed
-
+from server.engine.outputs import Scheduled, SchedulerOutput
+from server.engine.request import FINISHED, RUNNING, WAITING, Sequence
 
 class Scheduler:
     def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, blocks: BlockManager,
@@ -152,7 +55,7 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
-    def schedule(self) -> Batch:
+    def schedule(self) -> SchedulerOutput:
         """The next step: every decoding sequence, then prefill chunks within the token budget."""
         self.running = [s for s in self.running if not s.finished]
         self.waiting = deque(s for s in self.waiting if not s.finished)
@@ -219,7 +122,7 @@ class Scheduler:
             prefill_budget -= n
             items.append(Scheduled(seq, num_cached, n))
         self.waiting.extendleft(reversed(held))
-        return Batch(items, updates)
+        return SchedulerOutput(items, updates)
 
     def _chunk(self, budget: int, depth: int, decoding: int) -> int:
         """Prefill tokens for a sequence whose first `depth` tokens are cached: the budget, shortened while others
@@ -255,7 +158,7 @@ class Scheduler:
             heapq.heappush(self.free_rows, seq.row)
             seq.row = -1
 
-    def finished_step(self, batch: Batch) -> None:
+    def finished_step(self, batch: SchedulerOutput) -> None:
         """After the step: the scheduled tokens are in the cache; their full blocks join the prefix cache (not for
         a sequence aborted while its step was in flight: its blocks are gone)."""
         for item in batch.items:

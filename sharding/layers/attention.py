@@ -22,8 +22,8 @@ import torch
 import torch.nn.functional as F
 
 from sharding.cpu import kernels
-from sharding.layers.lora import LoraRows, lora_rows
-from sharding.wire import FLAG_BITS, HIDDEN, HIDDEN_FIRST, HIDDEN_SUM, LOGITS_ALL, LOGITS_LAST, Step
+from sharding.layers.lora_rows import LoraRows, lora_rows
+from sharding.wire import FLAG_BITS, HIDDEN, HIDDEN_FIRST, HIDDEN_SUM, LOGITS_LAST, Step, output_rows
 
 
 def rope_inv_freq(config) -> tuple[torch.Tensor, float]:
@@ -97,7 +97,8 @@ class Pool:
 
 
 def _pool(ends: torch.Tensor, ns: torch.Tensor, flags: torch.Tensor) -> Pool | None:
-    want = ((flags & HIDDEN) != 0).nonzero().squeeze(1).tolist()
+    """The step's pooled rows: one per entry that `output_rows` gives one, in table order."""
+    want = output_rows(ns, flags)[1].nonzero().squeeze(1).tolist()
     if not want:
         return None
     index, rows = [], []
@@ -296,16 +297,14 @@ class AttentionMetadata:
 
 
 def _logits_indices(ends: torch.Tensor, ns: torch.Tensor, flags: torch.Tensor) -> torch.Tensor:
-    """Flat token indices whose logits the step returns, in sequence order: every token of a LOGITS_ALL sequence,
-    the last token of a LOGITS_LAST one, none of the others (a prefill chunk that is not the prompt's last)."""
-    want_all = (flags & LOGITS_ALL) != 0
-    if not bool(want_all.any()):
-        last = (flags & LOGITS_LAST) != 0
-        return (ends - 1)[last] if not bool(last.all()) else ends - 1
-    rows_per_seq = torch.where(want_all, ns, ((flags & LOGITS_LAST) != 0).long())
+    """Flat token indices whose logits the step returns, in the order `output_rows` defines: each entry's rows are
+    its last rows_e tokens (all n under LOGITS_ALL, the last one under LOGITS_LAST, none otherwise)."""
+    rows_per_seq = output_rows(ns, flags)[0]
+    if bool((rows_per_seq == 1).all()):
+        return ends - 1
     row_ends = rows_per_seq.cumsum(0)
-    first_token = torch.where(want_all, ends - ns, ends - 1)
-    return (first_token - (row_ends - rows_per_seq)).repeat_interleave(rows_per_seq) + torch.arange(int(row_ends[-1]))
+    return (ends - rows_per_seq - (row_ends - rows_per_seq)).repeat_interleave(rows_per_seq) + torch.arange(
+        int(row_ends[-1]) if row_ends.numel() else 0)
 
 
 class PagedKVCache:

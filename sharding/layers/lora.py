@@ -24,56 +24,13 @@ rows' slots passed per step; loading or unloading rebuilds that step at its next
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from loaders.checkpoint import Checkpoint
-from loaders.adapters import AdapterFiles, AdapterInfo, LoraError, check_against_base, read_adapter
+from loaders.adapters import AdapterFiles, AdapterInfo, LoraError, read_adapter
 from sharding.layers.linear import ColumnParallelLinear, RowParallelLinear
-from sharding.wire import LORA_SHIFT
-
-# ---- the step's rows ------------------------------------------------------------------------------------------------
-
-
-@dataclass(slots=True)
-class LoraRows:
-    """A step's tokens by adapter slot: `groups` [(slot, token indices, or None when the slot has every token)],
-    slots > 0 only; `token_slots` [N] int64, every token's slot (0: base)."""
-
-    groups: list[tuple[int, torch.Tensor | None]]
-    token_slots: torch.Tensor
-
-
-def lora_rows(flags: torch.Tensor | np.ndarray, ns: torch.Tensor | np.ndarray | None) -> LoraRows | None:
-    """The LoraRows of a step whose sequences have these flags and token counts (ns None: one token each), or None
-    when no sequence uses an adapter (the common case: one vectorized test)."""
-    if isinstance(flags, np.ndarray):
-        slots_np = flags >> LORA_SHIFT
-        if not slots_np.any():
-            return None
-        seq_slots = torch.from_numpy(slots_np.copy())
-    else:
-        seq_slots = flags >> LORA_SHIFT
-        if not bool(seq_slots.any()):
-            return None
-    token_slots = seq_slots if ns is None else seq_slots.repeat_interleave(torch.as_tensor(ns))
-    groups = []
-    for slot in sorted(set(token_slots.tolist()) - {0}):
-        idx = (token_slots == slot).nonzero().squeeze(1)
-        groups.append((slot, None if idx.numel() == token_slots.numel() else idx))
-    return LoraRows(groups, token_slots)
-
-
-class LoraContext:
-    """The current step's LoraRows, shared by a model's adapted linears (set by the model's forward)."""
-
-    __slots__ = ("rows",)
-
-    def __init__(self) -> None:
-        self.rows: LoraRows | None = None
-
+from sharding.layers.lora_rows import LoraContext
 
 # ---- one linear ----------------------------------------------------------------------------------------------------
 
@@ -178,22 +135,6 @@ def _load_row(lin: RowParallelLinear, info: AdapterInfo, files: AdapterFiles, de
 
 def supports_lora(model_cls: type) -> bool:
     return bool(getattr(model_cls, "supports_lora", False))
-
-
-def validate_adapter(folder: str, base: Checkpoint, max_rank: int, base_names: tuple[str, ...] | list[str] = (),
-                     check_name: bool = True) -> AdapterInfo:
-    """Rank 0's check of an adapter folder against the served base checkpoint (headers only, no tensor data, no
-    other rank involved). Raises LoraError (a ValueError) naming the problem; returns the parsed adapter. `base_names`:
-    the names the base model goes by (its folder, served model name, config _name_or_path), see check_against_base."""
-    from sharding.models import model_class
-
-    arch = base.architecture
-    if not supports_lora(model_class(arch)):
-        raise LoraError(f"LoRA adapters are not supported for {arch} yet")
-    info = read_adapter(folder)
-    names = list(base_names) + [str(base.folder), base.config_dict.get("_name_or_path") or ""]
-    check_against_base(info, base.tensors, max_rank, names, check_name)
-    return info
 
 
 class LoraManager:

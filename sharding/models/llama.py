@@ -27,7 +27,7 @@ from sharding.cpu import kernels
 from sharding.layers.attention import (AttentionMetadata, GroupedHeads, PagedKVCache, apply_rotary, attend,
                                 stage_output)
 from sharding.dist import Dist
-from sharding.layers.lora import LoraContext
+from sharding.layers.lora_rows import LoraContext
 from sharding.layers.linear import (ColumnParallelLinear, ParallelLMHead, Piece, RMSNorm, RowParallelLinear,
                              VocabParallelEmbedding)
 

@@ -22,7 +22,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
 from loaders.checkpoint import Checkpoint  # noqa: E402
 from sharding.dist import init_dist  # noqa: E402
-from sharding.layers.lora import LoraManager, validate_adapter  # noqa: E402
+from sharding.layers.lora import LoraManager  # noqa: E402
+from server.engine.lora_registry import validate_adapter  # noqa: E402
 from sharding.runner import EngineConfig, start_rank  # noqa: E402
 from sharding.wire import LOGITS_LAST, Step, with_lora  # noqa: E402
 

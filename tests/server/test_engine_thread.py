@@ -7,7 +7,7 @@ import pytest
 from server.engine.core import EngineThread
 from server.llm import LLM
 from server.engine.sampler import SamplingParams
-from server.engine.scheduler import Sequence
+from server.engine.request import Sequence
 from server.engine.detokenizer import IncrementalDetokenizer
 
 

@@ -24,7 +24,9 @@ from safetensors.torch import save_file
 
 from loaders.checkpoint import Checkpoint
 from loaders.adapters import LoraError, read_adapter
-from sharding.layers.lora import decode_load, encode_load, lora_rows, validate_adapter
+from server.engine.lora_registry import validate_adapter
+from sharding.layers.lora import decode_load, encode_load
+from sharding.layers.lora_rows import lora_rows
 from sharding.wire import LOGITS_LAST, lora_slot, with_lora
 import tiny
 from tiny import config_variant, make_checkpoint

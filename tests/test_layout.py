@@ -1,0 +1,59 @@
+"""The package layout keeps its promises: arrows point one way (server -> sharding -> loaders) and no module imports
+itself back through others, at module level or inside a function."""
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("loaders", "sharding", "server")
+RANK = {"loaders": 0, "sharding": 1, "server": 2}
+
+
+def modules() -> dict[str, Path]:
+    found = {}
+    for pkg in PACKAGES:
+        for path in (ROOT / pkg).rglob("*.py"):
+            parts = list(path.relative_to(ROOT).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            found[".".join(parts)] = path
+    return found
+
+
+def imports(path: Path, known: dict[str, Path]) -> set[str]:
+    """The project modules a file imports anywhere in it (`from a.b import c` counts a.b.c when that is a module)."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names if a.name in known}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            if node.module in known:
+                out.add(node.module)
+            out |= {f"{node.module}.{a.name}" for a in node.names if f"{node.module}.{a.name}" in known}
+    return out
+
+
+def test_arrows_point_one_way_and_no_cycle_remains():
+    known = modules()
+    graph = {m: imports(p, known) - {m} for m, p in known.items()}
+    upward = sorted(f"{m} -> {d}" for m, ds in graph.items() for d in ds
+                    if RANK[d.split(".")[0]] > RANK[m.split(".")[0]])
+    assert not upward, upward
+
+    cycles, state = [], {}
+
+    def visit(m: str, stack: list[str]) -> None:
+        state[m] = 1
+        stack.append(m)
+        for d in sorted(graph[m]):
+            if state.get(d) == 1:
+                cycles.append(stack[stack.index(d):] + [d])
+            elif d not in state:
+                visit(d, stack)
+        stack.pop()
+        state[m] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m, [])
+    assert not cycles, "\n".join(" -> ".join(c) for c in cycles)
