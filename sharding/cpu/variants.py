@@ -154,8 +154,9 @@ def _ninja() -> str:
     return found
 
 
-def _build_ninja(build_dir: str, label: str, march: tuple[str, ...]) -> str:
-    """The ninja file of one build: the flags torch's cpp_extension uses for a CPU extension, plus ours."""
+def _build_ninja(label: str, march: tuple[str, ...]) -> str:
+    """The ninja file of one build: the flags torch's cpp_extension uses for a CPU extension, plus ours. Its text is
+    part of a cached build's key (`cache_dir`): a build is never changed in place under a process that loaded it."""
     import sysconfig
 
     import torch
@@ -166,7 +167,7 @@ def _build_ninja(build_dir: str, label: str, march: tuple[str, ...]) -> str:
                f'-DTPSERVE_BUILD=\\"{label}\\"']
               + [f"-isystem {p}" for p in includes] + ["-fPIC", "-std=c++20", *COMMON_CFLAGS, *march])
     ldflags = (["-shared", "-fopenmp"] + [f"-L{p}" for p in cpp_extension.library_paths()]
-               + ["-lc10", "-ltorch_cpu", "-ltorch", "-ltorch_python"])
+               + ["-lc10", "-ltorch_cpu", "-ltorch"])  # no libtorch_python: the ops register through TORCH_LIBRARY
     objects = [os.path.splitext(s)[0] + ".o" for s in SOURCES]
     lines = ["ninja_required_version = 1.3", f"cxx = {os.environ.get('CXX', 'c++')}",
              "cflags = " + " ".join(cflags), "ldflags = " + " ".join(ldflags),
@@ -187,7 +188,7 @@ def build_library(build_dir: str, label: str, march: tuple[str, ...], verbose: b
     os.makedirs(build_dir, exist_ok=True)
     with open(os.path.join(build_dir, "lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        text = _build_ninja(build_dir, label, march)
+        text = _build_ninja(label, march)
         path = os.path.join(build_dir, "build.ninja")
         if not os.path.exists(path) or open(path).read() != text:
             with open(path, "w") as f:
@@ -247,7 +248,7 @@ def check_library(path: str, v: Variant, flags: set[str] | None = None) -> str:
 def cache_dir(label: str, march: tuple[str, ...]) -> str:
     """$TPSERVE_HOME/kernels/tpserve_kernels-<label>-<hash>: the JIT build of one set of flags. A -march=native
     build is only valid on the CPU it was made for, so its key holds the CPU's flags too."""
-    extra = COMMON_CFLAGS + march + ((" ".join(sorted(cpu_flags())),) if "-march=native" in march else ())
+    extra = (_build_ninja(label, march),) + ((" ".join(sorted(cpu_flags())),) if "-march=native" in march else ())
     home = os.environ.get("TPSERVE_HOME") or os.path.join(os.path.expanduser("~"), ".cache", "tpserve")
     return os.path.join(home, "kernels", f"tpserve_kernels-{label}-{source_hash(*extra)}")
 
