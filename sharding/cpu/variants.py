@@ -134,12 +134,11 @@ def prebuilt_library(name: str) -> str:
 
 
 def source_hash(*extra: str) -> str:
-    """A key for a build: the sources (their folder too: two checkouts never rebuild each other's library in place,
-    which would pull it from under a process that has it loaded), the torch it links and the flags (a cached build
-    is reused only if all match)."""
+    """A key for a build: the sources, the torch it links and `extra` (for a cached build, its whole ninja file:
+    flags and source folder, so two checkouts never rebuild one library in place under a process that loaded it)."""
     import torch
 
-    key = hashlib.sha256("\0".join((torch.__version__, platform.machine(), os.path.abspath(CSRC)) + extra).encode())
+    key = hashlib.sha256("\0".join((torch.__version__, platform.machine()) + extra).encode())
     for name in SOURCES + HEADERS:
         with open(os.path.join(CSRC, name), "rb") as f:
             key.update(f.read())
