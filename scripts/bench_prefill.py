@@ -169,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
                    tpserve_chunked=Tpserve(folder, None, False, args.kv_cache_memory),
                    tpserve_cached_prefix=Tpserve(folder, one_step, True, args.kv_cache_memory))
     torch.set_num_threads(args.threads)
-    chunk = engines["tpserve_chunked"].llm.engine.scheduler.max_num_batched_tokens
+    chunk = engines["tpserve_chunked"].llm.engine.lanes[0].scheduler.max_num_batched_tokens
     print(f"loaded; tpserve step budgets: one step {one_step}, chunked {chunk} tokens; threads "
           f"{torch.get_num_threads()}", flush=True)
     rng = random.Random(args.seed)

@@ -101,11 +101,12 @@ def main(argv: list[str] | None = None) -> int:
               enable_prefix_caching=False)
     engine = llm.engine
     speculator = engine.speculator
+    propose = engine.lanes[0].scheduler.propose
 
     def spec(on: bool) -> None:
         engine.speculator = speculator if on else None
         for lane in engine.lanes:
-            lane.scheduler.propose = engine._propose if on else None
+            lane.scheduler.propose = propose if on else None
 
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
                "?")
@@ -123,10 +124,10 @@ def main(argv: list[str] | None = None) -> int:
             for r in range(args.rounds):
                 for on in ((False, True) if r % 2 == 0 else (True, False)):
                     spec(on)
-                    before = (engine.spec_draft_tokens, engine.spec_accepted_tokens)
+                    before = (speculator.num_draft_tokens, speculator.num_accepted_tokens)
                     tps, tokens = run(llm, convs, max_tokens, concurrent)
-                    drafted = engine.spec_draft_tokens - before[0]
-                    kept = engine.spec_accepted_tokens - before[1]
+                    drafted = speculator.num_draft_tokens - before[0]
+                    kept = speculator.num_accepted_tokens - before[1]
                     rows.append({"spec": on, "tok_s": tps, "drafted": drafted, "kept": kept, "tokens": tokens})
             base = [x for x in rows if not x["spec"]]
             sped = [x for x in rows if x["spec"]]

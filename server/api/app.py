@@ -129,30 +129,30 @@ def build_app(state: ServerState) -> FastAPI:
         if state.draining:
             return JSONResponse({"status": "draining"}, status_code=503)
         e = state.engine
-        if not e.down:
+        if not e.replicas.down:
             return {"status": "ok"}
         # a replica is out of rotation (server/engine/supervisor.py): still healthy while another one serves
-        body = {"status": "degraded" if e.replicas_alive else "recovering", "replicas": len(e.pools),
-                "replicas_alive": e.replicas_alive, "down": {str(r): why for r, why in sorted(e.down.items())},
-                "replica_failures": e.replica_failures}
+        body = {"status": "degraded" if e.replicas.alive else "recovering", "replicas": len(e.replicas.pools),
+                "replicas_alive": e.replicas.alive, "down": {str(r): why for r, why in sorted(e.replicas.down.items())},
+                "replica_failures": e.replicas.failures}
         if state.supervisor is not None:
             body["restarting"] = sorted(state.supervisor.restarting)
-        return JSONResponse(body, status_code=200 if e.replicas_alive else 503)
+        return JSONResponse(body, status_code=200 if e.replicas.alive else 503)
 
     @app.get("/metrics")
     async def metrics():
         m, e = state.metrics, state.engine
-        m.running.set(e.num_running)
+        m.running.set(e.replicas.num_running)
         m.waiting.set(e.num_waiting)
-        m.kv_usage.set(e.kv_usage())
-        for replica in range(len(e.pools)):
-            running, waiting = e.replica_load(replica)
+        m.kv_usage.set(e.replicas.kv_usage())
+        for replica in range(len(e.replicas.pools)):
+            running, waiting = e.replicas.replica_load(replica)
             m.replica_running.labels(str(replica)).set(running)
             m.replica_waiting.labels(str(replica)).set(waiting)
-            m.replica_kv_usage.labels(str(replica)).set(e.kv_usage(replica))
-        m.sync_counter(m.prefix_queries, "prefix_queries", e.prefix_query_tokens)
-        m.sync_counter(m.prefix_hits, "prefix_hits", e.prefix_hit_tokens)
-        m.replicas_alive.set(e.replicas_alive)
+            m.replica_kv_usage.labels(str(replica)).set(e.replicas.kv_usage(replica))
+        m.sync_counter(m.prefix_queries, "prefix_queries", e.replicas.prefix_query_tokens)
+        m.sync_counter(m.prefix_hits, "prefix_hits", e.replicas.prefix_hit_tokens)
+        m.replicas_alive.set(e.replicas.alive)
         if state.loras is not None:
             m.lora_loaded.set(state.loras.loaded)
             running: dict[str, int] = {a.name: 0 for a in state.loras.models()}
@@ -162,13 +162,13 @@ def build_app(state: ServerState) -> FastAPI:
                         running[seq.lora.name] = running.get(seq.lora.name, 0) + 1
             for name, n in running.items():
                 m.lora_running.labels(name).set(n)
-        m.sync_counter(m.replica_failures, "replica_failures", e.replica_failures)
-        m.sync_counter(m.preemptions, "preemptions", e.num_preemptions)
+        m.sync_counter(m.replica_failures, "replica_failures", e.replicas.failures)
+        m.sync_counter(m.preemptions, "preemptions", e.replicas.num_preemptions)
         if e.speculator is not None:
-            m.sync_counter(m.spec_drafts, "spec_drafts", e.spec_drafts)
-            m.sync_counter(m.spec_draft_tokens, "spec_draft_tokens", e.spec_draft_tokens)
-            m.sync_counter(m.spec_accepted_tokens, "spec_accepted_tokens", e.spec_accepted_tokens)
-            for pos, n in enumerate(e.spec_accepted_per_position):
+            m.sync_counter(m.spec_drafts, "spec_drafts", e.speculator.num_drafts)
+            m.sync_counter(m.spec_draft_tokens, "spec_draft_tokens", e.speculator.num_draft_tokens)
+            m.sync_counter(m.spec_accepted_tokens, "spec_accepted_tokens", e.speculator.num_accepted_tokens)
+            for pos, n in enumerate(e.speculator.accepted_per_position):
                 m.sync_counter(m.spec_accepted_per_pos.labels(str(pos)), f"spec_accepted_{pos}", n)
         return Response(generate_latest(m.registry), media_type=CONTENT_TYPE_LATEST)
 
@@ -219,7 +219,7 @@ def build_app(state: ServerState) -> FastAPI:
         except KeyError:
             raise APIError(404, f"The LoRA adapter '{body.lora_name}' is not loaded", "not_found_error",
                            param="lora_name", code="lora_not_found") from None
-        await asyncio.wrap_future(state.engine.call_soon(lambda: state.engine.lora_retire(adapter)))
+        await asyncio.wrap_future(state.engine.call_soon(lambda: state.engine.loras.retire(adapter)))
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
 
     # ---- completions ---------------------------------------------------------------------------------------

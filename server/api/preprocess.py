@@ -80,8 +80,8 @@ def check_length(state: ServerState, ids: list[int], max_tokens: int) -> None:
     server refuses to start otherwise, or lowers a default length to the cache): a request that passes always fits."""
     limit = state.max_model_len
     why = f"this server's max model length is {limit}"
-    if state.engine.pool_tokens <= limit:
-        why += f" (its whole KV cache holds {state.engine.pool_tokens} tokens)"
+    if state.engine.replicas.pool_tokens <= limit:
+        why += f" (its whole KV cache holds {state.engine.replicas.pool_tokens} tokens)"
     if len(ids) >= limit:
         raise APIError(400, f"the prompt has {len(ids)} tokens; {why}", param="prompt", code="context_length_exceeded")
     if len(ids) + max_tokens > limit:

@@ -146,8 +146,8 @@ def describe_cache(runner, engine) -> str:
     return (f"KV cache {runner.kv_cache_bytes() / 2**20:.0f} MiB per rank: {runner.num_blocks} blocks of "
             f"{runner.block_size} tokens = {tokens} tokens; maximum concurrency at {runner.max_model_len} tokens per "
             f"sequence: {tokens / runner.max_model_len:.2f}x; prefix caching "
-            f"{'on' if engine.blocks.enable_prefix_caching else 'off'}; {engine.scheduler.max_num_batched_tokens} "
-            f"tokens per step ({engine.scheduler.max_prefill_tokens_while_decoding or 'no cap on'} prefill tokens "
+            f"{'on' if engine.replicas.pools[0].enable_prefix_caching else 'off'}; {engine.lanes[0].scheduler.max_num_batched_tokens} "
+            f"tokens per step ({engine.lanes[0].scheduler.max_prefill_tokens_while_decoding or 'no cap on'} prefill tokens "
             f"while decoding)")
 
 
@@ -158,8 +158,9 @@ def serve(args) -> int:
     from server.api.embeddings import pooling_config
     from server.api.responses import ResponseStore
     from server.engine.spec_decode.proposers import parse_speculative_config
-    from server.engine.supervisor import Supervisor
-    from server.engine.core import Engine, EngineThread
+    from server.engine.supervisor import Supervisor, watch_steps
+    from server.engine.core import Engine
+    from server.engine.thread import EngineThread
     from server.cli.launcher import kill_workers, launch, torchrun_worker_signals
     from server.engine.tokenizer import load_tokenizer
     from sharding.cpu import kernels
@@ -242,7 +243,7 @@ def serve(args) -> int:
         workers.on_death = lambda rank, msg: engine.fail(msg)
     workers.watch()
     engine.start(compute)
-    engine.watchdog(args.step_timeout, supervisor.on_hang if supervisor is not None else None)
+    watch_steps(engine, args.step_timeout, supervisor.on_hang if supervisor is not None else None)
     app = build_app(state)
 
     class DrainingServer(uvicorn.Server):
@@ -256,11 +257,11 @@ def serve(args) -> int:
                 return
             state.draining = True
             logger.info("draining: waiting up to %.0f s for %d request(s) in flight", args.shutdown_timeout,
-                        engine.num_running + engine.num_waiting)
+                        engine.replicas.num_running + engine.num_waiting)
 
             def wait() -> None:
                 deadline = time.monotonic() + args.shutdown_timeout
-                while time.monotonic() < deadline and (engine.num_running or engine.num_waiting):
+                while time.monotonic() < deadline and (engine.replicas.num_running or engine.num_waiting):
                     time.sleep(0.05)
                 time.sleep(0.2)  # let the last responses flush
                 self.should_exit = True
@@ -281,8 +282,8 @@ def serve(args) -> int:
     total = time.monotonic() - STARTED
     logger.info("started in %.1f s: %s, the rest %.1f s (imports, tokenizer, the other ranks)", total,
                 runner.phases.summary(), max(total - sum(runner.phases.seconds.values()), 0.0))
-    if engine.speculative is not None:
-        print(f"tpserve: {engine.speculative.describe()}", flush=True)
+    if engine.speculator is not None:
+        print(f"tpserve: {engine.speculator.cfg.describe()}", flush=True)
     print(f"tpserve: serving {name} on http://{args.host}:{args.port} ({layout})", flush=True)
     try:
         server.run()
@@ -290,7 +291,7 @@ def serve(args) -> int:
         if supervisor is not None:
             supervisor.close()
         engine.stop()
-        live = [r for r in range(dist.layout.dp) if r not in engine.down]
+        live = [r for r in range(dist.layout.dp) if r not in engine.replicas.down]
         if engine.dead is None and dist.global_world_size > 1 and live:
             try:  # on the engine thread, which owns the collectives (free once the loop has stopped)
                 compute.submit(runner.stop_workers, live).result(timeout=10)

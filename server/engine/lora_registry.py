@@ -9,7 +9,7 @@ The ranks hold `--max-cpu-loras` slots of adapter weights each (sharding/layers/
   on the engine thread). Rank 0 reads its part, then the step protocol tells every live replica's ranks to read
   theirs (sharding/runner.py: lora_load). When no slot is free, the least recently used adapter that no running
   sequence uses is evicted; it is read again when it is next needed. A respawned replica gets every loaded adapter
-  again before it serves (server/engine/core.py: _replica_up).
+  again before it serves (LoraSlots.reload).
 - **steps.** At most `--max-loras` distinct adapters run in one step (a lane's running batch). A waiting sequence
   whose adapter would exceed that, or finds no free slot, keeps its place while others go ahead.
 - **the prefix cache.** An adapter's sequences start their block-hash chain from a root of their own (`cache_root`),
@@ -25,11 +25,16 @@ import os
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable
 
 from loaders.adapters import AdapterInfo, LoraError, check_against_base, read_adapter
 from loaders.checkpoint import Checkpoint
 from sharding.layers.lora import supports_lora
 from sharding.models import model_class
+
+if TYPE_CHECKING:
+    from server.engine.replicas import Replicas
+    from server.engine.request import Sequence
 
 logger = logging.getLogger(__name__)
 
@@ -154,6 +159,58 @@ class LoraRegistry:
         self.slots[slot], adapter.slot = adapter, slot
         adapter.loads += 1
         return slot
+
+
+class LoraSlots:
+    """The engine's side of the slots, on the engine thread: whether a waiting sequence may join its lane's batch
+    now (reading its adapter into a slot on rank 0 and every live replica first), freeing a retired adapter's slot,
+    and giving a respawned replica every adapter the others hold."""
+
+    def __init__(self, registry: LoraRegistry, replicas: Replicas, finish: Callable[[Sequence, str], None],
+                 down_later: Callable[[int, str], None]):
+        self.registry, self.replicas, self.runner = registry, replicas, replicas.runner
+        self._finish = finish  # (sequence, "error"): its adapter could not be read
+        self._down_later = down_later  # (replica, reason): out of rotation once this step is scheduled
+
+    def admit(self, seq: Sequence, running: list[Sequence]) -> bool:
+        """No more than --max-loras adapters in the step, and its adapter in a slot (read into one now if needed)."""
+        adapter = seq.lora
+        active = {s.lora for s in running if s.lora is not None}
+        if adapter not in active and len(active) >= self.registry.max_loras:
+            return False
+        try:
+            return self.registry.slot_for(adapter, self.in_use, self._load) > 0
+        except (OSError, ValueError) as e:  # rank 0 could not read it (its folder changed since the check)
+            logger.error("LoRA adapter %s could not be read: %s", adapter.name, e)
+            self._finish(seq, "error")
+            return False
+
+    def in_use(self, adapter: Adapter, waiting: bool = False) -> bool:
+        return any(s.lora is adapter for lane in self.replicas.lanes
+                   for s in (list(lane.scheduler.running) + (list(lane.scheduler.waiting) if waiting else [])))
+
+    def _load(self, slot: int, path: str) -> None:
+        """Rank 0's part first (raises with nothing sent), then every live replica's ranks. This runs inside a
+        lane's schedule(): a replica found dead here is taken down between steps, not under the scheduler's feet."""
+        self.runner.lora_load(slot, path, [], True)
+        for replica in self.replicas.live():
+            self.replicas.call(replica, self.runner.lora_load, slot, path, [replica], False, down=self._down_later)
+
+    def retire(self, adapter: Adapter) -> None:
+        """An unloaded adapter's slot is freed now if no sequence runs or waits with it, else when it is next
+        needed (its sequences in flight finish with it)."""
+        if adapter.slot and not self.in_use(adapter, waiting=True):
+            slot = adapter.slot
+            self.runner.lora_unload(slot, [])
+            for replica in self.replicas.live():
+                self.replicas.call(replica, self.runner.lora_unload, slot, [replica])
+            self.registry.slots[slot], adapter.slot = None, 0
+
+    def reload(self, replica: int) -> None:
+        """A respawned replica's ranks read every adapter the others hold, before it serves."""
+        for slot, adapter in enumerate(self.registry.slots):
+            if adapter is not None and replica not in self.replicas.down:
+                self.replicas.call(replica, self.runner.lora_load, slot, adapter.path, [replica], False)
 
 
 def validate_adapter(folder: str, base: Checkpoint, max_rank: int, base_names: tuple[str, ...] | list[str] = (),

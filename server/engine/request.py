@@ -7,6 +7,7 @@ advanced by server/engine/core.py from each step's output. It lives on rank 0 on
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -16,6 +17,8 @@ import torch
 from server.engine.detokenizer import IncrementalDetokenizer
 from server.engine.sampler import SamplingParams
 from server.engine.structured.grammar import GrammarState
+
+logger = logging.getLogger(__name__)
 
 _ids = itertools.count()
 
@@ -84,3 +87,25 @@ class Sequence:
         if self.params.ignore_eos or len(self.output_ids) + ahead >= self.params.min_tokens:
             return []
         return sorted(self.eos_ids | set(self.params.stop_token_ids))
+
+    def append_token(self, token: int, now: float, max_model_len: int) -> None:
+        """A new output token, and whether it ends the sequence: its grammar rejecting it (cannot happen for a token
+        the mask allowed; if it does, the answer ends rather than go on unconstrained), EOS, a stop token, a stop
+        string, a complete constrained answer, max_tokens or the context length."""
+        p = self.params
+        self.output_ids.append(token)
+        self.token_ids.append(token)
+        if self.first_token_time is None:
+            self.first_token_time = now
+        self.last_token_time = now
+        if self.grammar is not None and not self.grammar.accept(token):
+            logger.error("grammar rejected sampled token %d: %s", token, self.grammar.error)
+            self.finish_reason = "stop"
+        elif (not p.ignore_eos and token in self.eos_ids) or token in p.stop_token_ids:
+            self.finish_reason = "stop"
+        else:
+            self.detok.add(token)
+            if self.detok.stopped_by is not None or (self.grammar is not None and self.grammar.done):
+                self.finish_reason = "stop"
+            elif len(self.output_ids) >= p.max_tokens or len(self.token_ids) >= max_model_len:
+                self.finish_reason = "length"

@@ -16,22 +16,51 @@ generated tokens as part of the prompt, so their output does not change.
 
 Each running sequence also holds a row of the block table that every rank mirrors (sharding/wire.py); the step
 message carries the (row, index, block) entries that changed.
+
+After the step, `update_from_output` advances its sequences: the computed tokens' full blocks join the prefix cache,
+the new tokens are appended (server/engine/step_sampler.py chose them) and their stops applied, embeddings take their
+pooled rows, and a finished sequence gives back its blocks and row.
 """
 
 from __future__ import annotations
 
 import heapq
+import time
 from collections import deque
 from typing import Callable
 
 from server.engine.block_manager import BlockManager
-from server.engine.outputs import Scheduled, SchedulerOutput
+from server.engine.outputs import Scheduled, SchedulerOutput, StepOutput
 from server.engine.request import FINISHED, RUNNING, WAITING, Sequence
+from server.engine.step_sampler import NewTokens
+
+
+# Tokens per step (--max-num-batched-tokens): decoding sequences first, then prefill chunks; large enough that a
+# prefill with nothing else running goes at full speed. While sequences decode, a step's prefill tokens are capped
+# (--max-prefill-tokens-while-decoding) so a long prompt arriving keeps every stream's inter-token gap within a few
+# decode steps (BENCHMARKS.md, "A long prompt arrives").
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 512
+DEFAULT_MAX_PREFILL_TOKENS_WHILE_DECODING = 64
+
+
+def attention_depth_tokens(config) -> int | None:
+    """The context length at which one token's attention costs as many multiply-adds as its linears (a Llama-shaped
+    layer: q/k/v/o and a gated MLP against 2 x heads x head_dim per cached key). SmolLM2-135M: ~3100 tokens."""
+    try:
+        h, inter = config.hidden_size, config.intermediate_size
+        heads = config.num_attention_heads
+        kv = getattr(config, "num_key_value_heads", None) or heads
+        d = getattr(config, "head_dim", None) or h // heads
+    except AttributeError:
+        return None
+    linears = h * (heads + 2 * kv) * d + heads * d * h + 3 * h * inter
+    return max(1, linears // (2 * heads * d))
+
 
 class Scheduler:
     def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, blocks: BlockManager,
                  max_prefill_tokens_while_decoding: int | None = None, attention_depth: int | None = None,
-                 first_row: int = 0):
+                 first_row: int = 0, max_model_len: int = 1 << 62):
         if max_num_batched_tokens < max_num_seqs:
             raise ValueError(f"--max-num-batched-tokens ({max_num_batched_tokens}) must be at least --max-num-seqs "
                              f"({max_num_seqs}): every running sequence decodes one token per step")
@@ -42,6 +71,7 @@ class Scheduler:
         # a chunk deep into a long prompt is shortened so that its step stays about as long as one near the start
         self.attention_depth = attention_depth
         self.blocks = blocks
+        self.max_model_len = max_model_len
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order: preemption takes from the end
         self.free_rows = list(range(first_row, first_row + max_num_seqs))  # its rows of the block table
@@ -158,16 +188,63 @@ class Scheduler:
             heapq.heappush(self.free_rows, seq.row)
             seq.row = -1
 
-    def finished_step(self, batch: SchedulerOutput) -> None:
-        """After the step: the scheduled tokens are in the cache; their full blocks join the prefix cache (not for
-        a sequence aborted while its step was in flight: its blocks are gone)."""
+    def update_from_output(self, batch: SchedulerOutput, out: StepOutput,
+                           new: dict[int, NewTokens]) -> list[Sequence]:
+        """After the step: the scheduled tokens are in the cache, and their full blocks join the prefix cache (not
+        for a sequence aborted while its step was in flight: its blocks are gone). Each sequence's new tokens are
+        appended until one ends it; drafts the model agreed with are kept, and their K/V (written by this step)
+        count as computed. An embedding adds this chunk's pooled row; its last chunk finishes it. Finished
+        sequences give back their blocks and row. Returns the sequences that advanced, for the engine to stream."""
         for item in batch.items:
             seq = item.seq
-            if seq.status != RUNNING:
+            if seq.status == RUNNING:
+                seq.num_computed = item.start + item.n
+                self.blocks.cache_blocks(seq, seq.token_ids, seq.num_computed,
+                                         seq.lora.cache_root if seq.lora is not None else None)
+        now = time.monotonic()
+        advanced: list[Sequence] = []
+        for item in batch.items:
+            seq = item.seq
+            if seq.finished:
                 continue
-            seq.num_computed = item.start + item.n
-            self.blocks.cache_blocks(seq, seq.token_ids, seq.num_computed,
-                                     seq.lora.cache_root if seq.lora is not None else None)
+            if seq.pooling is not None:
+                self._pool(item, out[seq].pooled, now)
+            elif (got := new.get(seq.seq_id)) is not None:
+                for j, token in enumerate(got.tokens):
+                    seq.append_token(token, now, self.max_model_len)
+                    if seq.params.logprobs is not None:
+                        seq.token_logprobs.append(got.logprobs[j])
+                        seq.top_logprobs.append(got.top_logprobs[j])
+                    if seq.finished or j == len(item.drafts) or token != item.drafts[j]:
+                        break
+                    got.accepted += 1
+                seq.num_computed += got.accepted
+            else:
+                continue
+            if seq.finished:
+                self.free(seq)
+                advanced.append(seq)
+            elif seq.pooling is None:
+                advanced.append(seq)
+        return advanced
+
+    @staticmethod
+    def _pool(item: Scheduled, row, now: float) -> None:
+        """An embedding sequence's pooled row of this step: its last (or first) token's hidden state, or under
+        "mean" the sum over the chunk's tokens, added up over chunks (a chunk from position 0 starts it anew: a
+        sequence recomputed after a preemption counts every token once). Its last chunk finishes it ("cls": the
+        first token's row came with an earlier chunk)."""
+        seq = item.seq
+        if row is not None:
+            if seq.pooling == "mean" and item.start > 0 and seq.pooled is not None:
+                seq.pooled += row
+            else:
+                seq.pooled = row.clone()
+        if item.samples:
+            if seq.pooling == "mean":
+                seq.pooled /= len(seq.prompt_ids)
+            seq.finish_reason = "stop"
+            seq.first_token_time = seq.last_token_time = now
 
     def free(self, seq: Sequence) -> None:
         """The sequence is finished or aborted: give its blocks and row back."""

@@ -29,6 +29,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import replace
+from typing import Callable
 
 logger = logging.getLogger(__name__)
 
@@ -178,5 +179,25 @@ class Supervisor:
             self.workers.kill(self.ranks(replica))
 
     def describe(self) -> dict:
-        return {"replicas": self.layout.dp, "replicas_alive": self.engine.replicas_alive,
-                "restarting": sorted(self.restarting), "replica_failures": self.engine.replica_failures}
+        return {"replicas": self.layout.dp, "replicas_alive": self.engine.replicas.alive,
+                "restarting": sorted(self.restarting), "replica_failures": self.engine.replicas.failures}
+
+
+def watch_steps(engine, step_timeout: float, on_hang: Callable[[int, str], bool] | None = None) -> None:
+    """A thread that notices a step (or heartbeat) that has not returned in time: a hung rank leaves rank 0 inside a
+    collective, and nothing else would notice. `on_hang(replica, reason)` may deal with it (Supervisor.on_hang kills
+    the replica's ranks, which turns the hang into the failure of a dead replica) and returns True; else the engine
+    is declared dead."""
+    def loop() -> None:
+        handled: float | None = None
+        while engine.dead is None and not engine.stopping:
+            started, replica = engine.step_started, engine.replicas.waiting_on
+            if started is not None and time.monotonic() - started > step_timeout and started != handled:
+                reason = f"no step result from the ranks within {step_timeout:.0f} s (a rank hangs)"
+                if replica is None or on_hang is None or not on_hang(replica, reason):
+                    engine.fail(reason)
+                    return
+                handled = started
+            time.sleep(0.2)
+
+    threading.Thread(target=loop, name="tpserve-watchdog", daemon=True).start()

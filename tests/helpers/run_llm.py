@@ -48,8 +48,8 @@ def main() -> None:
                         "bytes_read": llm.runner.bytes_read,
                         "checkpoint_bytes": Checkpoint(llm.cfg.model).total_bytes,
                         "repeats": [[o.token_ids for o in r] for r in rounds[1:]], "alone": alone,
-                        "prefix_hit_tokens": llm.engine.blocks.prefix_hit_tokens,
-                        "preemptions": llm.engine.num_preemptions})
+                        "prefix_hit_tokens": llm.engine.replicas.pools[0].prefix_hit_tokens,
+                        "preemptions": llm.engine.replicas.num_preemptions})
         llm.close()
     with open(spec["out"], "w") as f:
         json.dump(results, f)

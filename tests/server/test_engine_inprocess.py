@@ -145,11 +145,11 @@ def test_preemption_recomputes_to_the_same_tokens(tok):
     engine, runner = make_engine(tok, num_blocks=24, block_size=4)
     seqs = [add(engine, tok[0], p, max_tokens=30) for p in prompts(4, 10)]
     engine.run_until_idle()
-    assert engine.num_preemptions > 0
+    assert engine.replicas.num_preemptions > 0
     for s in seqs:
         assert s.output_ids == reference(s.prompt_ids, 30, runner.vocab), s.seq_id
         assert s.finish_reason == "length"
-    assert engine.pools[0].usage() == 0  # every block given back
+    assert engine.replicas.pools[0].usage() == 0  # every block given back
 
 
 def test_prefix_hits_and_chunked_prefill(tok):
@@ -167,7 +167,7 @@ def test_prefix_hits_and_chunked_prefill(tok):
     assert first.output_ids == second.output_ids == reference(prompt, 5, runner.vocab)
     assert second.num_cached_prompt == 36  # 9 full blocks of 4
     assert runner.steps[0]["rows"][0][:2] == (1, 36)  # only the last prompt token computed
-    assert engine.prefix_hit_tokens == 36
+    assert engine.replicas.prefix_hit_tokens == 36
 
 
 def test_stops_and_prompt_logprobs(tok):
@@ -196,7 +196,7 @@ def test_speculation_keeps_greedy_outputs_and_rolls_back(tok):
     engine.run_until_idle()
     for s in seqs:
         assert s.output_ids == reference(s.prompt_ids, 40, runner.vocab)
-    assert 0 < engine.spec_accepted_tokens < engine.spec_draft_tokens
+    assert 0 < engine.speculator.num_accepted_tokens < engine.speculator.num_draft_tokens
     decode_steps = sum(1 for st in runner.steps if st["prefill"] == 0)
     assert decode_steps < 40  # accepted drafts saved steps
 
@@ -212,7 +212,7 @@ def test_a_dead_replica_moves_its_sequences_to_the_other(tok):
     runner.failing.add(1)
     engine.run_until_idle()
     assert [r for r, _ in confirmed] == [1] and "connection reset" in confirmed[0][1]
-    assert engine.down.keys() == {1} and engine.replicas_alive == 1
+    assert engine.replicas.down.keys() == {1} and engine.replicas.alive == 1
     for s in seqs:
         assert s.output_ids == reference(s.prompt_ids, 12, runner.vocab)
     assert any(s.num_preemptions for s in seqs)  # the moved ones were recomputed

@@ -4,7 +4,7 @@ import threading
 
 import pytest
 
-from server.engine.core import EngineThread
+from server.engine.thread import EngineThread
 from server.llm import LLM
 from server.engine.sampler import SamplingParams
 from server.engine.request import Sequence

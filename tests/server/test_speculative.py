@@ -66,10 +66,10 @@ def test_greedy_identity_with_preemption_chunks_and_prefix_hits(folder, referenc
             out += llm.generate(PROMPTS[2:], params)
         e = llm.engine
         assert [c.token_ids for c in out] == [references[tuple(p)] for p in PROMPTS + PROMPTS + PROMPTS[2:] * 2]
-        assert e.num_preemptions > 0 and e.spec_accepted_tokens > 0 and e.spec_draft_tokens > e.spec_accepted_tokens
-        assert sum(p.prefix_hit_tokens for p in e.pools) > 0
+        assert e.replicas.num_preemptions > 0 and e.speculator.num_accepted_tokens > 0 and e.speculator.num_draft_tokens > e.speculator.num_accepted_tokens
+        assert sum(p.prefix_hit_tokens for p in e.replicas.pools) > 0
         # a wrong draft every third position: runs of two kept drafts at most, never a third
-        assert e.spec_accepted_per_position[1] > 0 and e.spec_accepted_per_position[2] == 0
+        assert e.speculator.accepted_per_position[1] > 0 and e.speculator.accepted_per_position[2] == 0
 
 
 @pytest.mark.parametrize("layout", [{"pipeline_parallel_size": 2}, {"data_parallel_size": 2}], ids=["pp2", "dp2"])
@@ -78,7 +78,7 @@ def test_greedy_identity_over_pipeline_lanes_and_replicas(folder, references, la
         llm.engine.speculator.propose = oracle(references)
         out = llm.generate(PROMPTS * 2, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
         assert [c.token_ids for c in out] == [references[tuple(p)] for p in PROMPTS * 2]
-        assert llm.engine.spec_accepted_tokens > 0 and len(llm.engine.lanes) == 2
+        assert llm.engine.speculator.num_accepted_tokens > 0 and len(llm.engine.lanes) == 2
 
 
 def test_suffix_method_learns_from_earlier_outputs(folder, references):
@@ -86,9 +86,9 @@ def test_suffix_method_learns_from_earlier_outputs(folder, references):
     with LLM(str(folder), speculative_config=suffix) as llm:
         params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
         first = llm.generate([PROMPTS[2]], params)[0].token_ids
-        before = llm.engine.spec_accepted_tokens
+        before = llm.engine.speculator.num_accepted_tokens
         again = llm.generate([PROMPTS[2]], params)[0].token_ids  # its output is now in the trie
-        gained = llm.engine.spec_accepted_tokens - before
+        gained = llm.engine.speculator.num_accepted_tokens - before
     assert first == again == references[tuple(PROMPTS[2])]
     assert gained >= 12  # most of the repeated output came as accepted drafts
 
@@ -108,7 +108,7 @@ def test_stops_inside_a_kept_run(folder, references):
         stop = text[len(text) // 2 : len(text) // 2 + 2]
         spec["stop"] = llm.generate([prompt], SamplingParams(max_tokens=24, temperature=0, ignore_eos=True,
                                                              stop=[stop]))[0]
-        assert llm.engine.spec_accepted_per_position[3] > 0  # runs of four kept drafts
+        assert llm.engine.speculator.accepted_per_position[3] > 0  # runs of four kept drafts
     with LLM(str(folder)) as llm:
         cases["stop"] = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, stop=[stop])
         base = {name: llm.generate([prompt], p)[0] for name, p in cases.items()}
@@ -130,7 +130,7 @@ def test_grammar_constrained_request_under_speculation(folder, references):
         words = tok.encode("hello world hello world hello world.")
         llm.engine.speculator.propose = lambda seq, running, room: words[len(seq.output_ids):][:4]
         spec = llm.generate([prompt], SamplingParams(max_tokens=40, temperature=0), regex=regex)[0]
-        drafts = llm.engine.spec_draft_tokens
+        drafts = llm.engine.speculator.num_draft_tokens
     with LLM(str(folder)) as llm:
         base = llm.generate([prompt], SamplingParams(max_tokens=40, temperature=0), regex=regex)[0]
     assert drafts > 0
@@ -176,7 +176,7 @@ def test_sampling_keeps_the_target_distribution_and_seeds(folder):
         seeded4 = [c.token_ids for c in llm.generate([prompt] * 8, SamplingParams(**{**params, "max_tokens": 4},
                                                                                      seed=11))]
         e = llm.engine
-        assert e.spec_accepted_tokens > n // 8 and e.spec_draft_tokens > e.spec_accepted_tokens
+        assert e.speculator.num_accepted_tokens > n // 8 and e.speculator.num_draft_tokens > e.speculator.num_accepted_tokens
     with LLM(str(folder), max_num_seqs=32) as llm:
         base_seeded = [c.token_ids for c in llm.generate([prompt] * 8, SamplingParams(**params, seed=7))]
         base_seeded4 = [c.token_ids for c in llm.generate([prompt] * 8, SamplingParams(**{**params, "max_tokens": 4},
@@ -206,7 +206,7 @@ def test_draft_model_at_tp2(folder, references, tmp_path, tool_checkpoint):
             out = llm.generate(PROMPTS, params)
             e = llm.engine
             assert [c.token_ids for c in out] == [references[tuple(p)] for p in PROMPTS], name
-            kept[name] = (e.spec_accepted_tokens, e.spec_draft_tokens)
+            kept[name] = (e.speculator.num_accepted_tokens, e.speculator.num_draft_tokens)
             assert e.speculator.draft.blocks.usage() == 0 and len(e.speculator.draft.free_rows) == 32
     assert kept["self"][0] == kept["self"][1] > 20
     assert kept["other"][0] < kept["other"][1] // 2

@@ -216,6 +216,23 @@ class Speculator:
         self.cfg = cfg
         self.trie = SuffixTrie(cfg.suffix_max_tokens, cfg.suffix_max_depth) if cfg.method == "suffix" else None
         self.draft = draft  # draft_model: server/engine/spec_decode/draft_model.py DraftModel
+        # what verification found (server/api/metrics.py exports these as vLLM's spec_decode counters)
+        self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0
+        self.accepted_per_position = [0] * cfg.num_speculative_tokens
+
+    def drafts_for(self, seq, running: int, budget: int, max_model_len: int) -> list[int]:
+        """Draft tokens for a decoding sequence (the scheduler asks, with the step's token budget left): never more
+        than max_tokens or the context leaves, and for a constrained sequence only the drafts its grammar allows."""
+        if seq.pooling is not None or seq.finished:
+            return []
+        room = min(seq.params.max_tokens - len(seq.output_ids), max_model_len - len(seq.token_ids), budget + 1) - 1
+        drafts = self.propose(seq, running, room)
+        if drafts and seq.grammar is not None:
+            m = seq.grammar.matcher
+            n = m.try_consume_tokens(drafts)
+            m.rollback(n)
+            drafts = drafts[:n]
+        return drafts
 
     def state(self, seq) -> SpecState:
         st = seq.spec
@@ -248,6 +265,11 @@ class Speculator:
         return drafts
 
     def verified(self, seq, proposed: int, accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += proposed
+        self.num_accepted_tokens += accepted
+        for j in range(accepted):
+            self.accepted_per_position[j] += 1
         st = self.state(seq)
         st.proposed += proposed
         st.accepted += accepted
