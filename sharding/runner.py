@@ -232,7 +232,7 @@ class ModelRunner:
         self.load_seconds = time.perf_counter() - t0
         self.vocab_size = self.config.vocab_size
         self._sliding_window = self.model.sliding_window()
-        self.thread_id = threading.get_ident()  # steps are fastest on this thread (server/engine/core.py: EngineThread)
+        self.thread_id = threading.get_ident()  # steps are fastest on this thread (server/engine/thread.py: EngineThread)
         self.lora = None  # this rank's adapter slots (sharding/layers/lora.py), with --enable-lora
         if cfg.enable_lora:
             from sharding.layers.lora import LoraManager
@@ -277,7 +277,7 @@ class ModelRunner:
         blocks_per_seq = -(-self.max_model_len // self.block_size)
         budget = self.cfg.kv_cache_memory
         if budget is None:  # a share of the machine, but no more than a full batch of full-length sequences can use
-            seqs = self.cfg.max_num_seqs * self.cfg.pipeline_parallel_size  # every lane's batch (server/engine/core.py)
+            seqs = self.cfg.max_num_seqs * self.cfg.pipeline_parallel_size  # every lane's batch (server/engine/replicas.py)
             budget = min(default_kv_budget(self.cfg, self.dist), seqs * blocks_per_seq * per_block)
         num_blocks = self.dist.agree_min(budget // per_block)
         if num_blocks < blocks_per_seq and self.cfg.max_model_len is None and num_blocks > 0:
@@ -300,7 +300,7 @@ class ModelRunner:
             attn.cache = PagedKVCache(num_blocks, self.block_size, attn.num_kv_heads, attn.head_dim, self.dtype,
                                       self.dist.device, pool)
         self.num_blocks = num_blocks
-        # a row per sequence of every batch that may be in flight at once (server/engine/core.py: one per stage)
+        # a row per sequence of every batch that may be in flight at once (server/engine/replicas.py: one lane per stage)
         rows = self.cfg.max_num_seqs * self.cfg.pipeline_parallel_size
         self.block_table = torch.zeros(rows, blocks_per_seq, dtype=torch.int64)
 

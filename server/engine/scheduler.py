@@ -76,10 +76,10 @@ class Scheduler:
         self.running: list[Sequence] = []  # in admission order: preemption takes from the end
         self.free_rows = list(range(first_row, first_row + max_num_seqs))  # its rows of the block table
         self.num_preemptions = 0
-        # speculative decoding: (sequence, running sequences, token budget left) -> draft tokens (server/engine/core.py)
+        # speculative decoding: (sequence, running sequences, token budget left) -> draft tokens (Speculator.drafts_for)
         self.propose: Callable[[Sequence, int, int], list[int]] | None = None
         # LoRA: (waiting sequence, running sequences) -> whether it may join the batch now: its adapter in a slot and
-        # no more than --max-loras adapters in one step (server/engine/core.py); one that may not keeps its place
+        # no more than --max-loras adapters in one step (lora_registry.LoraSlots.admit); one that may not keeps its place
         self.admit: Callable[[Sequence, list[Sequence]], bool] | None = None
 
     def add(self, seq: Sequence) -> None:

@@ -6,7 +6,7 @@ launcher's watcher sees it), a step of the replica fails (a collective or a mess
 return within --step-timeout (a hung rank: its replica's processes are killed, which turns the hang into a death):
 
 1. the engine takes the replica out of rotation and hands its sequences to the live replicas as recompute
-   preemptions (server/engine/core.py: _replica_down): streams continue where they stopped;
+   preemptions (server/engine/replicas.py: take_down): streams continue where they stopped;
 2. what is left of the replica's processes is killed (SIGKILL: a rank blocked in a collective with the dead one would
    never return);
 3. with --restart-failed-ranks (the default), the replica's ranks are started again: they load their shards and

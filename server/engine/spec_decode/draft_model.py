@@ -6,7 +6,7 @@ what the last verification kept) and lets it decode k tokens greedily; its guess
 keeps its own K/V of every verified token, so it never reads a prompt twice: after a verification that kept `a`
 drafts, the draft's tokens up to the first rejected one stay valid, the rest are overwritten next time. The draft's
 pool holds as many tokens as the target's (its blocks are smaller: a smaller model), and the proposal is the draft's
-argmax, which is a proposal with probability 1: the target's rejection rule (server/engine/core.py, `_verify`) is exact
+argmax, which is a proposal with probability 1: the target's rejection rule (server/engine/step_sampler.py, `_verify`) is exact
 for it as for n-gram proposals.
 """
 
