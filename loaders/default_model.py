@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import importlib.util
 import logging
-import os
 import shutil
 import tempfile
 import time
 from pathlib import Path
+
+from loaders import envs
 
 logger = logging.getLogger(__name__)
 
@@ -20,7 +21,7 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
 
 def tpserve_home() -> Path:
-    return Path(os.environ.get("TPSERVE_HOME", "~/.cache/tpserve")).expanduser()
+    return envs.HOME.get()
 
 
 def find_gguf() -> Path:

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from loaders import envs
 from sharding import shm_allreduce
 
 logger = logging.getLogger(__name__)
@@ -357,7 +358,7 @@ def make_replica_groups(d: Dist, replica: int, generation: int) -> ReplicaGroups
             out.fast_all_reduce = shm_allreduce.ShmAllReduce(tp_rank, layout.tp, out.cpu_group,
                                                              timeout_s=d.timeout.total_seconds())
         except RuntimeError as e:  # raised on every rank of the group alike, so they fall back together
-            if os.environ.get("TPSERVE_SHM_ALLREDUCE") == "1":
+            if envs.SHM_ALLREDUCE.get():
                 raise
             logger.warning("rank %d: %s; all-reduce goes through gloo", me, e)
     return out
@@ -391,11 +392,11 @@ def init_dist(layout: Layout | None = None, timeout_s: float | None = None) -> D
         raise ValueError(f"tensor x pipeline x data parallel sizes ({layout.tp} x {layout.pp} x {layout.dp} = "
                          f"{layout.world_size}) must equal the world size ({world_size})")
     device = default_device()
-    torch.set_num_threads(int(os.environ.get("TPSERVE_THREADS") or 0) or threads_per_rank(local_world_size))
-    partition = os.environ.get("TPSERVE_PP_LAYER_PARTITION") or None
+    torch.set_num_threads(envs.THREADS.get() or threads_per_rank(local_world_size))
+    partition = envs.PP_LAYER_PARTITION.get()
     if world_size == 1:
         return Dist(device=device, layer_partition=partition)
-    timeout = datetime.timedelta(seconds=timeout_s or float(os.environ.get("TPSERVE_COLLECTIVE_TIMEOUT", "600")))
+    timeout = datetime.timedelta(seconds=timeout_s or envs.COLLECTIVE_TIMEOUT.get())
     backend = "nccl" if device.type == "cuda" else "gloo"
     # the shared-memory collectives spin: only for gloo ranks no more than the cores of their host (a bad
     # TPSERVE_SHM_ALLREDUCE setting fails here, before joining)
@@ -403,7 +404,7 @@ def init_dist(layout: Layout | None = None, timeout_s: float | None = None) -> D
     if device.type == "cuda":
         torch.cuda.set_device(device)
     store, _, _ = next(dist.rendezvous("env://", rank, world_size, timeout=timeout))
-    generation = int(os.environ.get("TPSERVE_GENERATION", "0"))
+    generation = envs.GENERATION.get()
     dp_rank, pp_rank, tp_rank = layout.coords(rank)
     d = Dist(tp_rank, layout.tp, local_world_size, device, layout=layout, global_rank=rank,
              layer_partition=partition, store=store, timeout=timeout, generation=generation, shm_ok=shm_ok)

@@ -9,10 +9,11 @@ progress goes out as plain log lines: every ~10 % of the tensors or every TPSERV
 from __future__ import annotations
 
 import logging
-import os
 import sys
 import time
 from contextlib import contextmanager
+
+from loaders import envs
 
 logger = logging.getLogger("tpserve")
 
@@ -46,7 +47,7 @@ class LoadProgress:
         self.done = 0
         self.t0 = self.last_time = time.perf_counter()
         self.last_tenth = 0
-        self.interval = float(os.environ.get("TPSERVE_PROGRESS_INTERVAL", "10")) if interval is None else interval
+        self.interval = envs.PROGRESS_INTERVAL.get() if interval is None else interval
         self.bar = None
         if enabled and sys.stderr.isatty():
             from tqdm import tqdm

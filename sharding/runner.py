@@ -252,7 +252,9 @@ class ModelRunner:
         with TPSERVE_QUANTIZE_LM_HEAD=0, or follows the mode with =same (for measurements). Embeddings stay."""
         mode, group = self.cfg.quantization, self.cfg.quantization_group_size
         default_head = "int8" if mode in ("int8", "int4") else mode
-        head_mode = {"0": None, "same": mode}.get(os.environ.get("TPSERVE_QUANTIZE_LM_HEAD", "1"), default_head)
+        from loaders import envs
+
+        head_mode = {"0": None, "same": mode}.get(envs.QUANTIZE_LM_HEAD.get(), default_head)
 
         def apply(m, loaded: bool = True) -> None:
             """loaded=False while the loop still reads: a tied LM head waits, its embedding may come later."""

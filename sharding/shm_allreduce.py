@@ -45,6 +45,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from loaders import envs
+
 SHM_DIR = "/dev/shm"
 LINE = 8  # int64s per 64-byte cache line
 NAME_BYTES = 128  # the segment's name, as rank 0 sends it to the others
@@ -52,13 +54,11 @@ NAME_BYTES = 128  # the segment's name, as rank 0 sends it to the others
 
 def wanted(backend: str, world_size: int, local_world_size: int) -> bool:
     """Use it for gloo ranks all on this host and no more ranks than cores; TPSERVE_SHM_ALLREDUCE=0/1 decides."""
-    env = os.environ.get("TPSERVE_SHM_ALLREDUCE", "").strip()
-    if env not in ("", "0", "1"):
-        raise ValueError(f"TPSERVE_SHM_ALLREDUCE must be 0 (off) or 1 (force on), not {env!r}")
-    if env == "1" and backend != "gloo":
-        raise ValueError(f"TPSERVE_SHM_ALLREDUCE=1 needs CPU ranks (gloo), but the backend is {backend}")
-    if env:
-        return env == "1"
+    forced = envs.SHM_ALLREDUCE.get()  # None: not set (raises on a value other than 0 or 1)
+    if forced and backend != "gloo":
+        raise ValueError(f"{envs.SHM_ALLREDUCE.name}=1 needs CPU ranks (gloo), but the backend is {backend}")
+    if forced is not None:
+        return forced
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return (backend == "gloo" and local_world_size == world_size and world_size <= cores
             and platform.machine().lower() in ("x86_64", "amd64") and os.path.isdir(SHM_DIR))

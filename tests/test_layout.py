@@ -2,7 +2,10 @@
 itself back through others, at module level or inside a function."""
 
 import ast
+import re
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("loaders", "sharding", "server")
@@ -57,3 +60,98 @@ def test_arrows_point_one_way_and_no_cycle_remains():
         if m not in state:
             visit(m, [])
     assert not cycles, "\n".join(" -> ".join(c) for c in cycles)
+
+
+# --- environment variables: every TPSERVE_* is read in loaders/envs.py, and README.md lists them ---
+
+SETTINGS = "loaders.envs"
+NAME = re.compile(r"TPSERVE_[A-Z0-9_]+")
+NOT_ENV = {"TPSERVE_BUILD"}  # a C preprocessor define the kernel build passes (sharding/cpu/variants.py)
+
+
+def _is_environ(node: ast.AST) -> bool:
+    """os.environ (or `environ` imported from os)."""
+    return (isinstance(node, ast.Attribute) and node.attr == "environ") or (isinstance(node, ast.Name)
+                                                                            and node.id == "environ")
+
+
+def _env_keys(tree: ast.AST):
+    """(line, key expression) of every read of the environment: os.environ.get/pop/setdefault(k), os.environ[k],
+    k in os.environ, os.getenv(k)."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and node.args:
+            f = node.func
+            if (isinstance(f, ast.Attribute) and f.attr in ("get", "pop", "setdefault") and _is_environ(f.value)) \
+                    or (isinstance(f, ast.Attribute) and f.attr == "getenv") \
+                    or (isinstance(f, ast.Name) and f.id == "getenv"):
+                yield node.lineno, node.args[0]
+        elif isinstance(node, ast.Subscript) and isinstance(node.ctx, ast.Load) and _is_environ(node.value):
+            yield node.lineno, node.slice
+        elif isinstance(node, ast.Compare) and any(_is_environ(c) for c in node.comparators):
+            yield node.lineno, node.left
+
+
+def _mentions_tpserve(key: ast.AST) -> bool:
+    """A key naming a TPSERVE_ variable: a literal, an f-string starting with it, or anything taken from envs."""
+    for n in ast.walk(key):
+        if isinstance(n, ast.Constant) and isinstance(n.value, str) and n.value.startswith("TPSERVE_"):
+            return True
+        if isinstance(n, ast.Name) and n.id == "envs":
+            return True
+    return False
+
+
+def _strings(tree: ast.AST):
+    """(line, text) of every string constant that is not a docstring."""
+    docstrings = {id(n.value) for n in ast.walk(tree) if isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant)}
+    for n in ast.walk(tree):
+        if isinstance(n, ast.Constant) and isinstance(n.value, str) and id(n) not in docstrings:
+            yield n.lineno, n.value
+
+
+def test_tpserve_environment_variables_are_read_in_one_module():
+    from loaders import envs
+
+    known = modules()
+    reads, names, unknown = [], [], []
+    for mod, path in sorted(known.items()):
+        tree = ast.parse(path.read_text())
+        if mod != SETTINGS:
+            reads += [f"{path.relative_to(ROOT)}:{line}" for line, key in _env_keys(tree) if _mentions_tpserve(key)]
+            names += [f"{path.relative_to(ROOT)}:{line}: {text!r}" for line, text in _strings(tree)
+                      if NAME.fullmatch(text)]
+        unknown += [f"{path.relative_to(ROOT)}: {n}" for n in sorted(set(NAME.findall(path.read_text())))
+                    if n not in envs.VARIABLES and n not in NOT_ENV]
+    assert not reads, f"read TPSERVE_* through loaders/envs.py, not os.environ: {reads}"
+    assert not names, f"name TPSERVE_* variables by loaders.envs (`envs.X.name`), not a literal: {names}"
+    assert not unknown, f"TPSERVE_* names loaders/envs.py does not define: {unknown}"
+
+
+def test_the_readme_lists_every_environment_variable():
+    from loaders import envs
+
+    text = (ROOT / "README.md").read_text()
+    start, end = "<!-- envs table: python -m loaders.envs -->\n", "<!-- /envs table -->"
+    assert start in text and end in text, "README.md lost the markers around the environment variables' table"
+    table = text.split(start, 1)[1].split(end, 1)[0]
+    assert table == envs.markdown_table(), ("README.md's environment variables differ from loaders/envs.py; paste "
+                                            "`python -m loaders.envs` between the markers:\n" + envs.markdown_table())
+
+
+def test_settings_read_lazily_with_their_defaults(monkeypatch):
+    from loaders import envs
+
+    monkeypatch.delenv("TPSERVE_THREADS", raising=False)
+    assert envs.THREADS.get() == 0
+    monkeypatch.setenv("TPSERVE_THREADS", " 3 ")
+    assert envs.THREADS.get() == 3
+    monkeypatch.setenv("TPSERVE_PP_LAYER_PARTITION", "")
+    assert envs.PP_LAYER_PARTITION.get() is None  # empty counts as unset
+    monkeypatch.setenv("HOME", "/nowhere")
+    monkeypatch.delenv("TPSERVE_HOME", raising=False)
+    assert str(envs.HOME.get()) == "/nowhere/.cache/tpserve"  # "~" expands when read, not at import
+    monkeypatch.setenv("TPSERVE_NORM_KERNEL", "0")
+    assert envs.NORM_KERNEL.get() is False and envs.ROTARY_KERNEL.get() is True
+    monkeypatch.setenv("TPSERVE_SHM_ALLREDUCE", "yes")
+    with pytest.raises(ValueError, match="0 .off. or 1"):
+        envs.SHM_ALLREDUCE.get()

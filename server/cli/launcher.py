@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+from loaders import envs
 from loaders.checkpoint import Checkpoint
 from loaders.default_model import ensure_default_model
 from sharding.dist import Dist, init_dist
@@ -71,7 +72,7 @@ def validate(cfg: EngineConfig, tp: int) -> None:
 
     quant.check(cfg.quantization, cfg.quantization_group_size)
 
-    partition = os.environ.get("TPSERVE_PP_LAYER_PARTITION") or None
+    partition = envs.PP_LAYER_PARTITION.get()
     with Checkpoint(cfg.model) as ckpt:
         ckpt.resolve_dtype(cfg.dtype)
         model, config, _ = build_model(cfg, Dist(rank=0, world_size=tp, device=torch.device("meta")), ckpt)
@@ -103,7 +104,7 @@ class Workers:
         thread that lives as long as the process: PR_SET_PDEATHSIG fires when the creating thread exits."""
         env = dict(os.environ, **self.env, RANK=str(rank), LOCAL_RANK=str(rank))
         if generation:
-            env["TPSERVE_GENERATION"] = str(generation)
+            env[envs.GENERATION.name] = str(generation)
         self.procs[rank] = p = subprocess.Popen([sys.executable, "-m", "sharding.worker", *(argv or self.argv)],
                                                 env=env, preexec_fn=_die_with_parent)
         return p

@@ -15,6 +15,8 @@ import sys
 import threading
 import time
 
+from loaders import envs
+
 logger = logging.getLogger("tpserve")
 STARTED = time.monotonic()  # the start's phases are logged with the time from here to serving
 
@@ -165,7 +167,7 @@ def serve(args) -> int:
     from server.engine.tokenizer import load_tokenizer
     from sharding.cpu import kernels
 
-    api_key = args.api_key or os.environ.get("TPSERVE_API_KEY") or None
+    api_key = args.api_key or envs.API_KEY.get()
     cfg = engine_config(args)
     if not args.grammar_compile_timeout > 0:
         raise SystemExit(f"tpserve: error: --grammar-compile-timeout must be above 0 (got {args.grammar_compile_timeout})")
@@ -344,7 +346,7 @@ def main(argv: list[str] | None = None) -> int:
     s = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
     add_engine_args(s)
     s.add_argument("--host", default="0.0.0.0")
-    s.add_argument("--port", type=int, default=int(os.environ.get("TPSERVE_PORT") or 8000),
+    s.add_argument("--port", type=int, default=envs.PORT.get(),
                    help="HTTP port (default: TPSERVE_PORT, else 8000; the Docker image's healthcheck probes the same)")
     s.add_argument("--served-model-name", default=None, help="the model id clients use (default: folder name)")
     s.add_argument("--api-key", default=None,

@@ -27,6 +27,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
+from loaders import envs
 from loaders.adapters import AdapterInfo, LoraError, check_against_base, read_adapter
 from loaders.checkpoint import Checkpoint
 from sharding.layers.lora import supports_lora
@@ -38,11 +39,11 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-RUNTIME_UPDATES_ENV = "TPSERVE_ALLOW_RUNTIME_LORA_UPDATING"  # vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING
+RUNTIME_UPDATES_ENV = envs.ALLOW_RUNTIME_LORA_UPDATING.name  # vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING
 
 
 def runtime_updates_allowed() -> bool:
-    return os.environ.get(RUNTIME_UPDATES_ENV, "").strip().lower() in ("1", "true", "yes")
+    return envs.ALLOW_RUNTIME_LORA_UPDATING.get()
 
 
 @dataclass(eq=False)

@@ -23,11 +23,11 @@ from __future__ import annotations
 import logging
 import math
 import mmap
-import os
 from pathlib import Path
 
 import torch
 
+from loaders import envs
 from sharding.layers import quant
 
 logger = logging.getLogger("tpserve")
@@ -53,7 +53,7 @@ def huge_page_size() -> int:
 
 
 def enabled() -> bool:
-    return (os.environ.get("TPSERVE_HUGE_PAGES", "1") != "0" and hasattr(mmap, "MADV_HUGEPAGE")
+    return (envs.HUGE_PAGES.get() and hasattr(mmap, "MADV_HUGEPAGE")
             and thp_mode() in ("always", "madvise"))
 
 

@@ -17,9 +17,9 @@ results equal F.linear to fp32 rounding (another summation order); in bf16 the b
 
 from __future__ import annotations
 
-import os
-
 import torch
+
+from loaders import envs
 
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -28,7 +28,7 @@ def can_pack(weight: torch.Tensor) -> bool:
     """Whether oneDNN takes this weight. Its bfloat16 linears need AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT: on an
     AVX2-only CPU a bfloat16 weight stays plain and runs through F.linear."""
     return (weight.device.type == "cpu" and weight.dtype in PACKED_DTYPES and weight.dim() == 2
-            and os.environ.get("TPSERVE_PREPACK", "1") != "0" and torch.backends.mkldnn.is_available()
+            and envs.PREPACK.get() and torch.backends.mkldnn.is_available()
             and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
             and (weight.dtype != torch.bfloat16 or _onednn_bf16()))
 
@@ -75,7 +75,7 @@ def _load_library(verbose: bool) -> bool:
     asked for; raises if one cannot be loaded (CHOICE["why"] may already say why a prebuilt one was passed over)."""
     from sharding.cpu import variants as cv
 
-    want = os.environ.get("TPSERVE_KERNELS", "auto").strip() or "auto"
+    want = envs.KERNELS.get()
     if want in ("none", "0"):
         CHOICE.update(variant="torch", why="TPSERVE_KERNELS=" + want)
         return False
@@ -136,20 +136,20 @@ def build_kernels(verbose: bool = False) -> bool:
             return False
         ok = hasattr(torch.ops.tpserve, "paged_decode_attention")
         ops = torch.ops.tpserve
-        for name, env, op in (("paged", "TPSERVE_PAGED_KERNEL", ops.paged_decode_attention),
-                              ("norm", "TPSERVE_NORM_KERNEL", ops.rms_norm.default),
-                              ("rotary", "TPSERVE_ROTARY_KERNEL", ops.rotary_qk_.default),
-                              ("quant", "TPSERVE_QUANT_KERNEL",
+        for name, env, op in (("paged", envs.PAGED_KERNEL, ops.paged_decode_attention),
+                              ("norm", envs.NORM_KERNEL, ops.rms_norm.default),
+                              ("rotary", envs.ROTARY_KERNEL, ops.rotary_qk_.default),
+                              ("quant", envs.QUANT_KERNEL,
                                (ops.int8_linear.default, ops.int4_linear.default, ops.bf16_linear.default)),
-                              ("glue", "TPSERVE_GLUE_KERNEL", (ops.decode_attention.default, ops.add_rms_norm_.default,
-                                                                                               ops.silu_mul.default)),
-                              ("f32", "TPSERVE_F32_KERNEL", ops.f32_linear.default),
-                              ("argmax", "TPSERVE_GLUE_KERNEL", ops.argmax_rows.default),
-                              ("layers", "TPSERVE_LAYERS_KERNEL",
+                              ("glue", envs.GLUE_KERNEL, (ops.decode_attention.default, ops.add_rms_norm_.default,
+                                                          ops.silu_mul.default)),
+                              ("f32", envs.F32_KERNEL, ops.f32_linear.default),
+                              ("argmax", envs.GLUE_KERNEL, ops.argmax_rows.default),
+                              ("layers", envs.LAYERS_KERNEL,
                                (torch.classes.tpserve.DecodeLayers, ops.decode_layers.default)),
-                              ("moe", "TPSERVE_MOE_KERNEL",
+                              ("moe", envs.MOE_KERNEL,
                                (torch.classes.tpserve.MoeExperts, ops.moe_experts.default))):
-            if os.environ.get(env, "1") != "0":
+            if env.get():
                 _OPS[name] = op
     finally:
         _BUILT["ok"] = ok

@@ -32,6 +32,8 @@ import sys
 import tempfile
 from dataclasses import dataclass
 
+from loaders import envs
+
 CSRC = os.path.join(os.path.dirname(__file__), "csrc")
 SOURCES = ("paged_attention.cpp", "quant_linear.cpp", "rms_norm.cpp", "rotary.cpp", "decode_glue.cpp",
            "f32_linear.cpp", "build_info.cpp")
@@ -248,8 +250,7 @@ def cache_dir(label: str, march: tuple[str, ...]) -> str:
     """$TPSERVE_HOME/kernels/tpserve_kernels-<label>-<hash>: the JIT build of one set of flags. A -march=native
     build is only valid on the CPU it was made for, so its key holds the CPU's flags too."""
     extra = (_build_ninja(label, march),) + ((" ".join(sorted(cpu_flags())),) if "-march=native" in march else ())
-    home = os.environ.get("TPSERVE_HOME") or os.path.join(os.path.expanduser("~"), ".cache", "tpserve")
-    return os.path.join(home, "kernels", f"tpserve_kernels-{label}-{source_hash(*extra)}")
+    return os.path.join(envs.HOME.get(), "kernels", f"tpserve_kernels-{label}-{source_hash(*extra)}")
 
 
 def build_variant(name: str, out_dir: str, verbose: bool = False, flags: set[str] | None = None) -> tuple[str, str]:
