@@ -9,7 +9,7 @@ MODEL ?=
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: install serve test lint clean docker-check
+.PHONY: install serve test test-slow lint clean docker-check
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -31,11 +31,15 @@ serve: install
 	$(VENV)/bin/tpserve serve $(MODEL) --host $(HOST) --port $(PORT) --tensor-parallel-size $(TP) $(ARGS)
 
 # two pytest workers, a test file at a time each (a file's module-scoped servers stay on one worker): most tests
-# wait on ranks and servers of their own, so two files at once keep two cores busy (the whole suite on a 2-vCPU
-# host shared with other work: 37 min in one worker, 21 min in two)
+# wait on ranks and servers of their own, so two files at once keep two cores busy. `make test` is the fast tier
+# (every feature and layout once; TP 3 and TP 4 once each); `make test-slow` is the rest of the layout matrices,
+# the wheel and emulated-CPU builds and the real default model's quantized agreement. .ci/run runs both.
 test: install
 	$(VENV)/bin/hadolint Dockerfile
-	$(PY) -m pytest -n 2 --dist loadfile $(PYTEST_ARGS)
+	$(PY) -m pytest -n 2 --dist loadfile -m "not slow" $(PYTEST_ARGS)
+
+test-slow: install
+	$(PY) -m pytest -n 2 --dist loadfile -m slow $(PYTEST_ARGS)
 
 # the Docker image built from a clean clone and checked end to end (~15 min; docs/docker.md)
 docker-check:

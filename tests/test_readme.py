@@ -1,4 +1,5 @@
-"""A fresh clone's README quick start names exactly the Makefile's `serve` and `test`, and CI runs `make test`."""
+"""A fresh clone's README quick start names exactly the Makefile's `serve` and `test`, and CI runs `make test` (the fast
+tier) and then `make test-slow`."""
 
 import re
 import subprocess
@@ -15,11 +16,13 @@ def test_fresh_clone_quick_start_matches_makefile(tmp_path):
     block = re.search(r"```sh\n(.*?)```", quick, re.S).group(1)
     commands = [line.split("#")[0].strip() for line in block.splitlines() if line.strip()]
     assert commands == ["make serve", "make test"]
-    for target, must_run in (("serve", "tpserve serve"), ("test", "pytest")):
+    for target, must_run in (("serve", "tpserve serve"), ("test", "pytest"), ("test-slow", "pytest")):
         dry = subprocess.run(["make", "-n", "-B", target], cwd=clone, capture_output=True, text=True, timeout=60)
         assert dry.returncode == 0, dry.stderr
         assert "pip install torch==2.13.0" in dry.stdout  # the pinned CPU torch comes first
         assert must_run in dry.stdout
+        if target.startswith("test"):  # the two tiers split the suite by the `slow` marker
+            assert ('-m "not slow"' if target == "test" else "-m slow") in dry.stdout
     ci = [line for line in (clone / ".ci" / "run").read_text().splitlines()
           if line.strip() and not line.startswith(("#", "set ", "cd "))]
-    assert ci == ["make test"]
+    assert ci == ["make test", "make test-slow"]

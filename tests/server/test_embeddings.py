@@ -131,6 +131,7 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(srv, folder, tok):
     np.testing.assert_allclose(r["data"][0]["embedding"], reference(folder, ids[-100:], "last", True), atol=2e-5)
 
 
+@pytest.mark.slow
 def test_mean_pooling_over_chunks_with_two_pipeline_stages(server_factory, folder, tok):
     """The pooled rows come back from the last stage beside the logits (sharding/runner.py, collect)."""
     s = server_factory(folder, 1, "-pp", "2", "--max-model-len", "128", "--max-num-seqs", "4",

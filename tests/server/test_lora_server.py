@@ -161,6 +161,7 @@ def test_bad_adapters_get_a_400_that_says_which(srv, lora_setup):
     assert tokens(complete(srv, "a")) == refs["a"]  # still serving
 
 
+@pytest.mark.slow
 def test_pipeline_replicas_and_a_respawned_replica_serve_the_adapters(server_factory, lora_setup):
     """-pp 2 -dp 2: the load commands pass from stage to stage and reach the other replica; a replica restarted
     after a SIGKILL reads the loaded adapters again before it serves (server/engine/lora_registry.py: LoraSlots.reload)."""

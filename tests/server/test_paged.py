@@ -43,7 +43,7 @@ def job(folder, prompts, **llm):
             "llm": {"block_size": BLOCK, **llm}}
 
 
-@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("tp", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_caching_chunking_and_preemption_keep_transformers_tokens(case, tp):
     """Prefix caching on and off, one large step and 16-token chunks, a roomy pool and one so small that sequences
     are preempted: every output equals transformers', in the first round and when the same prompts come again."""

@@ -201,6 +201,16 @@ def test_sigkill_of_a_rank_fails_fast_without_restarts(server_factory, checkpoin
     assert time.monotonic() - t_kill < 30
 
 
+async def until(client, path: str, ok, timeout: float = 60):
+    """GET `path` until `ok(response)` (bounded): the event a test waits for, polled."""
+    deadline = time.monotonic() + timeout
+    while True:
+        r = await client.get(path)
+        if ok(r) or time.monotonic() > deadline:
+            return r
+        await asyncio.sleep(0.02)
+
+
 def test_sigterm_drains_requests_in_flight_and_leaves_no_process(server_factory, checkpoints):
     s = server_factory(checkpoints("llama"), 2, "--max-model-len", "256", "--shutdown-timeout", "60")
     workers = children(s.proc.pid)
@@ -209,10 +219,9 @@ def test_sigterm_drains_requests_in_flight_and_leaves_no_process(server_factory,
         async with httpx.AsyncClient(base_url=s.url, timeout=120) as client:
             tasks = [asyncio.create_task(client.post("/v1/completions", json={
                 "prompt": f"p{i}", "max_tokens": 240, "ignore_eos": True})) for i in range(4)]
-            await asyncio.sleep(0.5)
+            await until(client, "/metrics", lambda r: "tpserve_requests_running 4.0" in r.text)  # all four run
             s.proc.send_signal(signal.SIGTERM)
-            await asyncio.sleep(0.1)
-            health = await client.get("/health")
+            health = await until(client, "/health", lambda r: r.status_code == 503)  # draining
             late = await client.post("/v1/completions", json={"prompt": "late", "max_tokens": 2})
             return [await t for t in tasks], health, late
 

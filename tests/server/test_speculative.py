@@ -50,7 +50,7 @@ def references(folder):
     return {tuple(p): hf_greedy(folder, p, 24)[0] for p in PROMPTS}
 
 
-@pytest.mark.parametrize("tp", [1, 2, 3])
+@pytest.mark.parametrize("tp", [1, 2, pytest.param(3, marks=pytest.mark.slow)])
 def test_greedy_identity_with_preemption_chunks_and_prefix_hits(folder, references, tp):
     # a pool of 10 blocks of 8 for 6 sequences of up to 59 tokens: they preempt each other; 8-token steps chunk the
     # prompts; the last round starts from cached blocks

@@ -62,6 +62,7 @@ def test_tpserve_kernels_is_honoured_or_refused(value, rc, says):
     assert says in p.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not shutil.which("c++") or cv.choose(cv.cpu_flags()) is None,
                     reason="needs a compiler and a CPU some variant runs on")
 def test_wheel_carries_the_kernels_into_a_venv_without_a_compiler(tmp_path):
@@ -146,6 +147,7 @@ def test_a_build_this_cpu_cannot_run_is_checked_by_its_symbols_only():
         cv.check_library(path, host)  # built as another variant than "host": its name says so
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(shutil.which("qemu-x86_64") is None or cv.platform.machine() != "x86_64"
                     or "avx512f" not in cv.cpu_flags(),
                     reason="needs qemu-x86_64 (Debian's qemu-user) and an AVX-512 host to emulate an AVX2-only one")

@@ -35,7 +35,7 @@ def check(arch, result, ref):
         assert worst < 1e-4, (arch, worst)
 
 
-@pytest.mark.parametrize("tp", [1, 2, 3, 4])
+@pytest.mark.parametrize("tp", [1, 2, pytest.param(3, marks=pytest.mark.slow), pytest.param(4, marks=pytest.mark.slow)])
 def test_greedy_equals_transformers(reference, tp):
     archs = list(reference)
     jobs = [{"model": str(reference[a][0]), "prompts": reference[a][1], "max_tokens": MAX_TOKENS, "logprobs": 5}

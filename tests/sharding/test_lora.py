@@ -191,7 +191,7 @@ def tp_results(models, tp: int):
     return _RESULTS[tp]
 
 
-@pytest.mark.parametrize("tp", [1, 2, 3])
+@pytest.mark.parametrize("tp", [1, 2, pytest.param(3, marks=pytest.mark.slow)])
 def test_mixed_steps_and_batch_one_equal_peft(models, references, tp):
     """Base rows and rows of two adapters in one step, then each alone (batch 1), on Llama (every linear; rsLoRA with
     rank and alpha patterns on some pieces of the fused linears) and Phi-3 (fused qkv_proj / gate_up_proj), at TP

@@ -26,7 +26,11 @@ def check(result, expected):
         assert worst < 1e-4, worst
 
 
-@pytest.mark.parametrize("tp,pp,dp", [(1, 2, 1), (1, 3, 1), (2, 2, 1), (1, 1, 2), (2, 1, 2), (1, 2, 2)])
+SLOW = pytest.mark.slow
+
+
+@pytest.mark.parametrize("tp,pp,dp", [(1, 2, 1), pytest.param(1, 3, 1, marks=SLOW), (2, 2, 1),
+                                      pytest.param(1, 1, 2, marks=SLOW), (2, 1, 2), pytest.param(1, 2, 2, marks=SLOW)])
 def test_layouts_equal_transformers(five_layers, tp, pp, dp):
     folder, expected = five_layers
     job = {"model": str(folder), "prompts": PROMPTS, "max_tokens": MAX_TOKENS, "logprobs": 5,
@@ -39,6 +43,7 @@ def test_layouts_equal_transformers(five_layers, tp, pp, dp):
         assert 0.3 < share < 0.7, share
 
 
+@pytest.mark.slow
 def test_layer_partition_override(five_layers):
     folder, expected = five_layers
     job = {"model": str(folder), "prompts": PROMPTS, "max_tokens": MAX_TOKENS, "logprobs": 5,
@@ -63,7 +68,7 @@ def test_batched_equals_alone_with_steps_in_flight(five_layers):
     assert [o["token_ids"] for o in result["outputs"]] == result["alone"]
 
 
-@pytest.mark.parametrize("tp", [2, 3])
+@pytest.mark.parametrize("tp", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_sequence_parallel_equals_transformers(five_layers, tp):
     """Prefill steps of 11 and 7 tokens (TP divides neither) run sequence parallel; decode steps stay plain TP."""
     folder, _ = five_layers

@@ -177,6 +177,7 @@ def test_ranks_equal_transformers_with_the_same_quantized_weights(quant_model, t
             assert worst < (2e-2 if rounded else 1e-4), (mode, group, tp, worst)
 
 
+@pytest.mark.slow
 def test_default_model_agreement():
     """SmolLM2-135M over 1,024 tokens of real text (two 512-token windows of scripts/data/eval_text.txt, every
     position scored): the share of positions whose most likely next token equals float32's.
