@@ -145,12 +145,12 @@ def lora_config(args) -> dict:
 def describe_cache(runner, engine) -> str:
     """The pool at start, as vLLM prints it: blocks, tokens, and how many max-length sequences fit at once."""
     tokens = runner.num_blocks * runner.block_size
+    sched, caching = engine.lanes[0].scheduler, engine.replicas.pools[0].enable_prefix_caching
     return (f"KV cache {runner.kv_cache_bytes() / 2**20:.0f} MiB per rank: {runner.num_blocks} blocks of "
             f"{runner.block_size} tokens = {tokens} tokens; maximum concurrency at {runner.max_model_len} tokens per "
             f"sequence: {tokens / runner.max_model_len:.2f}x; prefix caching "
-            f"{'on' if engine.replicas.pools[0].enable_prefix_caching else 'off'}; {engine.lanes[0].scheduler.max_num_batched_tokens} "
-            f"tokens per step ({engine.lanes[0].scheduler.max_prefill_tokens_while_decoding or 'no cap on'} prefill tokens "
-            f"while decoding)")
+            f"{'on' if caching else 'off'}; {sched.max_num_batched_tokens} tokens per step "
+            f"({sched.max_prefill_tokens_while_decoding or 'no cap on'} prefill tokens while decoding)")
 
 
 def serve(args) -> int:

@@ -29,8 +29,8 @@ from server.engine.lora_registry import LoraRegistry, LoraSlots
 from server.engine.outputs import SchedulerOutput, StepOutput
 from server.engine.replicas import Lane, Replicas
 from server.engine.request import Sequence
-from server.engine.scheduler import (DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_PREFILL_TOKENS_WHILE_DECODING, Scheduler,
-                                     attention_depth_tokens)
+from server.engine.scheduler import (DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_PREFILL_TOKENS_WHILE_DECODING,
+                                     Scheduler, attention_depth_tokens)
 from server.engine.spec_decode.proposers import SpeculativeConfig, Speculator
 from server.engine.step_sampler import sample_step
 from server.engine.structured.grammar import Grammars
@@ -67,7 +67,7 @@ class Engine:
                                                        and self.on_replica_failure(replica, reason))
         self.replicas.on_down = self._replica_down
         self.lanes = self.replicas.lanes
-        self.on_replica_failure: Callable[[int, str], bool] | None = None  # the supervisor (server/engine/supervisor.py)
+        self.on_replica_failure: Callable[[int, str], bool] | None = None  # the supervisor (engine/supervisor.py)
         self.loras: LoraSlots | None = None  # with --enable-lora (enable_lora)
         self.speculator: Speculator | None = None
         if speculative is not None:
@@ -160,7 +160,7 @@ class Engine:
             for lane in self.replicas.launch_order if launch else ():
                 if not lane.busy and lane.replica not in self.replicas.down:
                     batch = lane.scheduler.schedule()
-                    if batch.items and lane.replica not in self.replicas.down:  # (not taken down while it was scheduled)
+                    if batch.items and lane.replica not in self.replicas.down:  # (not taken down while scheduled)
                         t0 = time.perf_counter()
                         launched, ok = self.replicas.call(lane.replica, self.runner.launch, batch.to_step(),
                                                           lane.replica)

@@ -1,7 +1,8 @@
 """A request as the engine tracks it: its tokens, its sampling state, its output so far, its place in the cache.
 
 Built by the API's preprocessing (server/api/preprocess.py) or the offline LLM; scheduled by server/engine/scheduler.py,
-advanced from each step's output by Scheduler.update_from_output. It lives on rank 0 only: the ranks see rows and tokens.
+advanced from each step's output by Scheduler.update_from_output. It lives on rank 0 only: the ranks see rows and
+tokens.
 """
 
 from __future__ import annotations

@@ -79,7 +79,7 @@ class Scheduler:
         # speculative decoding: (sequence, running sequences, token budget left) -> draft tokens (Speculator.drafts_for)
         self.propose: Callable[[Sequence, int, int], list[int]] | None = None
         # LoRA: (waiting sequence, running sequences) -> whether it may join the batch now: its adapter in a slot and
-        # no more than --max-loras adapters in one step (lora_registry.LoraSlots.admit); one that may not keeps its place
+        # no more than --max-loras adapters in one step (LoraSlots.admit); one that may not keeps its place
         self.admit: Callable[[Sequence, list[Sequence]], bool] | None = None
 
     def add(self, seq: Sequence) -> None:

@@ -83,5 +83,8 @@ def server_factory(tmp_path_factory):
         return s
 
     yield make
+    for s in started:  # every server drains at once, then each is waited for
+        if s.proc.poll() is None:
+            s.proc.send_signal(signal.SIGTERM)
     for s in started:
         s.stop()
