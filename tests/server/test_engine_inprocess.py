@@ -1,113 +1,18 @@
 """The engine and the scheduler in one process, against a fake executor with scripted logits (vLLM's
-test_scheduler.py does the same): no ranks, no model, a step in microseconds.
-
-The fake executor mirrors the block table from each step's updates and stores every token it is given in a cache
-addressed by (block, offset). Its "model" predicts the next token from the whole context *as read back through the
-block table*, so a wrong block, a bad prefix hit, a chunk at the wrong position or a lost token after a preemption
-changes the output. The reference is the same function over the sequence's true tokens.
+test_scheduler.py does the same): no ranks, no model, a step in microseconds (tests/helpers/fake_executor.py says
+how the fake model makes a wrong block, position, token or adapter change the output).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from types import SimpleNamespace
-
 import pytest
 import torch
 
-from server.engine.core import Engine
-from server.engine.detokenizer import IncrementalDetokenizer
-from server.engine.request import Sequence
-from server.engine.sampler import SamplingParams
+from server.engine.lora_registry import Adapter, LoraRegistry
 from server.engine.spec_decode.proposers import SpeculativeConfig
-from sharding.wire import HIDDEN, LOGITS_ALL, LOGITS_LAST, lora_slot
+from sharding.wire import LOGITS_ALL
+from tests.helpers.fake_executor import SPECIAL, add, make_engine, next_token, prompts, reference
 from tests.tiny import make_tokenizer
-
-SPECIAL = 5  # ids below this are the tiny tokenizer's special tokens (EOS is 2): never predicted
-
-
-def next_token(context: list[int], vocab: int) -> int:
-    """The fake model: a short cycle over the last token (so n-gram drafts are sometimes right), bent by the whole
-    context (so every token read from the cache matters)."""
-    last = context[-1]
-    step = 1 if sum((i + 1) * t for i, t in enumerate(context)) % 5 else 2
-    return SPECIAL + (last - SPECIAL + step) % 11 if last >= SPECIAL else SPECIAL + last
-
-
-def reference(prompt: list[int], n: int, vocab: int, stop: set[int] = frozenset()) -> list[int]:
-    tokens, out = list(prompt), []
-    for _ in range(n):
-        t = next_token(tokens, vocab)
-        tokens.append(t)
-        out.append(t)
-        if t in stop:
-            break
-    return out
-
-
-@dataclass
-class FakeLaunched:
-    step: object
-    logits: torch.Tensor
-    pooled: torch.Tensor | None
-
-
-class FakeRunner:
-    """What the engine asks of sharding/runner.py ModelRunner, computed in Python over a mirrored cache."""
-
-    def __init__(self, model: str, vocab: int, num_blocks: int, block_size: int = 4, max_num_seqs: int = 4,
-                 max_model_len: int = 96, dp: int = 1, failing: set[int] = frozenset()):
-        self.cfg = SimpleNamespace(max_num_seqs=max_num_seqs, model=model)
-        self.config = SimpleNamespace(vocab_size=vocab)
-        self.dist = SimpleNamespace(layout=SimpleNamespace(dp=dp, pp=1))
-        self.max_model_len, self.num_blocks, self.block_size = max_model_len, num_blocks, block_size
-        self.vocab = vocab
-        self.tables: dict[tuple[int, int], dict[int, int]] = {}  # (replica, row) -> {index: block}
-        self.cache: dict[tuple[int, int, int], int] = {}  # (replica, block, offset) -> token
-        self.failing = set(failing)  # replicas whose next launch fails (their ranks "died")
-        self.steps: list[dict] = []
-
-    def launch(self, step, replica: int = 0) -> FakeLaunched:
-        if replica in self.failing:
-            raise RuntimeError("connection reset by peer")
-        bs = self.block_size
-        if step.block_updates is not None:
-            for row, index, block in step.block_updates.tolist():
-                self.tables.setdefault((replica, row), {})[index] = block
-        ids = step.input_ids.tolist()
-        rows, pooled, at = [], [], 0
-        kinds = {"decode": 0, "prefill": 0, "rows": []}
-        for row, n, start, flags in step.seq_table.tolist():
-            table = self.tables[(replica, row)]
-            for i in range(n):  # the step's tokens go into the cache first, as attention writes K/V
-                p = start + i
-                self.cache[(replica, table[p // bs], p % bs)] = ids[at + i]
-
-            def context(p: int) -> list[int]:
-                return [self.cache[(replica, table[q // bs], q % bs)] for q in range(p + 1)]
-
-            want = range(n) if flags & LOGITS_ALL else [n - 1] if flags & LOGITS_LAST else []
-            for i in want:
-                logits = torch.zeros(self.vocab)
-                logits[next_token(context(start + i), self.vocab)] = 8.0
-                rows.append(logits)
-            if flags & HIDDEN:
-                pooled.append(torch.tensor([float(sum(context(start + n - 1)))]))
-            kinds["decode" if n == 1 else "prefill"] += 1
-            kinds["rows"].append((n, start, flags & 0xFFFF, lora_slot(flags)))
-            at += n
-        self.steps.append(kinds)
-        logits = torch.stack(rows) if rows else torch.zeros(0, self.vocab)
-        return FakeLaunched(step, logits, torch.stack(pooled) if pooled else None)
-
-    def collect(self, launched: FakeLaunched) -> torch.Tensor:
-        return launched.logits
-
-    def heartbeat(self, replicas=None) -> None:
-        pass
-
-    def forget_sends(self, replica: int) -> None:
-        pass
 
 
 @pytest.fixture(scope="module")
@@ -117,26 +22,6 @@ def tok(tmp_path_factory):
     folder = tmp_path_factory.mktemp("tok")
     make_tokenizer(folder)
     return AutoTokenizer.from_pretrained(str(folder)), str(folder)
-
-
-def make_engine(tok, **kw) -> tuple[Engine, FakeRunner]:
-    tokenizer, folder = tok
-    engine_kw = {k: kw.pop(k) for k in ("max_num_batched_tokens", "speculative", "enable_prefix_caching") if k in kw}
-    runner = FakeRunner(folder, len(tokenizer), **kw)
-    engine = Engine(runner, tokenizer, max_prefill_tokens_while_decoding=None, **engine_kw)
-    return engine, runner
-
-
-def add(engine: Engine, tokenizer, prompt: list[int], **params) -> Sequence:
-    p = SamplingParams(temperature=0.0, ignore_eos=True, **params)
-    seq = Sequence(prompt, p, IncrementalDetokenizer(tokenizer, prompt, p.stop, True), emit=lambda *a: None)
-    engine.add(seq)
-    return seq
-
-
-def prompts(count: int, length: int, seed: int = 0) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(SPECIAL, 300, (length,), generator=g).tolist() for _ in range(count)]
 
 
 def test_preemption_recomputes_to_the_same_tokens(tok):
@@ -216,3 +101,31 @@ def test_a_dead_replica_moves_its_sequences_to_the_other(tok):
     for s in seqs:
         assert s.output_ids == reference(s.prompt_ids, 12, runner.vocab)
     assert any(s.num_preemptions for s in seqs)  # the moved ones were recomputed
+
+
+def test_lora_slots_admission_eviction_and_rows(tok):
+    """Three adapters, two slots, one adapter per step (base rows may join it): every sequence is served with its own adapter
+    (the fake model shifts by it), an idle adapter is evicted for a waiting one and read again when needed, and a
+    retired adapter's slot is freed once nothing holds it."""
+    engine, runner = make_engine(tok, num_blocks=96, max_num_seqs=2)
+    registry = LoraRegistry("unused", "base", max_loras=1, max_cpu_loras=2, max_rank=8)
+    adapters = [Adapter(f"a{i}", f"/adapters/a{i}") for i in (1, 2, 3)]
+    for a in adapters:
+        registry.register(a)
+    engine.enable_lora(registry)
+    plan = [adapters[0], adapters[1], adapters[2], None, None, adapters[0]]
+    seqs = [add(engine, tok[0], p, lora=a, max_tokens=10) for p, a in zip(prompts(6, 7, seed=5), plan)]
+    engine.run_until_idle()
+    for s, a in zip(seqs, plan):
+        assert s.output_ids == reference(s.prompt_ids, 10, runner.vocab, shift=int(a.name[1:]) if a else 0), a
+    assert max(len({slot for *_, slot in st["rows"] if slot}) for st in runner.steps) == 1  # --max-loras
+    assert any(len({slot for *_, slot in st["rows"]}) == 2 for st in runner.steps)  # base rows beside an adapter's
+    # a3 evicted a1 (the least recently used idle one), which was read again for the fourth sequence
+    assert adapters[0].loads == 2 and sum(a.loads for a in adapters) > 3
+    assert all(c[3:] in (((), True), ((0,), False)) for c in runner.lora_calls if c[0] == "load")  # rank 0, then ranks
+    held = next(a for a in adapters if a.slot)
+    slot = held.slot
+    registry.retire(held.name)
+    engine.loras.retire(held)
+    assert held.slot == 0 and registry.slots[slot] is None
+    assert runner.lora_calls[-2:] == [("unload", slot, ()), ("unload", slot, (0,))]  # rank 0, then the ranks
