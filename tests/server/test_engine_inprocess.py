@@ -11,7 +11,7 @@ import torch
 from server.engine.lora_registry import Adapter, LoraRegistry
 from server.engine.spec_decode.proposers import SpeculativeConfig
 from sharding.wire import LOGITS_ALL
-from tests.helpers.fake_executor import SPECIAL, add, make_engine, next_token, prompts, reference
+from tests.helpers.fake_executor import add, make_engine, next_token, prompts, reference
 from tests.tiny import make_tokenizer
 
 
