@@ -104,9 +104,9 @@ def test_a_dead_replica_moves_its_sequences_to_the_other(tok):
 
 
 def test_lora_slots_admission_eviction_and_rows(tok):
-    """Three adapters, two slots, one adapter per step (base rows may join it): every sequence is served with its own adapter
-    (the fake model shifts by it), an idle adapter is evicted for a waiting one and read again when needed, and a
-    retired adapter's slot is freed once nothing holds it."""
+    """Three adapters, two slots, one adapter per step (base rows may join it): every sequence is served with its own
+    adapter (the fake model shifts by it), an idle adapter is evicted for a waiting one and read again when needed,
+    and a retired adapter's slot is freed once nothing holds it."""
     engine, runner = make_engine(tok, num_blocks=96, max_num_seqs=2)
     registry = LoraRegistry("unused", "base", max_loras=1, max_cpu_loras=2, max_rank=8)
     adapters = [Adapter(f"a{i}", f"/adapters/a{i}") for i in (1, 2, 3)]
