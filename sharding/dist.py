@@ -134,13 +134,13 @@ class Dist:
     device: torch.device = field(default_factory=default_device)
     cpu_group: Group | None = None  # the TP group (gloo)
     device_group: Group | None = None  # the TP group (the device's backend)
-    fast_all_reduce: object | None = None  # the TP group's same-host shared-memory collectives, when set up
+    fast_all_reduce: shm_allreduce.ShmAllReduce | None = None  # the TP group's same-host collectives, when set up
     layout: Layout = field(default_factory=Layout)
     global_rank: int = 0
     links: dict[int, Group] = field(default_factory=dict)  # replica -> its link group (rank 0 has one per replica)
     layer_partition: str | None = None  # TPSERVE_PP_LAYER_PARTITION
     expert_parallel: bool = False  # MoE layers: the TP group's ranks own whole experts (sharding/layers/moe.py)
-    store: object | None = None  # the rendezvous store every group is made over
+    store: dist.Store | None = None  # the rendezvous store every group is made over
     timeout: datetime.timedelta = datetime.timedelta(seconds=600)
     generation: int = 0  # of this rank's replica: 0 at start, +1 each time the replica is respawned
     shm_ok: bool = False  # the shared-memory collectives may be used for this rank's TP group
@@ -334,7 +334,7 @@ class ReplicaGroups:
     link: Group
     cpu_group: Group | None = None
     device_group: Group | None = None
-    fast_all_reduce: object | None = None
+    fast_all_reduce: shm_allreduce.ShmAllReduce | None = None
 
 
 def make_replica_groups(d: Dist, replica: int, generation: int) -> ReplicaGroups:

@@ -16,6 +16,7 @@ import signal
 import threading
 import time
 from dataclasses import dataclass, fields, replace
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -24,10 +25,15 @@ from loaders.config import load_config
 from sharding.cpu import hugepages, kernels
 from sharding.layers.attention import AttentionMetadata, PagedKVCache, RotaryTable
 from sharding.dist import Dist, Layout, ReplicaGroups, make_replica_groups
+from sharding.layers.interface import Loadable, Packable, ReadElsewhere
 from sharding.layers.linear import ParallelLMHead
 from sharding.models import model_class
+from sharding.models.interface import CausalLM
 from sharding.progress import LoadProgress, StartPhases
 from sharding.wire import CMD_NOOP, CMD_SHUTDOWN, CMD_STEP, HEADER, Step
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 # commands with a payload of their own between steps (header [cmd, payload size, 0, 0]): a LoRA adapter into a slot
 # (the payload: sharding/layers/lora.py encode_load, a slot and a local path each rank reads its own byte ranges from) or out
@@ -112,17 +118,17 @@ def default_kv_budget(cfg: EngineConfig, dist: Dist) -> int:
     return int(available_memory_bytes() * KV_CPU_MEMORY_SHARE / max(1, dist.local_world_size))
 
 
-def check_plan(model: torch.nn.Module, ckpt: Checkpoint, whole: bool = True) -> None:
+def check_plan(model: CausalLM, ckpt: Checkpoint, whole: bool = True) -> None:
     """Every tensor the model needs is in the checkpoint with the right shape, and (for a whole model: rank 0
     checks the whole checkpoint before any stage loads its part) nothing is left over."""
     expected: dict[str, tuple[int, ...]] = {}
     for module in model.modules():
-        if hasattr(module, "expected"):
+        if isinstance(module, Loadable):
             expected.update(module.expected())
     have = set(ckpt.tensors)
     missing = sorted(set(expected) - have)
     # tensors only other ranks of the group read (other experts, under expert parallelism)
-    elsewhere = set().union(*(m.elsewhere for m in model.modules() if hasattr(m, "elsewhere")))
+    elsewhere = set().union(*(m.elsewhere for m in model.modules() if isinstance(m, ReadElsewhere)))
     unexpected = [] if not whole else sorted(
         n for n in have - set(expected) - elsewhere - model.ignored_tensors() if not n.endswith(IGNORED_SUFFIXES))
     wrong = sorted(f"{n}: checkpoint {list(ckpt.tensors[n].shape)}, config implies {list(s)}"
@@ -156,7 +162,8 @@ def cpu_precision(cfg: EngineConfig, ckpt: Checkpoint, device: torch.device) -> 
     return cfg
 
 
-def build_model(cfg: EngineConfig, dist: Dist, ckpt: Checkpoint | None = None):
+def build_model(cfg: EngineConfig, dist: Dist, ckpt: Checkpoint | None = None
+                ) -> tuple[CausalLM, PretrainedConfig, torch.dtype]:
     """Construct this rank's model (parameters allocated, not yet loaded) and check it against the checkpoint."""
     ckpt = ckpt or Checkpoint(cfg.model)
     config = load_config(ckpt)
@@ -166,22 +173,20 @@ def build_model(cfg: EngineConfig, dist: Dist, ckpt: Checkpoint | None = None):
     # MoE checkpoints store experts one tensor each or fused into 3-D tensors; the model reads either (sharding/layers/moe.py)
     config.tpserve_fused_experts = any(n.endswith(".experts.gate_up_proj") for n in ckpt.tensors)
     model = cls(config, dist, dtype, dist.device)
-    if cfg.enable_expert_parallel and not getattr(model, "has_experts", False):
+    if cfg.enable_expert_parallel and not model.has_experts:
         raise ValueError(f"--enable-expert-parallel: {ckpt.architecture} is a dense model, it has no experts to split")
     check_plan(model, ckpt, whole=dist.pp_size == 1)
     return model, config, dtype
 
 
-def resolve_max_model_len(model, config, requested: int | None) -> int:
+def resolve_max_model_len(model: CausalLM, config: PretrainedConfig, requested: int | None) -> int:
     """--max-model-len, or its default min(max_position_embeddings, 2048); checked against the model's own limits
-    (a model may add its own through `check_max_model_len`). Runs on rank 0 before any other rank is spawned."""
+    (`check_max_model_len`). Runs on rank 0 before any other rank is spawned."""
     max_pos = getattr(config, "max_position_embeddings", None) or 2048
     n = requested or min(max_pos, 2048)
     if n > max_pos:
         raise ValueError(f"--max-model-len {n} exceeds the model's max_position_embeddings ({max_pos})")
-    check = getattr(model, "check_max_model_len", None)
-    if check is not None:
-        check(n)
+    model.check_max_model_len(n)
     return n
 
 
@@ -199,9 +204,9 @@ class ModelRunner:
             quantize = self._quantizer()
             with phases.phase("building the model"):
                 self.model, self.config, self.dtype = build_model(cfg, dist, ckpt)
-            loaders = [m for m in self.model.modules() if hasattr(m, "expected")]
+            loaders = [m for m in self.model.modules() if isinstance(m, Loadable)]
             itemsize = ckpt.checkpoint_dtype().itemsize
-            to_read = itemsize * sum(p.numel() for m in loaders if not getattr(m, "tied", False)  # (read once)
+            to_read = itemsize * sum(p.numel() for m in loaders if not m.tied  # (read once)
                                      for p in m.parameters(recurse=False))
             progress = LoadProgress(len(loaders), to_read, lambda: ckpt.bytes_read, dist.is_driver, phases)
             try:
@@ -219,15 +224,15 @@ class ModelRunner:
                 quantize(m)  # what the loop could not do yet (an LM head tied to an embedding loaded after it)
         with phases.phase("packing"):
             for m in self.model.modules():
-                if hasattr(m, "prepack"):
+                if isinstance(m, Packable):
                     m.prepack()  # CPU: weights laid out for the kernels (sharding/cpu/kernels.py)
         if dist.device.type == "cpu":
             with phases.phase("huge pages"):
                 hugepages.move_weights(self.model)  # the streamed weights in 2 MiB pages (sharding/cpu/hugepages.py)
         self.model.eval()
         self.max_model_len = resolve_max_model_len(self.model, self.config, cfg.max_model_len)
-        uses_rope = getattr(self.model, "uses_rotary", True)
-        self.rotary = RotaryTable(self.config, self.max_model_len, self.dtype, dist.device) if uses_rope else None
+        self.rotary = (RotaryTable(self.config, self.max_model_len, self.dtype, dist.device) if self.model.uses_rotary
+                       else None)
         self._message = torch.zeros(Step.message_size(cfg.max_num_seqs), dtype=torch.int64)  # see sharding/wire.py
         self.load_seconds = time.perf_counter() - t0
         self.vocab_size = self.config.vocab_size
@@ -254,9 +259,9 @@ class ModelRunner:
         default_head = "int8" if mode in ("int8", "int4") else mode
         head_mode = {"0": None, "same": mode}.get(os.environ.get("TPSERVE_QUANTIZE_LM_HEAD", "1"), default_head)
 
-        def apply(m, loaded: bool = True) -> None:
+        def apply(m: torch.nn.Module, loaded: bool = True) -> None:
             """loaded=False while the loop still reads: a tied LM head waits, its embedding may come later."""
-            if not mode or not hasattr(m, "quantize"):
+            if not mode or not isinstance(m, Packable):
                 return
             if isinstance(m, ParallelLMHead):
                 if head_mode and (loaded or not m.tied):

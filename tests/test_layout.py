@@ -57,3 +57,31 @@ def test_arrows_point_one_way_and_no_cycle_remains():
         if m not in state:
             visit(m, [])
     assert not cycles, "\n".join(" -> ".join(c) for c in cycles)
+
+
+def test_every_model_declares_the_model_interface():
+    """Every registered architecture is a CausalLM (sharding/models/interface.py) with nothing left abstract, and every
+    layer class that reads checkpoint tensors or transforms its weight says so by its base (sharding/layers/interface.py):
+    the runner finds what to load, quantize and pack by those declarations, so an undeclared one would be skipped."""
+    import importlib
+    import inspect
+
+    from torch import nn
+
+    from sharding.layers.interface import Loadable, Packable
+    from sharding.models import MODELS
+    from sharding.models.interface import CausalLM
+
+    for arch, cls in MODELS.items():
+        assert issubclass(cls, CausalLM), f"{arch}: {cls.__name__} does not derive from CausalLM"
+        assert not inspect.isabstract(cls), f"{arch}: {cls.__name__} leaves {sorted(cls.__abstractmethods__)} abstract"
+    undeclared = []
+    for name in sorted(m for m in modules() if m.startswith("sharding.")):
+        for _, cls in inspect.getmembers(importlib.import_module(name), inspect.isclass):
+            if not issubclass(cls, nn.Module) or not cls.__module__.startswith("sharding."):
+                continue
+            if (hasattr(cls, "expected") or hasattr(cls, "load")) and not issubclass(cls, Loadable):
+                undeclared.append(f"{cls.__module__}.{cls.__name__} (expected/load, not Loadable)")
+            if (hasattr(cls, "quantize") or hasattr(cls, "prepack")) and not issubclass(cls, Packable):
+                undeclared.append(f"{cls.__module__}.{cls.__name__} (quantize/prepack, not Packable)")
+    assert not undeclared, undeclared

@@ -79,7 +79,7 @@ def validate(cfg: EngineConfig, tp: int) -> None:
         for stage in range(cfg.pipeline_parallel_size):
             stage_layers(config.num_hidden_layers, cfg.pipeline_parallel_size, stage, partition)
         if cfg.sequence_parallel:
-            if not getattr(model, "supports_sequence_parallel", False):
+            if not model.supports_sequence_parallel:
                 raise ValueError(f"--sequence-parallel is not supported for {ckpt.architecture} yet")
             if cfg.pipeline_parallel_size > 1:
                 raise ValueError("--sequence-parallel with --pipeline-parallel-size above 1 is not supported yet")

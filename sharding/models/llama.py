@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -27,9 +28,9 @@ from sharding.cpu import kernels
 from sharding.layers.attention import (AttentionMetadata, GroupedHeads, PagedKVCache, apply_rotary, attend,
                                 stage_output)
 from sharding.dist import Dist
-from sharding.layers.lora_rows import LoraContext
 from sharding.layers.linear import (ColumnParallelLinear, ParallelLMHead, Piece, RMSNorm, RowParallelLinear,
                              VocabParallelEmbedding)
+from sharding.models.interface import CausalLM
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +56,8 @@ class LlamaAttention(nn.Module):
         self.scale = self.head_dim ** -0.5
         self.softcap: float | None = None  # tanh soft-capping of attention scores (Gemma 2)
         self.cache: PagedKVCache | None = None
-        self._rotary: object = False  # the compiled in-place rotary, looked up at the first call (built at start)
+        # the compiled in-place rotary, looked up at the first call (built at start); None: none
+        self._rotary: kernels.Op | Literal[False] | None = False
 
     def qkv_bias(self, config) -> bool:
         return bool(getattr(config, "attention_bias", self.qkv_bias_default))
@@ -215,13 +217,15 @@ def _plain_rms_norm(norm) -> bool:
     return type(norm) is RMSNorm and not norm.offset and norm.weight.dtype == torch.float32
 
 
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(CausalLM):
     """This rank's part of the model: its TP shard of its pipeline stage's layers (all of them without PP), plus the
     embedding on the first stage and the final norm and LM head on the last. `forward` takes token ids (first stage)
     or the previous stage's hidden states, and returns hidden states for the next stage, or the last stage's
     logits (float32, full vocabulary, on the stage's TP rank 0; None on its other ranks)."""
 
     layer_cls = LlamaDecoderLayer
+    supports_sequence_parallel = True
+    supports_lora = True  # sharding/layers/lora.py: every linear of its layers is a column- or row-parallel one
 
     def __init__(self, config, dist: Dist, dtype: torch.dtype, device: torch.device):
         super().__init__()
@@ -254,8 +258,6 @@ class LlamaForCausalLM(nn.Module):
     def ignored_tensors(self) -> set[str]:
         """Checkpoint tensors that are fine to skip (a tied head stored anyway)."""
         return {"lm_head.weight"} if getattr(self.config, "tie_word_embeddings", False) else set()
-
-    supports_sequence_parallel = True
 
     def embed(self, ids: torch.Tensor, scatter: bool = False) -> torch.Tensor:
         return self.embed_tokens(ids, scatter=scatter)
@@ -309,9 +311,6 @@ class LlamaForCausalLM(nn.Module):
             d = f.down.forward(silu_mul(f.gate_up.matmul(x, f.gate_up.bias)))
             x = add_rms_norm_(h, d, f.next_norm.weight, f.next_norm.eps)
         return stage_output(x, meta, self.lm_head)  # x: the final norm of every token's hidden state
-
-    supports_lora = True  # sharding/layers/lora.py: every linear of its layers is a column- or row-parallel one
-    lora: LoraContext | None = None  # set by sharding.layers.lora.LoraManager; each step's adapter rows go through it
 
     def lora_changed(self) -> None:
         """An adapter was loaded or unloaded (sharding/layers/lora.py): the compiled decode step, which holds the adapters'
