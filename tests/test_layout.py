@@ -85,3 +85,24 @@ def test_every_model_declares_the_model_interface():
             if (hasattr(cls, "quantize") or hasattr(cls, "prepack")) and not issubclass(cls, Packable):
                 undeclared.append(f"{cls.__module__}.{cls.__name__} (quantize/prepack, not Packable)")
     assert not undeclared, undeclared
+
+
+def test_decode_plan_declarations_match_the_overrides():
+    """A layer class that declares the CPU decode plan's shape (`llama_shaped`, sharding/cpu/decode_plan.py) keeps
+    Llama's methods the plan replaces; one that overrides any of them must say False (the plan would otherwise run
+    Llama's arithmetic in place of its own, silently)."""
+    from sharding.models import MODELS
+    from sharding.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP
+
+    replaced = {LlamaDecoderLayer: ("forward",), LlamaAttention: ("forward", "project_qkv", "norm_qk"),
+                LlamaMLP: ("forward", "act")}
+    wrong = []
+    for arch, model in MODELS.items():
+        layer = getattr(model, "layer_cls", None)
+        if layer is None:
+            continue  # not Llama-shaped at all (GPT-2): never on the plan
+        for cls, base in ((layer, LlamaDecoderLayer), (layer.attention_cls, LlamaAttention), (layer.mlp_cls, LlamaMLP)):
+            changed = [m for m in replaced[base] if getattr(cls, m) is not getattr(base, m)]
+            if cls.llama_shaped and changed:
+                wrong.append(f"{arch}: {cls.__name__} overrides {changed} but declares llama_shaped")
+    assert not wrong, wrong
