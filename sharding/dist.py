@@ -68,7 +68,7 @@ class Layout:
 class Group:
     """Some ranks' process group, made straight over the store under a name of its own rather than inside
     torch.distributed's default world: a replica's groups can then be made again, under a new generation's name,
-    with processes started after the others (sharding/runner.py: a respawned replica). `rank` is this process's
+    with processes started after the others (sharding/executor.py: rejoin, a respawned replica). `rank` is this process's
     place in `members` (global ranks, in order); the methods take and return that group's own ranks."""
 
     def __init__(self, store, name: str, members: list[int], global_rank: int, timeout: datetime.timedelta,

@@ -34,7 +34,7 @@ from server.engine.outputs import Scheduled, SchedulerOutput, StepOutput
 from server.engine.request import WAITING, Sequence
 from server.engine.scheduler import Scheduler
 from server.engine.spec_decode.proposers import SpeculativeConfig, Speculator
-from sharding.runner import Launched, ModelRunner
+from sharding.executor import Executor, Launched
 
 logger = logging.getLogger(__name__)
 
@@ -139,7 +139,7 @@ class InFlight:
 
 
 class Engine:
-    def __init__(self, runner: ModelRunner, tokenizer, max_num_batched_tokens: int | None = None,
+    def __init__(self, runner: Executor, tokenizer, max_num_batched_tokens: int | None = None,
                  enable_prefix_caching: bool = True, on_fatal: Callable[[str], None] | None = None,
                  max_prefill_tokens_while_decoding: int | None = DEFAULT_MAX_PREFILL_TOKENS_WHILE_DECODING,
                  speculative: SpeculativeConfig | None = None):
