@@ -272,8 +272,8 @@ class RMSNorm(Replicated):
         super().__init__(name, (dim,), dtype, device)
         self.eps = eps
         self.offset = offset
-        self._op: kernels.Op | Literal[False] | None = False  # the compiled one-pass kernel, looked up at the first
-        # call (built at start); None: none
+        # the compiled one-pass kernel, looked up at the first call (built at start); None: none
+        self._op: kernels.Op | Literal[False] | None = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
