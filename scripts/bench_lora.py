@@ -1,5 +1,5 @@
 """LoRA decode cost on SmolLM2-135M at TP=1: random rank-16 adapters on every linear (q/k/v/o/gate/up/down of every
-layer), the runner driven with hand-built steps (sharding.runner.ModelRunner.run), interleaved rounds.
+layer), the runner driven with hand-built steps (sharding.executor.Executor.run), interleaved rounds.
 
     python scripts/bench_lora.py --rounds 5                      # float32 and int8, JSON to results/lora.json
     python scripts/bench_lora.py --rounds 5 --base-only --out results/lora_base.json   # base decode only (runs on
@@ -37,7 +37,8 @@ import torch  # noqa: E402
 
 from loaders.default_model import ensure_default_model  # noqa: E402
 from sharding.dist import init_dist  # noqa: E402
-from sharding.runner import EngineConfig, start_rank  # noqa: E402
+from sharding.executor import start_executor  # noqa: E402
+from sharding.runner import EngineConfig  # noqa: E402
 from sharding.wire import LOGITS_LAST, Step  # noqa: E402
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -121,7 +122,7 @@ def main() -> None:
     for q in args.quantization:
         cfg = EngineConfig(model=str(model), max_num_seqs=48, max_model_len=256, kv_cache_memory=256 << 20,
                            quantization=None if q == "none" else q)
-        runners[q] = start_rank(cfg, dist)
+        runners[q] = start_executor(cfg, dist)
     flags_of = lambda s: LOGITS_LAST  # noqa: E731
     managers = {}
     if not args.base_only:

@@ -69,7 +69,7 @@ class Layout:
 class Group:
     """Some ranks' process group, made straight over the store under a name of its own rather than inside
     torch.distributed's default world: a replica's groups can then be made again, under a new generation's name,
-    with processes started after the others (sharding/runner.py: a respawned replica). `rank` is this process's
+    with processes started after the others (sharding/executor.py: rejoin, a respawned replica). `rank` is this process's
     place in `members` (global ranks, in order); the methods take and return that group's own ranks."""
 
     def __init__(self, store, name: str, members: list[int], global_rank: int, timeout: datetime.timedelta,
@@ -135,13 +135,13 @@ class Dist:
     device: torch.device = field(default_factory=default_device)
     cpu_group: Group | None = None  # the TP group (gloo)
     device_group: Group | None = None  # the TP group (the device's backend)
-    fast_all_reduce: object | None = None  # the TP group's same-host shared-memory collectives, when set up
+    fast_all_reduce: shm_allreduce.ShmAllReduce | None = None  # the TP group's same-host collectives, when set up
     layout: Layout = field(default_factory=Layout)
     global_rank: int = 0
     links: dict[int, Group] = field(default_factory=dict)  # replica -> its link group (rank 0 has one per replica)
     layer_partition: str | None = None  # TPSERVE_PP_LAYER_PARTITION
     expert_parallel: bool = False  # MoE layers: the TP group's ranks own whole experts (sharding/layers/moe.py)
-    store: object | None = None  # the rendezvous store every group is made over
+    store: dist.Store | None = None  # the rendezvous store every group is made over
     timeout: datetime.timedelta = datetime.timedelta(seconds=600)
     generation: int = 0  # of this rank's replica: 0 at start, +1 each time the replica is respawned
     shm_ok: bool = False  # the shared-memory collectives may be used for this rank's TP group
@@ -335,7 +335,7 @@ class ReplicaGroups:
     link: Group
     cpu_group: Group | None = None
     device_group: Group | None = None
-    fast_all_reduce: object | None = None
+    fast_all_reduce: shm_allreduce.ShmAllReduce | None = None
 
 
 def make_replica_groups(d: Dist, replica: int, generation: int) -> ReplicaGroups:

@@ -1,7 +1,8 @@
 """What every rank runs: build the model, load this rank's shard, allocate the KV cache, execute steps.
 
-Rank 0 calls `run(step)`, which broadcasts the step's description over the CPU group and executes it; ranks > 0
-sit in `worker_loop()`, receiving descriptions and executing the same forward until a shutdown message arrives.
+`start_rank` gives each rank its `ModelRunner`. Rank 0 drives it through the Executor (sharding/executor.py), which
+sends every step's description to the other ranks before executing it; ranks > 0 execute the same steps as they
+arrive (sharding/worker.py).
 
 The KV cache is a pool of blocks sized from a memory budget (`--kv-cache-memory`, or a share of the memory left after
 the weights); every rank gets the same number of blocks (the smallest any rank can afford), because rank 0's block
@@ -12,10 +13,10 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import threading
 import time
 from dataclasses import dataclass, fields, replace
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -23,17 +24,18 @@ from loaders.checkpoint import Checkpoint, CheckpointError
 from loaders.config import load_config
 from sharding.cpu import hugepages, kernels
 from sharding.layers.attention import AttentionMetadata, PagedKVCache, RotaryTable
-from sharding.dist import Dist, Layout, ReplicaGroups, make_replica_groups
+from sharding.dist import Dist, Layout
+from sharding.layers.interface import Loadable, Packable, ReadElsewhere
 from sharding.layers.linear import ParallelLMHead
 from sharding.models import model_class
+from sharding.models.interface import CausalLM
 from sharding.progress import LoadProgress, StartPhases
-from sharding.wire import CMD_NOOP, CMD_SHUTDOWN, CMD_STEP, HEADER, Step
+from sharding.wire import Step
 
-# commands with a payload of their own between steps (header [cmd, payload size, 0, 0]): a LoRA adapter into a slot
-# (the payload: sharding/layers/lora.py encode_load, a slot and a local path each rank reads its own byte ranges from) or out
-CMD_LORA_LOAD = 4
-CMD_LORA_UNLOAD = 5
-PAYLOAD_COMMANDS = (CMD_LORA_LOAD, CMD_LORA_UNLOAD)
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+    from sharding.layers.lora import LoraManager
 
 logger = logging.getLogger(__name__)
 
@@ -112,17 +114,17 @@ def default_kv_budget(cfg: EngineConfig, dist: Dist) -> int:
     return int(available_memory_bytes() * KV_CPU_MEMORY_SHARE / max(1, dist.local_world_size))
 
 
-def check_plan(model: torch.nn.Module, ckpt: Checkpoint, whole: bool = True) -> None:
+def check_plan(model: CausalLM, ckpt: Checkpoint, whole: bool = True) -> None:
     """Every tensor the model needs is in the checkpoint with the right shape, and (for a whole model: rank 0
     checks the whole checkpoint before any stage loads its part) nothing is left over."""
     expected: dict[str, tuple[int, ...]] = {}
     for module in model.modules():
-        if hasattr(module, "expected"):
+        if isinstance(module, Loadable):
             expected.update(module.expected())
     have = set(ckpt.tensors)
     missing = sorted(set(expected) - have)
     # tensors only other ranks of the group read (other experts, under expert parallelism)
-    elsewhere = set().union(*(m.elsewhere for m in model.modules() if hasattr(m, "elsewhere")))
+    elsewhere = set().union(*(m.elsewhere for m in model.modules() if isinstance(m, ReadElsewhere)))
     unexpected = [] if not whole else sorted(
         n for n in have - set(expected) - elsewhere - model.ignored_tensors() if not n.endswith(IGNORED_SUFFIXES))
     wrong = sorted(f"{n}: checkpoint {list(ckpt.tensors[n].shape)}, config implies {list(s)}"
@@ -156,7 +158,8 @@ def cpu_precision(cfg: EngineConfig, ckpt: Checkpoint, device: torch.device) -> 
     return cfg
 
 
-def build_model(cfg: EngineConfig, dist: Dist, ckpt: Checkpoint | None = None):
+def build_model(cfg: EngineConfig, dist: Dist, ckpt: Checkpoint | None = None
+                ) -> tuple[CausalLM, PretrainedConfig, torch.dtype]:
     """Construct this rank's model (parameters allocated, not yet loaded) and check it against the checkpoint."""
     ckpt = ckpt or Checkpoint(cfg.model)
     config = load_config(ckpt)
@@ -166,26 +169,27 @@ def build_model(cfg: EngineConfig, dist: Dist, ckpt: Checkpoint | None = None):
     # MoE checkpoints store experts one tensor each or fused into 3-D tensors; the model reads either (sharding/layers/moe.py)
     config.tpserve_fused_experts = any(n.endswith(".experts.gate_up_proj") for n in ckpt.tensors)
     model = cls(config, dist, dtype, dist.device)
-    if cfg.enable_expert_parallel and not getattr(model, "has_experts", False):
+    if cfg.enable_expert_parallel and not model.has_experts:
         raise ValueError(f"--enable-expert-parallel: {ckpt.architecture} is a dense model, it has no experts to split")
     check_plan(model, ckpt, whole=dist.pp_size == 1)
     return model, config, dtype
 
 
-def resolve_max_model_len(model, config, requested: int | None) -> int:
+def resolve_max_model_len(model: CausalLM, config: PretrainedConfig, requested: int | None) -> int:
     """--max-model-len, or its default min(max_position_embeddings, 2048); checked against the model's own limits
-    (a model may add its own through `check_max_model_len`). Runs on rank 0 before any other rank is spawned."""
+    (`check_max_model_len`). Runs on rank 0 before any other rank is spawned."""
     max_pos = getattr(config, "max_position_embeddings", None) or 2048
     n = requested or min(max_pos, 2048)
     if n > max_pos:
         raise ValueError(f"--max-model-len {n} exceeds the model's max_position_embeddings ({max_pos})")
-    check = getattr(model, "check_max_model_len", None)
-    if check is not None:
-        check(n)
+    model.check_max_model_len(n)
     return n
 
 
 class ModelRunner:
+    """This rank's model, built and loaded in the constructor, its KV cache (`allocate_cache`, once every rank has
+    loaded) and the mirror of rank 0's block table; `execute(step)` runs this rank's part of a step."""
+
     def __init__(self, cfg: EngineConfig, dist: Dist):
         self.cfg = cfg
         self.dist = dist
@@ -199,9 +203,9 @@ class ModelRunner:
             quantize = self._quantizer()
             with phases.phase("building the model"):
                 self.model, self.config, self.dtype = build_model(cfg, dist, ckpt)
-            loaders = [m for m in self.model.modules() if hasattr(m, "expected")]
+            loaders = [m for m in self.model.modules() if isinstance(m, Loadable)]
             itemsize = ckpt.checkpoint_dtype().itemsize
-            to_read = itemsize * sum(p.numel() for m in loaders if not getattr(m, "tied", False)  # (read once)
+            to_read = itemsize * sum(p.numel() for m in loaders if not m.tied  # (read once)
                                      for p in m.parameters(recurse=False))
             progress = LoadProgress(len(loaders), to_read, lambda: ckpt.bytes_read, dist.is_driver, phases)
             try:
@@ -219,21 +223,20 @@ class ModelRunner:
                 quantize(m)  # what the loop could not do yet (an LM head tied to an embedding loaded after it)
         with phases.phase("packing"):
             for m in self.model.modules():
-                if hasattr(m, "prepack"):
+                if isinstance(m, Packable):
                     m.prepack()  # CPU: weights laid out for the kernels (sharding/cpu/kernels.py)
         if dist.device.type == "cpu":
             with phases.phase("huge pages"):
                 hugepages.move_weights(self.model)  # the streamed weights in 2 MiB pages (sharding/cpu/hugepages.py)
         self.model.eval()
         self.max_model_len = resolve_max_model_len(self.model, self.config, cfg.max_model_len)
-        uses_rope = getattr(self.model, "uses_rotary", True)
-        self.rotary = RotaryTable(self.config, self.max_model_len, self.dtype, dist.device) if uses_rope else None
-        self._message = torch.zeros(Step.message_size(cfg.max_num_seqs), dtype=torch.int64)  # see sharding/wire.py
+        self.rotary = (RotaryTable(self.config, self.max_model_len, self.dtype, dist.device) if self.model.uses_rotary
+                       else None)
         self.load_seconds = time.perf_counter() - t0
         self.vocab_size = self.config.vocab_size
         self._sliding_window = self.model.sliding_window()
         self.thread_id = threading.get_ident()  # steps are fastest on this thread (server/engine/thread.py: EngineThread)
-        self.lora = None  # this rank's adapter slots (sharding/layers/lora.py), with --enable-lora
+        self.lora: LoraManager | None = None  # this rank's adapter slots (sharding/layers/lora.py), with --enable-lora
         if cfg.enable_lora:
             from sharding.layers.lora import LoraManager
 
@@ -242,8 +245,6 @@ class ModelRunner:
         self.num_blocks = 0
         self.block_table = torch.zeros(0, 0, dtype=torch.int64)
         self.seq_parallel_steps = 0
-        self._order = 0  # launches and no-wait commands, numbered (Launched.order)
-        self._unwaited: dict[int, list] = {}  # replica -> [(order, send work, tensor)] of commands not waited for yet
 
     def _quantizer(self):
         """A function quantizing one module's weight in place under --quantization, else doing nothing. The LM head gets
@@ -256,9 +257,9 @@ class ModelRunner:
 
         head_mode = {"0": None, "same": mode}.get(envs.QUANTIZE_LM_HEAD.get(), default_head)
 
-        def apply(m, loaded: bool = True) -> None:
+        def apply(m: torch.nn.Module, loaded: bool = True) -> None:
             """loaded=False while the loop still reads: a tied LM head waits, its embedding may come later."""
-            if not mode or not hasattr(m, "quantize"):
+            if not mode or not isinstance(m, Packable):
                 return
             if isinstance(m, ParallelLMHead):
                 if head_mode and (loaded or not m.tied):
@@ -325,253 +326,6 @@ class ModelRunner:
         return self.model(step.input_ids.to(self.dist.device), meta,
                           None if hidden is None else hidden.to(self.dist.device))
 
-    # ---- rank 0 ------------------------------------------------------------------------------------------------
-    # Rank 0 drives every replica: replica 0's first stage runs here (its TP peers get the step by broadcast),
-    # another replica's first stage gets the step from here point to point. A step is launched, then collected:
-    # with pipeline stages or other replicas, its logits come back from the last stage later, and rank 0 meanwhile
-    # launches other steps (server/engine/core.py keeps up to pp steps per replica in flight).
-    def launch(self, step: Step, replica: int = 0) -> "Launched":
-        self._order += 1
-        launched = self._launch(step, replica)
-        launched.order = self._order
-        return launched
-
-    def _launch(self, step: Step, replica: int) -> "Launched":
-        d = self.dist
-        sends = []
-        if replica == 0:
-            if d.world_size > 1:
-                rest = step.pack_into(self._message)
-                d.broadcast_control(self._message)  # a decode step: this one message
-                if rest is not None:
-                    d.broadcast_control(rest)
-            out = self.execute(step)
-            if d.last_stage:
-                if isinstance(out, tuple):  # embedding sequences' pooled rows beside the logits
-                    return Launched(step, replica, out[0], sends, out[1])
-                return Launched(step, replica, out, sends)
-            sends = self._send_step(step, d.peer(pp_rank=1), out, isend=True)
-        else:
-            sends = self._send_step(step, d.layout.rank_of(replica, 0, 0), None, isend=True)
-        return Launched(step, replica, None, sends)
-
-    def collect(self, launched: "Launched") -> torch.Tensor:
-        """The launched step's logits (float32 [rows, vocab]): at once, or received from its last stage; the pooled
-        rows of its embedding sequences, if any, arrive in `launched.pooled` (float32 [rows, hidden])."""
-        logits = launched.logits
-        if logits is None:
-            rows, pooled = launched.step.num_logits(), launched.step.num_hidden()
-            logits = torch.empty(rows, self.vocab_size, dtype=torch.float32)
-            src = self.dist.layout.rank_of(launched.replica, self.dist.pp_size - 1, 0)
-            if rows:
-                self.dist.recv(logits, src)
-            if pooled:
-                launched.pooled = torch.empty(pooled, self.config.hidden_size, dtype=torch.float32)
-                self.dist.recv(launched.pooled, src)
-        for work, _ in launched.sends:
-            work.wait()
-        # commands sent to this replica before the step was launched: its ranks took them before the step, so their
-        # sends are done (waiting at once could deadlock, see _command)
-        pending = self._unwaited.get(launched.replica, [])
-        while pending and pending[0][0] < launched.order:
-            pending.pop(0)[1].wait()
-        return logits
-
-    def run(self, step: Step) -> torch.Tensor:
-        return self.collect(self.launch(step))
-
-    def _send_step(self, step: Step, dst: int, hidden: torch.Tensor | None, isend: bool = False) -> list:
-        """The step's message (and payload) to another rank, then the hidden states if any."""
-        message = torch.empty_like(self._message)
-        rest = step.pack_into(message)
-        parts = [message] + ([rest] if rest is not None else []) + ([hidden.contiguous().cpu()] if hidden is not None
-                                                                     else [])
-        if isend:  # (work, tensor): the tensor stays referenced until the send is waited for
-            return [(self.dist.isend(t, dst), t) for t in parts]
-        for t in parts:
-            self.dist.send(t, dst)
-        return []
-
-    def _pack_command(self, cmd: int, payload: torch.Tensor | None) -> list[torch.Tensor]:
-        """A command's message, and its payload as a second one when it does not fit in the first."""
-        message = torch.zeros_like(self._message)
-        n = 0 if payload is None else payload.numel()
-        message[:HEADER] = torch.tensor([cmd, n, 0, 0], dtype=torch.int64)
-        if n and HEADER + n <= message.numel():
-            message[HEADER : HEADER + n] = payload
-            return [message]
-        return [message] + ([payload.contiguous()] if n else [])
-
-    def _command(self, cmd: int, replicas: list[int] | None = None, payload: torch.Tensor | None = None,
-                 wait: bool = True) -> None:
-        """A command to every rank of `replicas` (default: all): by broadcast to replica 0's first stage, point to
-        point to the other replicas' first stages; every stage passes it on to the next.
-
-        `wait=False` between steps in flight (the LoRA commands): a gloo send may wait for its receiver, and a
-        replica's first stage can be blocked passing an earlier step on to a stage that is itself blocked sending
-        logits to rank 0, which would be blocked here. The sends are waited for when a step launched after them
-        completes (collect)."""
-        parts = self._pack_command(cmd, payload)
-        replicas = list(range(self.dist.layout.dp)) if replicas is None else replicas
-        works = []
-        for replica in replicas:
-            if replica:
-                works += [(self.dist.isend(t, self.dist.layout.rank_of(replica, 0, 0)), t) for t in parts]
-        if 0 in replicas:
-            if self.dist.world_size > 1:
-                for t in parts:
-                    self.dist.broadcast_control(t)
-            if self.dist.pp_size > 1:
-                works += [(self.dist.isend(t, self.dist.peer(pp_rank=1)), t) for t in parts]
-        if not wait:
-            assert len(replicas) == 1, "a command left unwaited goes to one replica at a time"
-            self._order += 1
-            self._unwaited.setdefault(replicas[0], []).extend((self._order, w, t) for w, t in works)
-            return
-        for w, _ in works:
-            w.wait()
-
-    # LoRA adapters (server/engine/lora_registry.py decides which adapter is in which slot; rank 0 validated the folder first)
-    def lora_load(self, slot: int, path: str, replicas: list[int], local: bool = True) -> None:
-        """Rank 0 reads its own blocks of the adapter into `slot` (`local`; raising, with nothing sent, if it
-        cannot), then tells `replicas`' ranks to read theirs. A rank that then fails to read exits (its replica is
-        restarted and given every loaded adapter again: server/engine/core.py)."""
-        from sharding.layers.lora import encode_load
-
-        if local:
-            self.lora.load(slot, path)
-        if self.dist.global_world_size > 1 and replicas:
-            self._command(CMD_LORA_LOAD, replicas, encode_load(slot, path), wait=False)
-
-    def lora_unload(self, slot: int, replicas: list[int]) -> None:
-        if not replicas:
-            self.lora.unload(slot)
-        if self.dist.global_world_size > 1 and replicas:
-            self._command(CMD_LORA_UNLOAD, replicas, torch.tensor([slot], dtype=torch.int64), wait=False)
-
-    def forget_sends(self, replica: int) -> None:
-        """A dead replica's unwaited command sends (sharding/runner.py _command): never waited for."""
-        self._unwaited.pop(replica, None)
-
-    def heartbeat(self, replicas: list[int] | None = None) -> None:
-        self._command(CMD_NOOP, replicas)
-
-    def stop_workers(self, replicas: list[int] | None = None) -> None:
-        self._command(CMD_SHUTDOWN, replicas)
-
-    def rejoin(self, replica: int, generation: int) -> tuple[ReplicaGroups, int]:
-        """Rank 0's side of a respawned replica's start (called from a thread of its own while the engine serves the
-        other replicas): make the replica's groups of this generation with its new processes, then agree with them
-        as at start (they load their shards meanwhile; sharding/runner.py: start_rank). Returns the groups, which
-        the stepping thread installs (dist.install_groups), and the replica's block count: no more than before."""
-        groups = make_replica_groups(self.dist, replica, generation)
-        links = [groups.link]
-        for what in ("start", None, "allocate the KV cache"):
-            if what is None:
-                count = self.dist.agree_min(self.num_blocks, links)
-                continue
-            failed = self.dist.failed_ranks(True, links)
-            if failed:
-                raise RuntimeError(f"rank(s) {', '.join(map(str, failed))} of replica {replica} failed to {what}")
-        return groups, count
-
-    # ---- ranks > 0 ---------------------------------------------------------------------------------------------
-    def _receive(self) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The next message (header + payload) and, on a later stage, the hidden states that come with it: from
-        the previous stage; on a first stage from rank 0 (a replica's TP rank 0) or by broadcast (other TP ranks)."""
-        d, message = self.dist, self._message
-        if not d.first_stage:
-            src = d.peer(pp_rank=d.pp_rank - 1)
-        elif d.is_first:
-            src = 0  # the TP rank 0 of another replica's first stage: rank 0 sends it the step
-        else:
-            src = None  # a first stage's other TP ranks: their rank 0 broadcasts
-        if src is None:
-            d.broadcast_control(message)
-        else:
-            d.recv(message, src)
-            if d.first_stage and d.world_size > 1:  # pass it on to this replica's TP group
-                d.broadcast_control(message)
-        header = message[:HEADER]
-        cmd = int(header[0])
-        if cmd not in (CMD_STEP, *PAYLOAD_COMMANDS):
-            return message, None
-        size = Step.payload_size(header) if cmd == CMD_STEP else int(header[1])
-        if HEADER + size <= message.numel():
-            payload = message[HEADER : HEADER + size]  # used before the next message overwrites it
-        else:
-            payload = torch.empty(size, dtype=torch.int64)
-            if src is None:
-                d.broadcast_control(payload)
-            else:
-                d.recv(payload, src)
-                if d.first_stage and d.world_size > 1:
-                    d.broadcast_control(payload)
-        hidden = None
-        if not d.first_stage and cmd == CMD_STEP:
-            hidden = torch.empty(int(header[1]), self.config.hidden_size, dtype=self.dtype)
-            d.recv(hidden, src)
-        return torch.cat([header, payload]), hidden
-
-    def worker_loop(self) -> None:
-        d = self.dist
-        while True:
-            message, hidden = self._receive()
-            header = message[:HEADER]
-            cmd = int(header[0])
-            if cmd in (CMD_SHUTDOWN, CMD_NOOP):
-                if not d.last_stage:
-                    d.send(message[: self._message.numel()], d.peer(pp_rank=d.pp_rank + 1))
-                if cmd == CMD_SHUTDOWN:
-                    return
-                continue
-            if cmd in PAYLOAD_COMMANDS:
-                payload = message[HEADER:]
-                if not d.last_stage:
-                    for t in self._pack_command(cmd, payload):
-                        d.send(t, d.peer(pp_rank=d.pp_rank + 1))
-                self._apply_command(cmd, payload)
-                continue
-            assert cmd == CMD_STEP, f"unknown command {cmd}"
-            step = Step.unpack(header, message[HEADER:])
-            out = self.execute(step, hidden)
-            if not d.last_stage:
-                self._send_step(step, d.peer(pp_rank=d.pp_rank + 1), out)
-            elif d.is_first and out is not None:
-                logits, pooled = out if isinstance(out, tuple) else (out, None)
-                if logits.shape[0]:
-                    d.send(logits.cpu(), 0)  # the logits, to rank 0, which samples (gloo: from host memory)
-                if pooled is not None:
-                    d.send(pooled.cpu(), 0)  # embedding sequences' pooled rows
-
-
-    def _apply_command(self, cmd: int, payload: torch.Tensor) -> None:
-        """A LoRA load or unload on this rank. A rank that cannot read its part of an adapter rank 0 could read
-        leaves: its replica is restarted (server/engine/supervisor.py) rather than serve without the adapter."""
-        from sharding.layers.lora import decode_load
-
-        try:
-            if cmd == CMD_LORA_LOAD:
-                slot, path = decode_load(payload)
-                self.lora.load(slot, path)
-            else:
-                self.lora.unload(int(payload[0]))
-        except Exception as e:  # noqa: BLE001 - fatal for this rank, see above
-            logger.error("rank %d could not apply LoRA command %d: %s; leaving", self.dist.global_rank, cmd, e)
-            os._exit(1)
-
-
-@dataclass(slots=True)
-class Launched:
-    """A step on its way: its logits when they are already here, else where they will come from."""
-
-    step: Step
-    replica: int
-    logits: torch.Tensor | None
-    sends: list  # isend works to wait for before the buffers may go
-    pooled: torch.Tensor | None = None  # embedding sequences' pooled rows (collect fills them in from a last stage)
-    order: int = 0  # launches and commands are numbered (ModelRunner._order): commands sent before it are done by then
-
 
 def _agree(dist: Dist, what: str, fn):
     """Run fn() on every rank, then agree that all of them succeeded. A rank that fails still joins the status
@@ -597,39 +351,3 @@ def start_rank(cfg: EngineConfig, dist: Dist) -> ModelRunner:
     runner = _agree(dist, "start", lambda: ModelRunner(cfg, dist))
     _agree(dist, "allocate the KV cache", runner.allocate_cache)
     return runner
-
-
-def leave_shutdown_to_rank0() -> None:
-    """Ranks > 0 ignore SIGINT and SIGTERM. Ctrl-C in a terminal, `kill -- -PGID`, systemd's default
-    KillMode=control-group and torchrun all signal every process of the group at once; rank 0 then drains (requests in
-    flight finish) and tells the other ranks to stop, which they could not do if the signal had killed them first.
-    They still die with rank 0 (PR_SET_PDEATHSIG when tpserve spawned them; a dead peer fails their next wait)."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-
-
-def worker_main(argv: list[str] | None = None, started: float | None = None) -> int:
-    """Entry of ranks > 0 (`python -m sharding.worker`)."""
-    import sys
-
-    from sharding.dist import init_dist
-
-    cfg = EngineConfig.from_argv(sys.argv[1:] if argv is None else argv)
-    leave_shutdown_to_rank0()
-    dist = init_dist(cfg.layout(int(os.environ.get("WORLD_SIZE", "1"))))
-    logging.basicConfig(level=logging.WARNING, format=f"[rank {dist.global_rank}] %(levelname)s %(message)s")
-    try:
-        runner = start_rank(cfg, dist)
-    except Exception:  # noqa: BLE001 - the message was logged; rank 0 reports the failure
-        dist.shutdown()
-        return 1
-    if dist.generation and started is not None:  # a respawned replica's rank (server/engine/supervisor.py): where its start went
-        logger.warning("rank %d started again (generation %d) in %.1f s since its process began: %s",
-                       dist.global_rank, dist.generation, time.monotonic() - (started or 0.0), runner.phases.summary())
-    try:
-        runner.worker_loop()
-    except Exception as e:  # noqa: BLE001 - rank 0 went away or a collective failed: leave, loudly
-        logger.error("rank %d stopping: %s", dist.global_rank, e)
-        os._exit(1)
-    dist.shutdown()
-    return 0

@@ -19,18 +19,29 @@ adapter rows is byte-identical to one from before adapters existed.
 On the wire: one int64 message of a fixed size known to every rank (`message_size`): a header [cmd, N, S, U], then
 the payload ids[N], (row, n, start, flags)[S], (row, index, block)[U]; positions are derived. Every decode step fits,
 so a decode step costs one broadcast; a step whose payload does not fit (a prefill, a prefix-cache hit) sends the
-payload in a second broadcast, sized from the header.
+payload in a second broadcast, sized from the header. Between steps, commands with a payload of their own (a LoRA
+adapter in or out of a slot) travel in the same message (`pack_command`). Rank 0 sends (sharding/executor.py), the
+other ranks receive and pass on to their next stage (sharding/worker.py).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from sharding.dist import Dist
 
 CMD_STEP = 1
 CMD_SHUTDOWN = 2
 CMD_NOOP = 3  # a heartbeat while idle, so waiting ranks can tell a quiet server from a dead one
+# commands with a payload of their own between steps (header [cmd, payload size, 0, 0]): a LoRA adapter into a slot
+# (the payload: sharding/layers/lora.py encode_load, a slot and a local path each rank reads its own byte ranges from) or out
+CMD_LORA_LOAD = 4
+CMD_LORA_UNLOAD = 5
+PAYLOAD_COMMANDS = (CMD_LORA_LOAD, CMD_LORA_UNLOAD)
 HEADER = 4
 
 LOGITS_LAST = 1
@@ -60,7 +71,7 @@ def output_rows(ns: torch.Tensor, flags: torch.Tensor) -> tuple[torch.Tensor, to
     """The one definition of what a step returns, per entry of its sequence table (n tokens, flags): how many rows
     of logits (n under LOGITS_ALL, its tokens in order; 1 under LOGITS_LAST, its last token; else 0) and of pooled
     hidden states (1 under a HIDDEN_* flag, else 0). Both come back entry after entry in table order. The last stage
-    picks its rows by it (sharding/layers/attention.py), rank 0 sizes what it receives by it (sharding/runner.py)
+    picks its rows by it (sharding/layers/attention.py), rank 0 sizes what it receives by it (sharding/executor.py)
     and splits the rows by sequence by it (server/engine/outputs.py)."""
     logits = torch.where((flags & LOGITS_ALL) != 0, ns, ((flags & LOGITS_LAST) != 0).long())
     return logits, ((flags & HIDDEN) != 0).long()
@@ -120,3 +131,29 @@ class Step:
         e = n + SEQ_FIELDS * s
         return Step(payload[:n], payload[n:e].view(s, SEQ_FIELDS),
                     payload[e : e + UPDATE_FIELDS * u].view(u, UPDATE_FIELDS) if u else None)
+
+
+def pack_command(cmd: int, payload: torch.Tensor | None, message_size: int) -> list[torch.Tensor]:
+    """A command's message, and its payload as a second one when it does not fit in the first."""
+    message = torch.zeros(message_size, dtype=torch.int64)
+    n = 0 if payload is None else payload.numel()
+    message[:HEADER] = torch.tensor([cmd, n, 0, 0], dtype=torch.int64)
+    if n and HEADER + n <= message.numel():
+        message[HEADER : HEADER + n] = payload
+        return [message]
+    return [message] + ([payload.contiguous()] if n else [])
+
+
+def send_step(dist: Dist, step: Step, message_size: int, dst: int, hidden: torch.Tensor | None,
+              isend: bool = False) -> list:
+    """The step's message (and payload) to another rank, then the hidden states if any. With `isend`, the
+    (work, tensor) pairs to wait for: the tensor stays referenced until its send is waited for."""
+    message = torch.empty(message_size, dtype=torch.int64)
+    rest = step.pack_into(message)
+    parts = [message] + ([rest] if rest is not None else []) + ([hidden.contiguous().cpu()] if hidden is not None
+                                                                 else [])
+    if isend:
+        return [(dist.isend(t, dst), t) for t in parts]
+    for t in parts:
+        dist.send(t, dst)
+    return []

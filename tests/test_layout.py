@@ -155,3 +155,52 @@ def test_settings_read_lazily_with_their_defaults(monkeypatch):
     monkeypatch.setenv("TPSERVE_SHM_ALLREDUCE", "yes")
     with pytest.raises(ValueError, match="0 .off. or 1"):
         envs.SHM_ALLREDUCE.get()
+
+
+def test_every_model_declares_the_model_interface():
+    """Every registered architecture is a CausalLM (sharding/models/interface.py) with nothing left abstract, and every
+    layer class that reads checkpoint tensors or transforms its weight says so by its base (sharding/layers/interface.py):
+    the runner finds what to load, quantize and pack by those declarations, so an undeclared one would be skipped."""
+    import importlib
+    import inspect
+
+    from torch import nn
+
+    from sharding.layers.interface import Loadable, Packable
+    from sharding.models import MODELS
+    from sharding.models.interface import CausalLM
+
+    for arch, cls in MODELS.items():
+        assert issubclass(cls, CausalLM), f"{arch}: {cls.__name__} does not derive from CausalLM"
+        assert not inspect.isabstract(cls), f"{arch}: {cls.__name__} leaves {sorted(cls.__abstractmethods__)} abstract"
+    undeclared = []
+    for name in sorted(m for m in modules() if m.startswith("sharding.")):
+        for _, cls in inspect.getmembers(importlib.import_module(name), inspect.isclass):
+            if not issubclass(cls, nn.Module) or not cls.__module__.startswith("sharding."):
+                continue
+            if (hasattr(cls, "expected") or hasattr(cls, "load")) and not issubclass(cls, Loadable):
+                undeclared.append(f"{cls.__module__}.{cls.__name__} (expected/load, not Loadable)")
+            if (hasattr(cls, "quantize") or hasattr(cls, "prepack")) and not issubclass(cls, Packable):
+                undeclared.append(f"{cls.__module__}.{cls.__name__} (quantize/prepack, not Packable)")
+    assert not undeclared, undeclared
+
+
+def test_decode_plan_declarations_match_the_overrides():
+    """A layer class that declares the CPU decode plan's shape (`llama_shaped`, sharding/cpu/decode_plan.py) keeps
+    Llama's methods the plan replaces; one that overrides any of them must say False (the plan would otherwise run
+    Llama's arithmetic in place of its own, silently)."""
+    from sharding.models import MODELS
+    from sharding.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP
+
+    replaced = {LlamaDecoderLayer: ("forward",), LlamaAttention: ("forward", "project_qkv", "norm_qk"),
+                LlamaMLP: ("forward", "act")}
+    wrong = []
+    for arch, model in MODELS.items():
+        layer = getattr(model, "layer_cls", None)
+        if layer is None:
+            continue  # not Llama-shaped at all (GPT-2): never on the plan
+        for cls, base in ((layer, LlamaDecoderLayer), (layer.attention_cls, LlamaAttention), (layer.mlp_cls, LlamaMLP)):
+            changed = [m for m in replaced[base] if getattr(cls, m) is not getattr(base, m)]
+            if cls.llama_shaped and changed:
+                wrong.append(f"{arch}: {cls.__name__} overrides {changed} but declares llama_shaped")
+    assert not wrong, wrong

@@ -23,7 +23,9 @@ from loaders import envs
 from loaders.checkpoint import Checkpoint
 from loaders.default_model import ensure_default_model
 from sharding.dist import Dist, init_dist
-from sharding.runner import EngineConfig, build_model, leave_shutdown_to_rank0, resolve_max_model_len, start_rank
+from sharding.executor import start_executor
+from sharding.runner import EngineConfig, build_model, resolve_max_model_len, start_rank
+from sharding.worker import leave_shutdown_to_rank0, worker_loop
 
 logger = logging.getLogger(__name__)
 
@@ -80,7 +82,7 @@ def validate(cfg: EngineConfig, tp: int) -> None:
         for stage in range(cfg.pipeline_parallel_size):
             stage_layers(config.num_hidden_layers, cfg.pipeline_parallel_size, stage, partition)
         if cfg.sequence_parallel:
-            if not getattr(model, "supports_sequence_parallel", False):
+            if not model.supports_sequence_parallel:
                 raise ValueError(f"--sequence-parallel is not supported for {ckpt.architecture} yet")
             if cfg.pipeline_parallel_size > 1:
                 raise ValueError("--sequence-parallel with --pipeline-parallel-size above 1 is not supported yet")
@@ -191,14 +193,14 @@ def _fail_fast(rank: int, msg: str) -> None:
 
 
 def torchrun_worker_signals() -> None:
-    """Under torchrun, ranks > 0 leave shutdown to rank 0 (sharding/runner.py: leave_shutdown_to_rank0); call from
+    """Under torchrun, ranks > 0 leave shutdown to rank 0 (sharding/worker.py: leave_shutdown_to_rank0); call from
     the main thread, before launch (signal handlers can be set there only)."""
     if under_torchrun() and os.environ.get("RANK", "0") != "0":
         leave_shutdown_to_rank0()
 
 
 def launch(cfg: EngineConfig, tp: int):
-    """Start every rank. Returns (runner, dist, workers) on rank 0; on ranks > 0 under torchrun, runs the worker
+    """Start every rank. Returns (executor, dist, workers) on rank 0; on ranks > 0 under torchrun, runs the worker
     loop and exits the process when it ends."""
     if under_torchrun():
         world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -208,11 +210,10 @@ def launch(cfg: EngineConfig, tp: int):
                              f"{world}")
         dist = init_dist(cfg.layout(world))
         if not dist.is_driver:
-            runner = start_rank(cfg, dist)
-            runner.worker_loop()
+            worker_loop(start_rank(cfg, dist))
             dist.shutdown()
             sys.exit(0)
-        return start_rank(cfg, dist), dist, Workers()
+        return start_executor(cfg, dist), dist, Workers()
     validate(cfg, tp)
     world = world_size(cfg, tp)
     workers, rdzv = spawn_workers(cfg, tp) if world > 1 else (Workers(), {})
@@ -221,11 +222,11 @@ def launch(cfg: EngineConfig, tp: int):
     with environment(rdzv):
         dist = init_dist(cfg.layout(world))
     try:
-        runner = start_rank(cfg, dist)
+        executor = start_executor(cfg, dist)
     except BaseException:
         workers.close(timeout=5)
         raise
-    return runner, dist, workers
+    return executor, dist, workers
 
 
 def kill_workers(workers: Workers) -> None:

@@ -36,7 +36,7 @@ from server.engine.step_sampler import sample_step
 from server.engine.structured.grammar import Grammars
 from server.engine.thread import EngineThread
 from server.engine.tokenizer import eos_token_ids
-from sharding.runner import Launched, ModelRunner
+from sharding.executor import Executor, Launched
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +52,7 @@ class InFlight:
 
 
 class Engine:
-    def __init__(self, runner: ModelRunner, tokenizer, max_num_batched_tokens: int | None = None,
+    def __init__(self, runner: Executor, tokenizer, max_num_batched_tokens: int | None = None,
                  enable_prefix_caching: bool = True, on_fatal: Callable[[str], None] | None = None,
                  max_prefill_tokens_while_decoding: int | None = DEFAULT_MAX_PREFILL_TOKENS_WHILE_DECODING,
                  speculative: SpeculativeConfig | None = None):

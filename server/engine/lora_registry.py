@@ -7,7 +7,7 @@ The ranks hold `--max-cpu-loras` slots of adapter weights each (sharding/layers/
   with the adapter.
 - **slots.** An adapter is read into a slot when a sequence that needs it is admitted (server/engine/scheduler.py: `admit`,
   on the engine thread). Rank 0 reads its part, then the step protocol tells every live replica's ranks to read
-  theirs (sharding/runner.py: lora_load). When no slot is free, the least recently used adapter that no running
+  theirs (sharding/executor.py: lora_load). When no slot is free, the least recently used adapter that no running
   sequence uses is evicted; it is read again when it is next needed. A respawned replica gets every loaded adapter
   again before it serves (LoraSlots.reload).
 - **steps.** At most `--max-loras` distinct adapters run in one step (a lane's running batch). A waiting sequence

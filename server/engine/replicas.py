@@ -25,7 +25,7 @@ from server.engine.scheduler import Scheduler
 from sharding.dist import install_groups
 
 if TYPE_CHECKING:
-    from sharding.runner import ModelRunner
+    from sharding.executor import Executor
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +45,7 @@ class Lane:
 
 
 class Replicas:
-    def __init__(self, runner: ModelRunner, new_scheduler: Callable[[BlockManager, int], Scheduler],
+    def __init__(self, runner: Executor, new_scheduler: Callable[[BlockManager, int], Scheduler],
                  enable_prefix_caching: bool):
         """`new_scheduler(pool, stage)`: an empty scheduler over a replica's pool for one pipeline stage's lane."""
         self.runner = runner

@@ -10,7 +10,7 @@ return within --step-timeout (a hung rank: its replica's processes are killed, w
 2. what is left of the replica's processes is killed (SIGKILL: a rank blocked in a collective with the dead one would
    never return);
 3. with --restart-failed-ranks (the default), the replica's ranks are started again: they load their shards and
-   meet rank 0 in groups of a new generation (sharding/runner.py: ModelRunner.rejoin), and the replica returns to
+   meet rank 0 in groups of a new generation (sharding/executor.py: Executor.rejoin), and the replica returns to
    rotation with an empty KV cache. While no replica serves, requests wait (bounded by --max-queued-requests).
 
 A replica that fails more than --max-rank-restarts times within --rank-restart-window seconds is not started again:

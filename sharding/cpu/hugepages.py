@@ -118,7 +118,8 @@ def _trim() -> None:
 _malloc_trim = None
 
 
-def _slots(model: torch.nn.Module) -> tuple[list[tuple[object, str]], list[object]]:
+def _slots(model: torch.nn.Module) -> tuple[list[tuple[torch.nn.Module | quant.QuantizedWeight, str]],
+                                            list[quant.QuantizedWeight]]:
     """(owner, attribute) of every streamed weight tensor, and the quantized weights to re-bind after the move."""
     slots, quantized = [], []
     for m in model.modules():

@@ -17,6 +17,8 @@ results equal F.linear to fp32 rounding (another summation order); in bf16 the b
 
 from __future__ import annotations
 
+from typing import Any, Callable
+
 import torch
 
 from loaders import envs
@@ -66,7 +68,10 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
 # the load: the getters below sit on the per-layer path of every step).
 
 _BUILT: dict[str, bool] = {}
-_OPS: dict[str, object] = {}  # name -> op (or the int8/int4 pair), filled by build_kernels
+# a registered op (torch.ops.tpserve.<name>.default, an OpOverload): tensors in, tensors out
+Op = Callable[..., Any]
+# name -> op, or a tuple of them (the quantized linears), or a compiled class and its op; filled by build_kernels
+_OPS: dict[str, Op | tuple[Op, ...] | tuple[type, Op]] = {}
 CHOICE: dict[str, str] = {}  # "variant": what runs ("x86-64-v4-vnni-bf16", "native", "torch"), "how", "why", "library"
 
 

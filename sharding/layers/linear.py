@@ -10,6 +10,7 @@ Every layer lists the HF tensors it reads (`expected()`: name -> full shape) and
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -19,6 +20,7 @@ from loaders.checkpoint import Checkpoint
 from loaders.partition import split_evenly
 from sharding.cpu import kernels
 from sharding.layers import quant
+from sharding.layers.interface import Loadable, Packable
 from sharding.dist import Dist
 from sharding.cpu.kernels import can_pack, pack, packed_linear
 
@@ -39,7 +41,7 @@ def _empty(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Paramete
     return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
 
 
-class _Linear(nn.Module):
+class _Linear(Packable):
     """What every linear shares: `weight` [out, in] as loaded, and after `prepack()` (the runner calls it once all
     weights are loaded) a copy laid out for the CPU kernels that replaces it: float32 in blocks of 32 output columns
     for the compiled f32_linear, else (bfloat16, or without the compiled kernels) oneDNN's packed layout
@@ -186,7 +188,7 @@ class RowParallelLinear(_Linear):
         return y + self.bias if self.bias is not None else y
 
 
-class VocabParallelEmbedding(nn.Module):
+class VocabParallelEmbedding(Loadable):
     """Rows [start, stop) of the embedding table; ids outside the block give zeros; one all-reduce sums the blocks."""
 
     def __init__(self, name: str, vocab_size: int, hidden: int, dist: Dist, dtype: torch.dtype, device: torch.device):
@@ -248,7 +250,7 @@ class ParallelLMHead(_Linear):
         return self.dist.gather_last_dim(local, self.sizes)
 
 
-class Replicated(nn.Module):
+class Replicated(Loadable):
     """A parameter every rank holds whole (norm weights, GPT-2's position table)."""
 
     def __init__(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device):
@@ -270,7 +272,8 @@ class RMSNorm(Replicated):
         super().__init__(name, (dim,), dtype, device)
         self.eps = eps
         self.offset = offset
-        self._op: object = False  # the compiled one-pass kernel, looked up at the first call (built at start)
+        # the compiled one-pass kernel, looked up at the first call (built at start); None: none
+        self._op: kernels.Op | Literal[False] | None = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype

@@ -24,6 +24,7 @@ rows' slots passed per step; loading or unloading rebuilds that step at its next
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -31,6 +32,10 @@ import torch
 from loaders.adapters import AdapterFiles, AdapterInfo, LoraError, read_adapter
 from sharding.layers.linear import ColumnParallelLinear, RowParallelLinear
 from sharding.layers.lora_rows import LoraContext
+
+if TYPE_CHECKING:
+    from sharding.models.interface import CausalLM
+
 
 # ---- one linear ----------------------------------------------------------------------------------------------------
 
@@ -133,8 +138,8 @@ def _load_row(lin: RowParallelLinear, info: AdapterInfo, files: AdapterFiles, de
 # ---- the model -----------------------------------------------------------------------------------------------------
 
 
-def supports_lora(model_cls: type) -> bool:
-    return bool(getattr(model_cls, "supports_lora", False))
+def supports_lora(model_cls: type[CausalLM]) -> bool:
+    return model_cls.supports_lora
 
 
 class LoraManager:
@@ -146,7 +151,7 @@ class LoraManager:
     not against the base checkpoint: that is rank 0's `validate_adapter`, done before asking the ranks to load.
     """
 
-    def __init__(self, model: torch.nn.Module, num_slots: int, max_rank: int = 64) -> None:
+    def __init__(self, model: CausalLM, num_slots: int, max_rank: int = 64) -> None:
         if not supports_lora(type(model)):
             raise LoraError(f"LoRA adapters are not supported for {type(model).__name__} yet")
         if num_slots < 1:
@@ -202,9 +207,7 @@ class LoraManager:
         return info
 
     def _changed(self) -> None:
-        changed = getattr(self.model, "lora_changed", None)
-        if changed is not None:
-            changed()  # the compiled decode step holds the adapters: rebuilt at its next use
+        self.model.lora_changed()  # e.g. the compiled decode step holds the adapters: rebuilt at its next use
 
     def unload(self, slot: int) -> None:
         """Free `slot` (its tensors are dropped; steps must no longer name it)."""

@@ -25,6 +25,7 @@ Expert weights are read from either layout checkpoints use, by byte ranges: one 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -207,7 +208,9 @@ class SparseMoe(nn.Module):
         super().__init__()
         self.router = router
         self.routing = routing
-        experts, self.elsewhere = experts  # (this rank's, the tensors other ranks read): see routed_experts
+        # (this rank's, the tensors other ranks read: see routed_experts; sharding/layers/interface.py ReadElsewhere)
+        experts, self.elsewhere = experts
+        self.elsewhere: set[str]
         self.experts = nn.ModuleList(experts)
         self.num_experts = num_experts
         self.dist = dist
@@ -228,9 +231,10 @@ class SparseMoe(nn.Module):
         gate, up = h.chunk(2, dim=-1)
         return F.silu(gate) * up
 
-    _compiled: object = False  # the compiled grouped experts (torch.classes.tpserve.MoeExperts), None: the loop
+    # the compiled grouped experts (a torch.classes.tpserve.MoeExperts), None: the loop; False: not looked up yet
+    _compiled: torch.ScriptObject | Literal[False] | None = False
 
-    def _compile(self) -> object:
+    def _compile(self) -> torch.ScriptObject | None:
         """This rank's experts as one compiled MoeExperts (decode_glue.cpp's moe_experts: every phase of every active
         expert in one call), where each expert's linears have a compiled kernel and the activation is SiLU(gate) * up;
         else None (the loop of `routed`). Built at the first step, after the weights are packed and moved."""

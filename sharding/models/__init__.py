@@ -6,6 +6,7 @@ from sharding.models.gemma import GemmaForCausalLM
 from sharding.models.gemma2 import Gemma2ForCausalLM
 from sharding.models.gpt2 import GPT2LMHeadModel
 from sharding.models.gpt_oss import GptOssForCausalLM
+from sharding.models.interface import CausalLM
 from sharding.models.llama import LlamaForCausalLM
 from sharding.models.mixtral import MixtralForCausalLM
 from sharding.models.olmoe import OlmoeForCausalLM
@@ -14,7 +15,7 @@ from sharding.models.qwen2 import Qwen2ForCausalLM
 from sharding.models.qwen3 import Qwen3ForCausalLM
 from sharding.models.qwen_moe import Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
 
-MODELS: dict[str, type] = {
+MODELS: dict[str, type[CausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
@@ -37,7 +38,7 @@ NOT_YET: dict[str, str] = {
 }
 
 
-def model_class(architecture: str) -> type:
+def model_class(architecture: str) -> type[CausalLM]:
     try:
         return MODELS[architecture]
     except KeyError:

@@ -16,6 +16,7 @@ def gemma_norm(name: str, config, dtype: torch.dtype, device: torch.device) -> R
 
 
 class GemmaMLP(LlamaMLP):
+    llama_shaped = False  # GeGLU (act): not the CPU decode plan's arithmetic
     def __init__(self, config, prefix, dist, dtype, device):
         super().__init__(config, prefix, dist, dtype, device)
         # Gemma names it hidden_act, Gemma 2 hidden_activation; both mean gelu_pytorch_tanh in released checkpoints

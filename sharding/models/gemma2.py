@@ -28,6 +28,7 @@ class Gemma2Attention(LlamaAttention):
 
 class Gemma2DecoderLayer(GemmaDecoderLayer):
     attention_cls = Gemma2Attention
+    llama_shaped = False  # four norms per layer (forward): not the CPU decode plan's arithmetic
 
     def __init__(self, config, prefix, dist, dtype, device):
         super().__init__(config, prefix, dist, dtype, device)

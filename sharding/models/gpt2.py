@@ -20,6 +20,7 @@ from sharding.layers.attention import AttentionMetadata, PagedKVCache, attend, s
 from sharding.dist import Dist
 from sharding.layers.linear import ColumnParallelLinear, ParallelLMHead, Piece, RowParallelLinear, VocabParallelEmbedding
 from sharding.layers.norms import LayerNorm, PositionEmbedding
+from sharding.models.interface import CausalLM
 
 
 def check_config(config) -> None:
@@ -95,9 +96,10 @@ class GPT2Block(nn.Module):
         return h + self.mlp(self.ln_2(h))
 
 
-class GPT2LMHeadModel(nn.Module):
-    uses_rotary = False
+class GPT2LMHeadModel(CausalLM):
+    uses_rotary = False  # learned absolute positions (wpe)
     supports_sequence_parallel = False
+    supports_lora = False
 
     def __init__(self, config, dist: Dist, dtype: torch.dtype, device: torch.device):
         super().__init__()

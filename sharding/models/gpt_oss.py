@@ -17,7 +17,7 @@ byte ranges. The down bias is added once over the group: by TP rank 0 under tens
 not read it), by the owning rank under expert parallelism.
 
 Sliding windows are per layer, as in Gemma 2 (gemma2.window_meta). Not on the decode fast path (the MoE feed-forward
-and the sinks differ from Llama between the linears; LlamaForCausalLM._decode_plan excludes such layers).
+and the sinks differ from Llama between the linears: GptOssAttention is not `llama_shaped`).
 """
 
 from __future__ import annotations
@@ -55,6 +55,7 @@ class HeadSlice(Replicated):
 
 class GptOssAttention(LlamaAttention):
     qkv_bias_default = True  # transformers' GptOssConfig defaults attention_bias to true
+    llama_shaped = False  # attention sinks: not the CPU decode plan's arithmetic
 
     def __init__(self, config, prefix, dist, dtype, device):
         super().__init__(config, prefix, dist, dtype, device)

@@ -4,38 +4,36 @@ Per layer: input RMSNorm -> fused q/k/v (column-parallel, by heads) -> rotary ->
 o_proj (row-parallel, all-reduce) -> residual -> RMSNorm -> fused gate/up (column-parallel) -> SiLU(gate) * up ->
 down_proj (row-parallel, all-reduce) -> residual. Two all-reduces per layer, one more for the embedding.
 
-Decode fast path (CPU, float32): a step of decode tokens only runs each layer as its four linears with three
-compiled ops between them (sharding/cpu/csrc/decode_glue.cpp), instead of ~40 torch ops and the module calls around them:
-the same arithmetic, without the per-op dispatch that dominated everything but the linears at batch 1. At TP=1 the
-layers run as one compiled call instead (decode_layers: one OpenMP team through every phase of every layer; see
-_compile_plan), bitwise the same (LoRA adapter rows: within float32 rounding, their deltas summed in another order).
-Models whose layers differ from Llama's between the linears (Qwen 3's q/k norms,
-Gemma's) take the module path; see _decode_plan.
+Decode fast path (CPU, float32): a step of decode tokens only runs through the CPU decode plan
+(sharding/cpu/decode_plan.py), the same arithmetic as the modules in a few compiled ops. Each of the three classes
+below declares, in `llama_shaped`, that it computes what the plan computes; a subclass that changes its forward (or
+the methods the plan replaces: project_qkv and norm_qk, act) says False, and its model takes the module path
+(Qwen 3's q/k norms, Gemma's GeGLU, Gemma 2's extra norms, OLMoE's, gpt-oss's). tests/test_layout.py checks each
+registered model's declarations against its overrides.
 """
 
 from __future__ import annotations
 
-import logging
-from dataclasses import dataclass
+from typing import ClassVar, Literal
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from loaders.partition import shard_heads, split_evenly
-from sharding.cpu import kernels
+from sharding.cpu import decode_plan, kernels
 from sharding.layers.attention import (AttentionMetadata, GroupedHeads, PagedKVCache, apply_rotary, attend,
                                 stage_output)
 from sharding.dist import Dist
-from sharding.layers.lora_rows import LoraContext
 from sharding.layers.linear import (ColumnParallelLinear, ParallelLMHead, Piece, RMSNorm, RowParallelLinear,
                              VocabParallelEmbedding)
-
-logger = logging.getLogger(__name__)
+from sharding.models.interface import CausalLM
 
 
 class LlamaAttention(nn.Module):
     qkv_bias_default = False
+    # forward, project_qkv and norm_qk compute what the CPU decode plan computes (sharding/cpu/decode_plan.py)
+    llama_shaped: ClassVar[bool] = True
 
     def __init__(self, config, prefix: str, dist: Dist, dtype: torch.dtype, device: torch.device):
         super().__init__()
@@ -55,7 +53,8 @@ class LlamaAttention(nn.Module):
         self.scale = self.head_dim ** -0.5
         self.softcap: float | None = None  # tanh soft-capping of attention scores (Gemma 2)
         self.cache: PagedKVCache | None = None
-        self._rotary: object = False  # the compiled in-place rotary, looked up at the first call (built at start)
+        # the compiled in-place rotary, looked up at the first call (built at start); None: none
+        self._rotary: kernels.Op | Literal[False] | None = False
 
     def qkv_bias(self, config) -> bool:
         return bool(getattr(config, "attention_bias", self.qkv_bias_default))
@@ -99,6 +98,7 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
+    llama_shaped: ClassVar[bool] = True  # forward and act (SiLU(gate) * up) compute what the CPU decode plan computes
     def __init__(self, config, prefix: str, dist: Dist, dtype: torch.dtype, device: torch.device,
                  inter: int | None = None):
         super().__init__()
@@ -130,6 +130,7 @@ class LlamaMLP(nn.Module):
 class LlamaDecoderLayer(nn.Module):
     attention_cls = LlamaAttention
     mlp_cls = LlamaMLP
+    llama_shaped: ClassVar[bool] = True  # forward computes what the CPU decode plan computes (Llama's order of norms)
 
     def __init__(self, config, prefix: str, dist: Dist, dtype: torch.dtype, device: torch.device):
         super().__init__()
@@ -147,6 +148,12 @@ class LlamaDecoderLayer(nn.Module):
         for the layers the config makes sparse, a sharding.layers.moe.SparseMoe."""
         return self.mlp_cls(config, f"{prefix}.mlp", dist, dtype, device)
 
+    def on_decode_plan(self) -> bool:
+        """This layer, its attention and its feed-forward (a dense MLP: make_mlp may give a MoE layer instead) all
+        declare the decode plan's shape (sharding/cpu/decode_plan.py PlanLayer)."""
+        mlp = self.mlp
+        return self.llama_shaped and self.self_attn.llama_shaped and isinstance(mlp, LlamaMLP) and mlp.llama_shaped
+
     def forward(self, h: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         if meta.seq_parallel:
             # Megatron sequence parallelism: h holds this rank's tokens only; the norms and residual adds run on
@@ -158,70 +165,15 @@ class LlamaDecoderLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
-@dataclass(slots=True)
-class _FastLayer:
-    """What the decode fast path needs of one layer, looked up once."""
-
-    attn: LlamaAttention
-    qkv: ColumnParallelLinear
-    o_proj: RowParallelLinear
-    gate_up: ColumnParallelLinear
-    down: RowParallelLinear
-    q_index: torch.Tensor | None
-    out_index: torch.Tensor | None
-    post_norm: RMSNorm
-    next_norm: RMSNorm  # the next layer's input norm, or the final norm after the last layer
-
-
-@dataclass(slots=True)
-class _DecodePlan:
-    ops: tuple
-    first_norm: RMSNorm
-    layers: list[_FastLayer]
-    head_dim: int
-    compiled: object = None  # torch.classes.tpserve.DecodeLayers: every layer in one call (TP=1, see _compile_plan)
-    run: object = None  # torch.ops.tpserve.decode_layers
-    pool: torch.Tensor | None = None  # the first layer's cache pool when `compiled` was made
-
-
-def _compile_plan(plan: _DecodePlan, world_size: int) -> object:
-    """The layers as one compiled DecodeLayers (sharding/cpu/csrc/decode_glue.cpp), where every linear has a compiled
-    kernel and there is no all-reduce between them (TP=1); else None (the Python loop of _decode_fast)."""
-    ops = kernels.decode_layers_ops()
-    if ops is None or world_size != 1 or any(f.q_index is not None for f in plan.layers):
-        return None
-    linears = [[kernels.plan_linear(lin) for lin in (f.qkv, f.o_proj, f.gate_up, f.down)] for f in plan.layers]
-    if any(spec is None for layer in linears for spec in layer):
-        return None
-    compiled = ops[0]()
-    try:
-        for f, specs in zip(plan.layers, linears):
-            for spec in specs:
-                compiled.add_linear(*spec)
-            a = f.attn
-            compiled.add_layer(a.cache.pool, a.num_heads, a.num_kv_heads, a.scale, f.post_norm.weight,
-                               f.post_norm.eps, f.next_norm.weight, f.next_norm.eps)
-            for which, lin in enumerate((f.qkv, f.o_proj, f.gate_up, f.down)):  # LoRA adapters (sharding/layers/lora.py)
-                for slot, w in enumerate(lin.lora.slots if lin.lora is not None else ()):
-                    if w is not None:
-                        compiled.set_lora(compiled.size() - 1, which, slot, *w)
-    except RuntimeError as e:  # a layout the compiled step does not take: the Python loop serves it
-        logger.warning("decode layers not compiled (%s); the per-op decode path runs", str(e).splitlines()[0][:200])
-        return None
-    return compiled
-
-
-def _plain_rms_norm(norm) -> bool:
-    return type(norm) is RMSNorm and not norm.offset and norm.weight.dtype == torch.float32
-
-
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(CausalLM):
     """This rank's part of the model: its TP shard of its pipeline stage's layers (all of them without PP), plus the
     embedding on the first stage and the final norm and LM head on the last. `forward` takes token ids (first stage)
     or the previous stage's hidden states, and returns hidden states for the next stage, or the last stage's
     logits (float32, full vocabulary, on the stage's TP rank 0; None on its other ranks)."""
 
     layer_cls = LlamaDecoderLayer
+    supports_sequence_parallel = True
+    supports_lora = True  # sharding/layers/lora.py: every linear of its layers is a column- or row-parallel one
 
     def __init__(self, config, dist: Dist, dtype: torch.dtype, device: torch.device):
         super().__init__()
@@ -255,69 +207,20 @@ class LlamaForCausalLM(nn.Module):
         """Checkpoint tensors that are fine to skip (a tied head stored anyway)."""
         return {"lm_head.weight"} if getattr(self.config, "tie_word_embeddings", False) else set()
 
-    supports_sequence_parallel = True
-
     def embed(self, ids: torch.Tensor, scatter: bool = False) -> torch.Tensor:
         return self.embed_tokens(ids, scatter=scatter)
 
-    _plan: object = False  # the decode fast path (_DecodePlan), None where it does not apply; looked up at first use
+    # the CPU decode plan (sharding/cpu/decode_plan.py), None where it does not apply; looked up at first use
+    _plan: decode_plan.DecodePlan | Literal[False] | None = False
 
-    def _decode_plan(self) -> _DecodePlan | None:
-        """The fast path applies to a whole model (one pipeline stage holding every layer) on CPU in float32 whose
-        layers are Llama's between the linears: these methods not overridden, plain RMSNorms, no soft-capping."""
-        ops = kernels.decode_glue_ops()
-        if (ops is None or not (self.first_stage and self.last_stage) or not self.layers
-                or self.norm.weight.device.type != "cpu" or not _plain_rms_norm(self.norm)):
-            return None
-        layers = []
-        for i, layer in enumerate(self.layers):
-            attn, mlp = layer.self_attn, layer.mlp
-            if (type(layer).forward is not LlamaDecoderLayer.forward
-                    or type(attn).forward is not LlamaAttention.forward
-                    or type(attn).project_qkv is not LlamaAttention.project_qkv
-                    or type(attn).norm_qk is not LlamaAttention.norm_qk or attn.softcap is not None
-                    or type(mlp).forward is not LlamaMLP.forward or type(mlp).act is not LlamaMLP.act
-                    or not _plain_rms_norm(layer.input_layernorm) or not _plain_rms_norm(layer.post_attention_layernorm)
-                    or attn.head_dim != self.layers[0].self_attn.head_dim):
-                return None
-            nxt = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
-            layers.append(_FastLayer(attn, attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj,
-                                     attn.groups.q_index, attn.groups.out_index, layer.post_attention_layernorm, nxt))
-        return _DecodePlan(ops, self.layers[0].input_layernorm, layers, self.layers[0].self_attn.head_dim)
-
-    def _decode_fast(self, ids: torch.Tensor, meta: AttentionMetadata, plan: _DecodePlan) -> torch.Tensor | None:
-        attention, add_rms_norm_, silu_mul = plan.ops
-        h = self.embed(ids)  # a fresh tensor: the residual stream, updated in place below
-        x = plan.first_norm.forward(h)
-        window, n = meta.window or 0, h.shape[0]
-        if plan.pool is not plan.layers[0].attn.cache.pool:  # first use, or a new cache
-            plan.compiled = _compile_plan(plan, self.dist.world_size)
-            plan.run = kernels.decode_layers_ops()[1] if plan.compiled is not None else None
-            plan.pool = plan.layers[0].attn.cache.pool
-        if plan.compiled is not None:  # (with the adapters of every slot: lora_changed rebuilds it)
-            x = plan.run(plan.compiled, h, x, meta.cos, meta.sin, meta.slots, meta.decode_table, meta.decode_lens,
-                         window, meta.lora.token_slots if meta.lora is not None else None)
-            return stage_output(x, meta, self.lm_head)
-        for f in plan.layers:
-            qkv = f.qkv.matmul(x, f.qkv.bias)
-            a = f.attn
-            o = attention(qkv, meta.cos, meta.sin, a.cache.pool, meta.slots, meta.decode_table, meta.decode_lens,
-                          f.q_index, a.num_heads, a.num_kv_heads, a.scale, window)
-            if f.out_index is not None:  # uneven GQA groups: drop the padding positions
-                o = o.view(n, -1, plan.head_dim).index_select(1, f.out_index).reshape(n, -1)
-            x = add_rms_norm_(h, f.o_proj.forward(o), f.post_norm.weight, f.post_norm.eps)
-            d = f.down.forward(silu_mul(f.gate_up.matmul(x, f.gate_up.bias)))
-            x = add_rms_norm_(h, d, f.next_norm.weight, f.next_norm.eps)
-        return stage_output(x, meta, self.lm_head)  # x: the final norm of every token's hidden state
-
-    supports_lora = True  # sharding/layers/lora.py: every linear of its layers is a column- or row-parallel one
-    lora: LoraContext | None = None  # set by sharding.layers.lora.LoraManager; each step's adapter rows go through it
+    def _decode_plan(self) -> decode_plan.DecodePlan | None:
+        return decode_plan.build(self.layers, self.norm, self.first_stage and self.last_stage, self.dist.world_size)
 
     def lora_changed(self) -> None:
         """An adapter was loaded or unloaded (sharding/layers/lora.py): the compiled decode step, which holds the adapters'
         tensors, is rebuilt at its next use."""
         if self._plan:
-            self._plan.pool = None
+            self._plan.invalidate()
 
     def forward(self, ids: torch.Tensor, meta: AttentionMetadata, hidden: torch.Tensor | None = None):
         if self.lora is not None:
@@ -326,7 +229,7 @@ class LlamaForCausalLM(nn.Module):
             if self._plan is False:
                 self._plan = self._decode_plan()
             if self._plan is not None and meta.cos.shape[-1] == self._plan.head_dim:
-                return self._decode_fast(ids, meta, self._plan)
+                return stage_output(self._plan.forward(self.embed(ids), meta), meta, self.lm_head)
         h = self.embed(ids, scatter=meta.seq_parallel) if self.first_stage else hidden
         for layer in self.layers:
             h = layer(h, meta)

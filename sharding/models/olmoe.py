@@ -32,6 +32,7 @@ class _NormSlice(Replicated):
 
 
 class OlmoeAttention(LlamaAttention):
+    llama_shaped = False  # whole-projection q/k norms and clipping: not the CPU decode plan's arithmetic
     def __init__(self, config, prefix, dist, dtype, device):
         super().__init__(config, prefix, dist, dtype, device)
         hd, tp = self.head_dim, dist.world_size

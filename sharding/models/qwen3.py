@@ -10,6 +10,7 @@ from sharding.models.qwen2 import reject_sliding_layers
 
 
 class Qwen3Attention(LlamaAttention):
+    llama_shaped = False  # q/k norms (norm_qk): not the CPU decode plan's arithmetic
     def __init__(self, config, prefix, dist, dtype, device):
         super().__init__(config, prefix, dist, dtype, device)
         self.q_norm = RMSNorm(f"{prefix}.q_norm.weight", self.head_dim, config.rms_norm_eps, dtype, device)

@@ -56,7 +56,7 @@ class FakeLaunched:
 
 
 class FakeRunner:
-    """What the engine asks of sharding/runner.py ModelRunner, computed in Python over a mirrored cache."""
+    """What the engine asks of sharding/executor.py Executor, computed in Python over a mirrored cache."""
 
     def __init__(self, model: str, vocab: int, num_blocks: int, block_size: int = 4, max_num_seqs: int = 4,
                  max_model_len: int = 96, dp: int = 1, failing: set[int] = frozenset()):

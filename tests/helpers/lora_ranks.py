@@ -1,6 +1,6 @@
 """One rank of a LoRA test: start the rank's runner (sharding.runner.start_rank), load adapters into slots through
 sharding.layers.lora.LoraManager on every rank, then rank 0 drives greedy generation with hand-built steps through
-`runner.run(step)` while the other ranks sit in `runner.worker_loop()`.
+`Executor(runner).run(step)` while the other ranks sit in `worker_loop(runner)` (sharding/worker.py).
 
 Usage: python tests/helpers/lora_ranks.py SPEC.json, with RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set (see
 tests/sharding/test_lora.py: run_ranks). Spec: {"out": path, "jobs": [{"model", "quantization", "ops":
@@ -24,8 +24,10 @@ from loaders.checkpoint import Checkpoint  # noqa: E402
 from sharding.dist import init_dist  # noqa: E402
 from sharding.layers.lora import LoraManager  # noqa: E402
 from server.engine.lora_registry import validate_adapter  # noqa: E402
+from sharding.executor import Executor  # noqa: E402
 from sharding.runner import EngineConfig, start_rank  # noqa: E402
 from sharding.wire import LOGITS_LAST, Step, with_lora  # noqa: E402
+from sharding.worker import worker_loop  # noqa: E402
 
 
 def generate(runner, mgr, prompts: list[list[int]], slots: list[int], max_tokens: int) -> dict:
@@ -80,20 +82,20 @@ def main() -> None:
         with open(f"{spec['out']}.rank{rank}", "w") as f:
             json.dump(read, f)
         if rank == 0:
-            runs = []
+            executor, runs = Executor(runner), []
             for run in job["runs"]:
                 if run.get("together", True):
-                    runs.append(generate(runner, mgr, run["prompts"], run["slots"], run["max_tokens"]))
+                    runs.append(generate(executor, mgr, run["prompts"], run["slots"], run["max_tokens"]))
                 else:
-                    alone = [generate(runner, mgr, [p], [s], run["max_tokens"])
+                    alone = [generate(executor, mgr, [p], [s], run["max_tokens"])
                              for p, s in zip(run["prompts"], run["slots"])]
                     runs.append({k: [r[k][0] for r in alone] if k != "step_slots" else [r[k] for r in alone]
                                  for k in ("tokens", "logprobs", "step_slots")})
             decode_plan = getattr(runner.model, "_plan", None)
             out["jobs"].append({"runs": runs, "compiled_decode": bool(decode_plan and decode_plan.compiled is not None)})
-            runner.stop_workers()
+            executor.stop_workers()
         else:
-            runner.worker_loop()
+            worker_loop(runner)
     if rank == 0:
         with open(spec["out"], "w") as f:
             json.dump(out, f)

@@ -133,7 +133,7 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(srv, folder, tok):
 
 @pytest.mark.slow
 def test_mean_pooling_over_chunks_with_two_pipeline_stages(server_factory, folder, tok):
-    """The pooled rows come back from the last stage beside the logits (sharding/runner.py, collect)."""
+    """The pooled rows come back from the last stage beside the logits (sharding/executor.py, collect)."""
     s = server_factory(folder, 1, "-pp", "2", "--max-model-len", "128", "--max-num-seqs", "4",
                        "--max-num-batched-tokens", "8", "--pooling", "mean", "--no-normalize-embeddings")
     r = httpx.post(s.v1 + "/embeddings", json={"input": TEXTS, "encoding_format": "float"}, timeout=120).json()

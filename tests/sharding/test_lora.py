@@ -3,7 +3,7 @@
 Random non-zero adapters (PEFT initialises lora_B to zero, so both matrices are randomised) on tiny random Llama and
 Phi-3 (fused qkv_proj / gate_up_proj) checkpoints. Each TP degree starts its ranks once (tests/helpers/lora_ranks.py:
 sharding.runner.start_rank on every rank, adapters loaded through LoraManager on every rank, rank 0 driving
-runner.run with hand-built steps) and runs every job: rows of the base model and of two adapters in the same steps,
+Executor.run with hand-built steps) and runs every job: rows of the base model and of two adapters in the same steps,
 then each prompt alone (batch 1: the decode fast path, the compiled one-call step at TP=1 for base rows). Greedy
 tokens must equal PEFT's and log-probabilities agree within 1e-4 (fp32); under int8 weights, PEFT runs over the
 quantize-dequantize round trip of the base weights (as tests/sharding/test_quant.py does).

@@ -208,7 +208,7 @@ def test_llama_decode_fast_path_equals_the_module_path(checkpoints, quantization
     rounding. Qwen 2's layout (q/k/v biases, 6 heads over 2 KV heads), each linear kernel."""
     from server.llm import LLM
     from server.engine.sampler import SamplingParams
-    from sharding.models.llama import _DecodePlan
+    from sharding.cpu.decode_plan import DecodePlan
 
     llm = LLM(str(checkpoints("qwen2")), max_num_seqs=4, kv_cache_memory=8 << 20, quantization=quantization)
     try:
@@ -216,7 +216,7 @@ def test_llama_decode_fast_path_equals_the_module_path(checkpoints, quantization
         params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=0)
         prompts = [[5, 6, 7, 8, 9, 10], list(range(30, 50)), [3, 4]]
         compiled = llm.generate(prompts, params)
-        assert isinstance(model._plan, _DecodePlan) and model._plan.compiled is not None
+        assert isinstance(model._plan, DecodePlan) and model._plan.compiled is not None
         assert model._plan.compiled.size() == len(model.layers)
         model._plan.compiled = None  # the Python loop over the same ops from here on (the pool is unchanged)
         loop = llm.generate(prompts, params)

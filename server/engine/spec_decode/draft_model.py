@@ -19,7 +19,8 @@ import torch
 
 from server.engine.block_manager import BlockManager
 from sharding.dist import Dist
-from sharding.runner import EngineConfig, start_rank
+from sharding.executor import start_executor
+from sharding.runner import EngineConfig
 from sharding.wire import LOGITS_LAST, Step
 
 logger = logging.getLogger(__name__)
@@ -52,7 +53,7 @@ class DraftModel:
         block_bytes = 2 * c.num_hidden_layers * kv_heads * head_dim * target.block_size * 4
         cfg = EngineConfig(path, max_num_seqs=rows, max_model_len=target.max_model_len, block_size=target.block_size,
                            kv_cache_memory=target.num_blocks * block_bytes)
-        self.runner = start_rank(cfg, Dist())  # one rank: every collective is a no-op
+        self.runner = start_executor(cfg, Dist())  # one rank: every collective is a no-op
         self.blocks = BlockManager(self.runner.num_blocks, self.runner.block_size, enable_prefix_caching=False)
         self.free_rows = list(range(rows))
         self.sent: dict[int, int] = {}  # seq_id -> blocks of its table the runner has been told about

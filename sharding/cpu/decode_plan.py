@@ -1,0 +1,169 @@
+"""The CPU decode plan: a step of decode tokens only through Llama-shaped layers, run as each layer's four linears
+with three compiled ops between them (sharding/cpu/csrc/decode_glue.cpp) instead of ~40 torch ops and the module
+calls around them: the same arithmetic, without the per-op dispatch that dominated everything but the linears at
+batch 1. At TP=1 the layers run as one compiled call instead (decode_layers: one OpenMP team through every phase of
+every layer; see `compile_layers`), bitwise the same (LoRA adapter rows: within float32 rounding, their deltas summed
+in another order).
+
+Which layers qualify is declared by the model (`PlanLayer.on_decode_plan`: sharding/models/llama.py); the plan checks
+the rest, which only the loaded values tell (CPU, float32 plain RMSNorms, no soft-capping, one head size). Models
+whose layers differ from Llama's between the linears (Qwen 3's q/k norms, Gemma's, MoE feed-forwards) take the module
+path.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from sharding.cpu import kernels
+from sharding.layers.attention import AttentionMetadata, GroupedHeads, PagedKVCache
+from sharding.layers.linear import ColumnParallelLinear, RMSNorm, RowParallelLinear
+
+logger = logging.getLogger(__name__)
+
+
+class PlanAttention(Protocol):
+    """What the plan reads of a layer's attention."""
+
+    qkv_proj: ColumnParallelLinear
+    o_proj: RowParallelLinear
+    groups: GroupedHeads
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    scale: float
+    softcap: float | None
+    cache: PagedKVCache | None
+
+
+class PlanMLP(Protocol):
+    """What the plan reads of a layer's feed-forward."""
+
+    gate_up_proj: ColumnParallelLinear
+    down_proj: RowParallelLinear
+
+
+class PlanLayer(Protocol):
+    """A decoder layer the plan may run in place of its forward."""
+
+    input_layernorm: RMSNorm
+    post_attention_layernorm: RMSNorm
+    self_attn: PlanAttention
+    mlp: PlanMLP
+
+    def on_decode_plan(self) -> bool:
+        """Whether this layer computes what the plan computes between the linears: input norm, fused q/k/v, rotary,
+        paged attention, o_proj, residual, post-attention norm, fused gate/up, SiLU(gate) * up, down, residual.
+        A declaration of its classes (sharding/models/llama.py); the values are the plan's to check."""
+
+
+@dataclass(slots=True)
+class FastLayer:
+    """What the decode plan needs of one layer, looked up once."""
+
+    attn: PlanAttention
+    qkv: ColumnParallelLinear
+    o_proj: RowParallelLinear
+    gate_up: ColumnParallelLinear
+    down: RowParallelLinear
+    q_index: torch.Tensor | None
+    out_index: torch.Tensor | None
+    post_norm: RMSNorm
+    next_norm: RMSNorm  # the next layer's input norm, or the final norm after the last layer
+
+
+@dataclass(slots=True)
+class DecodePlan:
+    ops: tuple[kernels.Op, kernels.Op, kernels.Op]  # decode_attention, add_rms_norm_, silu_mul
+    first_norm: RMSNorm
+    layers: list[FastLayer]
+    head_dim: int
+    world_size: int  # of the TP group: the one compiled call only at 1
+    compiled: torch.ScriptObject | None = None  # a torch.classes.tpserve.DecodeLayers: every layer in one call
+    run: kernels.Op | None = None  # torch.ops.tpserve.decode_layers
+    pool: torch.Tensor | None = None  # the first layer's cache pool when `compiled` was made
+
+    def invalidate(self) -> None:
+        """The compiled step holds what changed (the adapters' tensors): rebuilt at its next use."""
+        self.pool = None
+
+    def forward(self, h: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Every layer over the embedded decode tokens `h` (a fresh tensor: the residual stream, updated in place);
+        returns the final norm of every token's hidden state."""
+        attention, add_rms_norm_, silu_mul = self.ops
+        x = self.first_norm.forward(h)
+        window, n = meta.window or 0, h.shape[0]
+        if self.pool is not self.layers[0].attn.cache.pool:  # first use, or a new cache
+            self.compiled = compile_layers(self)
+            self.run = kernels.decode_layers_ops()[1] if self.compiled is not None else None
+            self.pool = self.layers[0].attn.cache.pool
+        if self.compiled is not None:  # (with the adapters of every slot: invalidate rebuilds it)
+            return self.run(self.compiled, h, x, meta.cos, meta.sin, meta.slots, meta.decode_table, meta.decode_lens,
+                            window, meta.lora.token_slots if meta.lora is not None else None)
+        for f in self.layers:
+            qkv = f.qkv.matmul(x, f.qkv.bias)
+            a = f.attn
+            o = attention(qkv, meta.cos, meta.sin, a.cache.pool, meta.slots, meta.decode_table, meta.decode_lens,
+                          f.q_index, a.num_heads, a.num_kv_heads, a.scale, window)
+            if f.out_index is not None:  # uneven GQA groups: drop the padding positions
+                o = o.view(n, -1, self.head_dim).index_select(1, f.out_index).reshape(n, -1)
+            x = add_rms_norm_(h, f.o_proj.forward(o), f.post_norm.weight, f.post_norm.eps)
+            d = f.down.forward(silu_mul(f.gate_up.matmul(x, f.gate_up.bias)))
+            x = add_rms_norm_(h, d, f.next_norm.weight, f.next_norm.eps)
+        return x
+
+
+def plain_rms_norm(norm: RMSNorm | None) -> bool:
+    return type(norm) is RMSNorm and not norm.offset and norm.weight.dtype == torch.float32
+
+
+def build(layers: Sequence[PlanLayer], final_norm: RMSNorm | None, whole: bool, world_size: int) -> DecodePlan | None:
+    """The plan of a whole model (`whole`: one pipeline stage holding every layer) on CPU in float32 whose layers all
+    declare the plan's shape, with plain RMSNorms, no soft-capping and one head size; None where it does not apply."""
+    ops = kernels.decode_glue_ops()
+    if (ops is None or not whole or not layers or final_norm.weight.device.type != "cpu"
+            or not plain_rms_norm(final_norm)):
+        return None
+    fast = []
+    for i, layer in enumerate(layers):
+        attn, mlp = layer.self_attn, layer.mlp
+        if (not layer.on_decode_plan() or attn.softcap is not None
+                or not plain_rms_norm(layer.input_layernorm) or not plain_rms_norm(layer.post_attention_layernorm)
+                or attn.head_dim != layers[0].self_attn.head_dim):
+            return None
+        nxt = layers[i + 1].input_layernorm if i + 1 < len(layers) else final_norm
+        fast.append(FastLayer(attn, attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj,
+                              attn.groups.q_index, attn.groups.out_index, layer.post_attention_layernorm, nxt))
+    return DecodePlan(ops, layers[0].input_layernorm, fast, layers[0].self_attn.head_dim, world_size)
+
+
+def compile_layers(plan: DecodePlan) -> torch.ScriptObject | None:
+    """The layers as one compiled DecodeLayers (sharding/cpu/csrc/decode_glue.cpp), where every linear has a compiled
+    kernel and there is no all-reduce between them (TP=1); else None (the Python loop of DecodePlan.forward)."""
+    ops = kernels.decode_layers_ops()
+    if ops is None or plan.world_size != 1 or any(f.q_index is not None for f in plan.layers):
+        return None
+    linears = [[kernels.plan_linear(lin) for lin in (f.qkv, f.o_proj, f.gate_up, f.down)] for f in plan.layers]
+    if any(spec is None for layer in linears for spec in layer):
+        return None
+    compiled = ops[0]()
+    try:
+        for f, specs in zip(plan.layers, linears):
+            for spec in specs:
+                compiled.add_linear(*spec)
+            a = f.attn
+            compiled.add_layer(a.cache.pool, a.num_heads, a.num_kv_heads, a.scale, f.post_norm.weight,
+                               f.post_norm.eps, f.next_norm.weight, f.next_norm.eps)
+            for which, lin in enumerate((f.qkv, f.o_proj, f.gate_up, f.down)):  # LoRA adapters (sharding/layers/lora.py)
+                for slot, w in enumerate(lin.lora.slots if lin.lora is not None else ()):
+                    if w is not None:
+                        compiled.set_lora(compiled.size() - 1, which, slot, *w)
+    except RuntimeError as e:  # a layout the compiled step does not take: the Python loop serves it
+        logger.warning("decode layers not compiled (%s); the per-op decode path runs", str(e).splitlines()[0][:200])
+        return None
+    return compiled
