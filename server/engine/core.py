@@ -248,7 +248,7 @@ class Engine:
 
     def _loop(self) -> None:
         self.loop_thread_id = threading.get_ident()
-        if self.loop_thread_id != getattr(self.runner, "thread_id", self.loop_thread_id):
+        if self.loop_thread_id != self.runner.thread_id:
             logger.warning("the engine steps on another thread than the one that loaded the model: CPU steps run "
                            "slower (see EngineThread)")
         last = time.monotonic()

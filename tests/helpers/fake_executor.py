@@ -65,6 +65,7 @@ class FakeRunner:
         self.dist = SimpleNamespace(layout=SimpleNamespace(dp=dp, pp=1))
         self.max_model_len, self.num_blocks, self.block_size = max_model_len, num_blocks, block_size
         self.vocab = vocab
+        self.thread_id = None  # (the engine warns when it steps on another thread than the loader's: it does here)
         self.model = SimpleNamespace(layers=[])  # (the API's expert metrics look for MoE layers in it: none)
         self.tables: dict[tuple[int, int], dict[int, int]] = {}  # (replica, row) -> {index: block}
         self.cache: dict[tuple[int, int, int], int] = {}  # (replica, block, offset) -> token
