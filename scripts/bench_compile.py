@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
         def _(x, packed, out_features):
             return x.new_empty(*x.shape[:-1], out_features)
 
-        for m in llm.runner.model.modules():
+        for m in llm.executor.model.modules():
             if isinstance(m, layers._Linear) and m.packed is not None:
                 if isinstance(m, layers.ColumnParallelLinear):
                     m.out_features = sum(m.out_sizes)
@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
             return torch.nn.functional.linear(x, self.weight, bias)
 
         layers._Linear.matmul = matmul
-    model_layers = llm.runner.model.layers
+    model_layers = llm.executor.model.layers
     eager = [layer.forward for layer in model_layers]
     compiled = [torch.compile(f, dynamic=True) for f in eager]
 

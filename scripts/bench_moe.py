@@ -69,7 +69,7 @@ def active_bytes(llm) -> dict:
             if getattr(m, "qweight", None) is not None) + sum(
             m.blocked.nbytes for m in mod.modules() if getattr(m, "blocked", None) is not None)
 
-    model = llm.runner.model
+    model = llm.executor.model
     total = nbytes(model.lm_head) if model.lm_head is not None and not model.lm_head.tied else 0
     experts = routers = 0
     for layer in model.layers:
@@ -95,7 +95,7 @@ def prefill(args) -> dict:
     llm = LLM(args.model, quantization=args.quantization, max_num_seqs=1, max_model_len=args.prompt_len + 64,
               max_num_batched_tokens=args.prompt_len, enable_prefix_caching=False,
               kv_cache_memory=512 << 20)
-    vocab = llm.runner.vocab_size
+    vocab = llm.executor.vocab_size
     rng = random.Random(0)
     one = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
 
@@ -141,7 +141,7 @@ def one_layout(args) -> dict:
     llm = LLM(args.model, quantization=args.quantization, max_num_seqs=8, max_model_len=512,
               kv_cache_memory=512 << 20, **LAYOUTS[args.layout])
     load_s = time.perf_counter() - t0
-    vocab = llm.runner.vocab_size
+    vocab = llm.executor.vocab_size
     rng = random.Random(args.seed)
     prompts = [[rng.randrange(100, vocab) for _ in range(PROMPT_LEN)] for _ in range(8)]
     params = SamplingParams(max_tokens=DECODE_TOKENS, temperature=0, ignore_eos=True)

@@ -43,7 +43,7 @@ def child(model: str, sp: bool, tokens: int, repeats: int, out: str) -> None:
     with LLM(model, tensor_parallel_size=2, sequence_parallel=sp, max_model_len=tokens + 16,
              max_num_batched_tokens=tokens + 16, enable_prefix_caching=False, max_num_seqs=2) as llm:
         pids = [os.getpid()] + [p.pid for p in llm.workers.procs.values()]
-        vocab = llm.runner.vocab_size
+        vocab = llm.executor.vocab_size
         one = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
         llm.generate([[5, 6, 7, 8]], one)
         before = [vm_hwm_mib(p) for p in pids]
@@ -55,7 +55,7 @@ def child(model: str, sp: bool, tokens: int, repeats: int, out: str) -> None:
             llm.generate([prompt], one)
             times.append(time.perf_counter() - t0)
         after = [vm_hwm_mib(p) for p in pids]
-        steps = llm.runner.seq_parallel_steps
+        steps = llm.executor.seq_parallel_steps
     Path(out).write_text(json.dumps({"prefill_s": times, "hwm_before_mib": before, "hwm_after_mib": after,
                                      "seq_parallel_steps": steps}))
 

@@ -99,8 +99,8 @@ def child(args: argparse.Namespace) -> None:
     ready = time.perf_counter() - t0
     pids = [os.getpid()] + [p.pid for p in llm.workers.procs.values()]
     out = dict(tp=args.tp, threads=int(os.environ["TPSERVE_THREADS"]), ready_s=ready,
-               load_s=llm.runner.load_seconds, peak_mb=[vm_hwm_mb(p) for p in pids], load_before=args.load)
-    runner = llm.runner
+               load_s=llm.executor.load_seconds, peak_mb=[vm_hwm_mb(p) for p in pids], load_before=args.load)
+    runner = llm.executor
     if not args.load_only:
         prompt = 8  # short, so the batch-32 prefill stays cheap on 2 cores
         for b in args.batches:

@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
 
     spent = {"forward": 0.0, "linears": 0.0, "layers": 0.0}
     steps: list[float] = []
-    model, matmul = llm.runner.model, layers._Linear.matmul
+    model, matmul = llm.executor.model, layers._Linear.matmul
     forward = model.forward
 
     def timed_forward(*a, **k):

@@ -77,9 +77,9 @@ class LLM:
         speculative = parse_speculative_config(
             json.dumps(speculative_config) if isinstance(speculative_config, dict) else speculative_config)
         torchrun_worker_signals()
-        self.runner, self.dist, self.workers = launch(self.cfg, tensor_parallel_size)
+        self.executor, self.dist, self.workers = launch(self.cfg, tensor_parallel_size)
         self.tokenizer = load_tokenizer(self.cfg.model)
-        self.engine = Engine(self.runner, self.tokenizer, max_num_batched_tokens, enable_prefix_caching,
+        self.engine = Engine(self.executor, self.tokenizer, max_num_batched_tokens, enable_prefix_caching,
                              max_prefill_tokens_while_decoding=max_prefill_tokens_while_decoding,
                              speculative=speculative)
 
@@ -114,7 +114,7 @@ class LLM:
 
     def close(self) -> None:
         if self.dist.global_world_size > 1:
-            self.runner.stop_workers()
+            self.executor.stop_workers()
         self.workers.close()
         self.dist.shutdown()
 

@@ -274,11 +274,11 @@ def build_app(state: ServerState) -> FastAPI:
         await gather(req, request)
         return chat_response(state, req, body, rid, created, ids, parse_tools)
 
-    state.metrics.watch_experts(state.engine.runner.model)
+    state.metrics.watch_experts(state.engine.executor.model)
 
     # ---- endpoint modules ----------------------------------------------------------------------------------
     if state.pooling is None:
-        state.pooling = pooling_config(state.engine.runner.cfg.model, state.engine.runner.config)
+        state.pooling = pooling_config(state.engine.executor.cfg.model, state.engine.executor.config)
     embeddings.add_routes(app, state)
     if state.responses is None:
         state.responses = ResponseStore(metrics=state.metrics)

@@ -1,7 +1,7 @@
 """Rank 0's engine: the loop that schedules, executes and updates, one lane at a time, in a thread of its own.
 
     schedule: Scheduler.schedule() -> SchedulerOutput         (server/engine/scheduler.py)
-    execute:  runner.launch(SchedulerOutput.to_step()) ... runner.collect() -> StepOutput.split()
+    execute:  executor.launch(SchedulerOutput.to_step()) ... executor.collect() -> StepOutput.split()
     update:   sample_step() -> Scheduler.update_from_output() -> each sequence's `emit`
 
 Requests enter through `add()` from any thread; each step's new text reaches its sequence's `emit` callback from the
@@ -52,15 +52,15 @@ class InFlight:
 
 
 class Engine:
-    def __init__(self, runner: Executor, tokenizer, max_num_batched_tokens: int | None = None,
+    def __init__(self, executor: Executor, tokenizer, max_num_batched_tokens: int | None = None,
                  enable_prefix_caching: bool = True, on_fatal: Callable[[str], None] | None = None,
                  max_prefill_tokens_while_decoding: int | None = DEFAULT_MAX_PREFILL_TOKENS_WHILE_DECODING,
                  speculative: SpeculativeConfig | None = None):
-        self.runner, self.tokenizer, self.max_model_len = runner, tokenizer, runner.max_model_len
-        seqs = runner.cfg.max_num_seqs
+        self.executor, self.tokenizer, self.max_model_len = executor, tokenizer, executor.max_model_len
+        seqs = executor.cfg.max_num_seqs
         step_tokens = max_num_batched_tokens or max(DEFAULT_MAX_NUM_BATCHED_TOKENS, seqs)
-        depth = attention_depth_tokens(runner.config)
-        self.replicas = Replicas(runner, lambda pool, stage: Scheduler(
+        depth = attention_depth_tokens(executor.config)
+        self.replicas = Replicas(executor, lambda pool, stage: Scheduler(
             seqs, step_tokens, pool, max_prefill_tokens_while_decoding, depth, stage * seqs, self.max_model_len),
             enable_prefix_caching)
         self.replicas.judge = lambda replica, reason: (self.dead is None and self.on_replica_failure is not None
@@ -75,13 +75,13 @@ class Engine:
             if speculative.method == "draft_model":
                 from server.engine.spec_decode.draft_model import DraftModel
 
-                draft = DraftModel(speculative.model, runner, tokenizer, seqs * len(self.lanes))
+                draft = DraftModel(speculative.model, executor, tokenizer, seqs * len(self.lanes))
             self.speculator = Speculator(speculative, draft)
             for lane in self.lanes:  # the scheduler asks for drafts with the step's token budget left
                 lane.scheduler.propose = partial(self.speculator.drafts_for, max_model_len=self.max_model_len)
         self._inflight: deque[InFlight] = deque()
-        self.eos_ids = eos_token_ids(runner.cfg.model, tokenizer)
-        self.grammars = Grammars(tokenizer, runner.config.vocab_size, self.eos_ids)
+        self.eos_ids = eos_token_ids(executor.cfg.model, tokenizer)
+        self.grammars = Grammars(tokenizer, executor.config.vocab_size, self.eos_ids)
         self.on_fatal = on_fatal
         self.dead: str | None = None
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -162,7 +162,7 @@ class Engine:
                     batch = lane.scheduler.schedule()
                     if batch.items and lane.replica not in self.replicas.down:  # (not taken down while scheduled)
                         t0 = time.perf_counter()
-                        launched, ok = self.replicas.call(lane.replica, self.runner.launch, batch.to_step(),
+                        launched, ok = self.replicas.call(lane.replica, self.executor.launch, batch.to_step(),
                                                           lane.replica)
                         if ok:
                             lane.busy = True
@@ -176,7 +176,7 @@ class Engine:
 
     def _complete(self, f: InFlight) -> None:
         """Execute's end and update: the step's rows back to their sequences, new tokens chosen and appended."""
-        logits, ok = self.replicas.call(f.lane.replica, self.runner.collect, f.launched)
+        logits, ok = self.replicas.call(f.lane.replica, self.executor.collect, f.launched)
         if not ok:
             return
         f.lane.busy = False
@@ -248,7 +248,7 @@ class Engine:
 
     def _loop(self) -> None:
         self.loop_thread_id = threading.get_ident()
-        if self.loop_thread_id != self.runner.thread_id:
+        if self.loop_thread_id != self.executor.thread_id:
             logger.warning("the engine steps on another thread than the one that loaded the model: CPU steps run "
                            "slower (see EngineThread)")
         last = time.monotonic()
@@ -266,7 +266,7 @@ class Engine:
                 if time.monotonic() - last >= HEARTBEAT_S:
                     self.step_started = time.monotonic()
                     for replica in self.replicas.live():
-                        self.replicas.call(replica, self.runner.heartbeat, [replica])
+                        self.replicas.call(replica, self.executor.heartbeat, [replica])
                     self.step_started = None
                     last = time.monotonic()
         except Exception as e:  # noqa: BLE001 - a dead rank or a failed collective: nothing can step any more

@@ -169,7 +169,7 @@ class LoraSlots:
 
     def __init__(self, registry: LoraRegistry, replicas: Replicas, finish: Callable[[Sequence, str], None],
                  down_later: Callable[[int, str], None]):
-        self.registry, self.replicas, self.runner = registry, replicas, replicas.runner
+        self.registry, self.replicas, self.executor = registry, replicas, replicas.executor
         self._finish = finish  # (sequence, "error"): its adapter could not be read
         self._down_later = down_later  # (replica, reason): out of rotation once this step is scheduled
 
@@ -193,25 +193,25 @@ class LoraSlots:
     def _load(self, slot: int, path: str) -> None:
         """Rank 0's part first (raises with nothing sent), then every live replica's ranks. This runs inside a
         lane's schedule(): a replica found dead here is taken down between steps, not under the scheduler's feet."""
-        self.runner.lora_load(slot, path, [], True)
+        self.executor.lora_load(slot, path, [], True)
         for replica in self.replicas.live():
-            self.replicas.call(replica, self.runner.lora_load, slot, path, [replica], False, down=self._down_later)
+            self.replicas.call(replica, self.executor.lora_load, slot, path, [replica], False, down=self._down_later)
 
     def retire(self, adapter: Adapter) -> None:
         """An unloaded adapter's slot is freed now if no sequence runs or waits with it, else when it is next
         needed (its sequences in flight finish with it)."""
         if adapter.slot and not self.in_use(adapter, waiting=True):
             slot = adapter.slot
-            self.runner.lora_unload(slot, [])
+            self.executor.lora_unload(slot, [])
             for replica in self.replicas.live():
-                self.replicas.call(replica, self.runner.lora_unload, slot, [replica])
+                self.replicas.call(replica, self.executor.lora_unload, slot, [replica])
             self.registry.slots[slot], adapter.slot = None, 0
 
     def reload(self, replica: int) -> None:
         """A respawned replica's ranks read every adapter the others hold, before it serves."""
         for slot, adapter in enumerate(self.registry.slots):
             if adapter is not None and replica not in self.replicas.down:
-                self.replicas.call(replica, self.runner.lora_load, slot, adapter.path, [replica], False)
+                self.replicas.call(replica, self.executor.lora_load, slot, adapter.path, [replica], False)
 
 
 def validate_adapter(folder: str, base: Checkpoint, max_rank: int, base_names: tuple[str, ...] | list[str] = (),

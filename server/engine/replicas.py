@@ -45,14 +45,14 @@ class Lane:
 
 
 class Replicas:
-    def __init__(self, runner: Executor, new_scheduler: Callable[[BlockManager, int], Scheduler],
+    def __init__(self, executor: Executor, new_scheduler: Callable[[BlockManager, int], Scheduler],
                  enable_prefix_caching: bool):
         """`new_scheduler(pool, stage)`: an empty scheduler over a replica's pool for one pipeline stage's lane."""
-        self.runner = runner
-        layout = runner.dist.layout
+        self.executor = executor
+        layout = executor.dist.layout
         self.stages = layout.pp
         self._new_scheduler = new_scheduler
-        self.pools = [BlockManager(runner.num_blocks, runner.block_size, enable_prefix_caching)
+        self.pools = [BlockManager(executor.num_blocks, executor.block_size, enable_prefix_caching)
                       for _ in range(layout.dp)]
         self.lanes = [Lane(r * layout.pp + v, r, new_scheduler(self.pools[r], v))
                       for r in range(layout.dp) for v in range(layout.pp)]
@@ -127,7 +127,7 @@ class Replicas:
 
     def call(self, replica: int, fn: Callable, *args, down: Callable[[int, str], None] | None = None
              ) -> tuple[object, bool]:
-        """(result, True) of a runner call that talks to one replica's ranks (a launch, a result, a heartbeat, an
+        """(result, True) of a executor call that talks to one replica's ranks (a launch, a result, a heartbeat, an
         adapter). When it fails and the supervisor finds that the replica's ranks died (or killed them for
         hanging), the replica is taken down (`down`, else `on_down`): (None, False). Without a supervisor (the
         offline LLM, torchrun), or when no rank of the replica died (rank 0's own failure), the error is raised and
@@ -150,13 +150,13 @@ class Replicas:
         logger.error("replica %d is out of rotation: %s", replica, reason)
         self.down[replica] = reason
         self.failures += 1
-        self.runner.forget_sends(replica)
+        self.executor.forget_sends(replica)
         moved: list[Sequence] = []
         for lane in self.lanes:
             if lane.replica == replica:
                 moved += [s for s in list(lane.scheduler.running) + list(lane.scheduler.waiting) if not s.finished]
                 lane.busy = False
-        self.reset(replica, self.runner.num_blocks)
+        self.reset(replica, self.executor.num_blocks)
         for seq in sorted(moved, key=lambda s: s.arrival):
             seq.status, seq.row, seq.num_computed = WAITING, -1, 0
             seq.num_preemptions += 1
@@ -170,7 +170,7 @@ class Replicas:
         """A respawned replica: its new groups installed, an empty pool, `prepare(replica)` (its ranks read every
         LoRA adapter the others hold; a failure there takes it down again), then back into rotation with whatever
         was parked."""
-        install_groups(self.runner.dist, groups)
+        install_groups(self.executor.dist, groups)
         self.reset(replica, num_blocks)
         self.down.pop(replica, None)
         if prepare is not None:
@@ -188,7 +188,7 @@ class Replicas:
         old = self.pools[replica]
         self._past["prefix_queries"] += old.prefix_query_tokens
         self._past["prefix_hits"] += old.prefix_hit_tokens
-        self.pools[replica] = BlockManager(num_blocks, self.runner.block_size, old.enable_prefix_caching)
+        self.pools[replica] = BlockManager(num_blocks, self.executor.block_size, old.enable_prefix_caching)
         for lane in self.lanes:
             if lane.replica == replica:
                 propose, admit = lane.scheduler.propose, lane.scheduler.admit

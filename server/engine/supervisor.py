@@ -35,12 +35,12 @@ logger = logging.getLogger(__name__)
 
 
 class Supervisor:
-    def __init__(self, engine, runner, workers, cfg, restart: bool = True, max_restarts: int = 3,
+    def __init__(self, engine, executor, workers, cfg, restart: bool = True, max_restarts: int = 3,
                  window_s: float = 600.0):
-        self.engine, self.runner, self.workers = engine, runner, workers
-        self.layout = runner.dist.layout
+        self.engine, self.executor, self.workers = engine, executor, workers
+        self.layout = executor.dist.layout
         # a respawned rank is told the context length rank 0 serves (it may have been lowered to fit the cache)
-        self.argv = replace(cfg, max_model_len=runner.max_model_len).to_argv()
+        self.argv = replace(cfg, max_model_len=executor.max_model_len).to_argv()
         self.restart, self.max_restarts, self.window_s = restart, max_restarts, window_s
         self.generation = [0] * self.layout.dp
         self.handling: set[int] = set()  # replicas down and not yet back
@@ -148,13 +148,13 @@ class Supervisor:
             return
 
     def _rejoin(self, replica: int, gen: int, procs) -> tuple:
-        """runner.rejoin on a thread of its own, given up on as soon as one of the new processes exits (before it
+        """executor.rejoin on a thread of its own, given up on as soon as one of the new processes exits (before it
         reaches the rendezvous, rank 0 would wait for it until the collective timeout)."""
         result: dict = {}
 
         def run() -> None:
             try:
-                result["value"] = self.runner.rejoin(replica, gen)
+                result["value"] = self.executor.rejoin(replica, gen)
             except Exception as e:  # noqa: BLE001 - handed over below
                 result["error"] = e
 

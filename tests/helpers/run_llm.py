@@ -44,8 +44,8 @@ def main() -> None:
         results.append({"outputs": [{"token_ids": o.token_ids, "text": o.text, "top_logprobs": o.top_logprobs,
                                      "prompt_logprobs": o.prompt_logprobs, "prompt_top": o.prompt_top_logprobs}
                                     for o in outs], "trace": trace,
-                        "seq_parallel_steps": llm.runner.seq_parallel_steps,
-                        "bytes_read": llm.runner.bytes_read,
+                        "seq_parallel_steps": llm.executor.seq_parallel_steps,
+                        "bytes_read": llm.executor.bytes_read,
                         "checkpoint_bytes": Checkpoint(llm.cfg.model).total_bytes,
                         "repeats": [[o.token_ids for o in r] for r in rounds[1:]], "alone": alone,
                         "prefix_hit_tokens": llm.engine.replicas.pools[0].prefix_hit_tokens,

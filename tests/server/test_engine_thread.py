@@ -45,7 +45,7 @@ def test_engine_steps_on_the_thread_that_loaded_the_model(checkpoints):
         llm.engine.add(seq)
         assert done.wait(60), "the engine loop did not finish the sequence"
         assert seq.output_ids == ref and len(ref) == 6
-        assert llm.engine.loop_thread_id == llm.runner.thread_id != threading.get_ident()
+        assert llm.engine.loop_thread_id == llm.executor.thread_id != threading.get_ident()
     finally:
         llm.engine.stop()
         llm.close()

@@ -58,7 +58,7 @@ def test_greedy_identity_with_preemption_chunks_and_prefix_hits(folder, referenc
     block_bytes = 2 * kv_heads * 8 * 8 * 4 * 2  # K and V, 8 tokens of head_dim 8, float32, 2 layers
     with LLM(str(folder), tp, max_num_seqs=6, block_size=8, kv_cache_memory=10 * block_bytes,
              max_num_batched_tokens=8, max_model_len=64, speculative_config=NGRAM) as llm:
-        assert llm.runner.num_blocks == 10
+        assert llm.executor.num_blocks == 10
         llm.engine.speculator.propose = oracle(references)
         params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
         out = llm.generate(PROMPTS + PROMPTS, params)

@@ -188,7 +188,7 @@ def test_expert_token_counts(reference):
 
     with LLM(str(reference["qwen3_moe"][0]), max_num_seqs=4) as llm:
         llm.generate(PROMPTS, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
-        (family,) = list(ExpertTokens(llm.runner.model).collect())
+        (family,) = list(ExpertTokens(llm.executor.model).collect())
     by_layer: dict[str, float] = {}
     for sample in family.samples:
         by_layer[sample.labels["layer"]] = by_layer.get(sample.labels["layer"], 0) + sample.value

@@ -212,7 +212,7 @@ def test_llama_decode_fast_path_equals_the_module_path(checkpoints, quantization
 
     llm = LLM(str(checkpoints("qwen2")), max_num_seqs=4, kv_cache_memory=8 << 20, quantization=quantization)
     try:
-        model = llm.runner.model
+        model = llm.executor.model
         params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=0)
         prompts = [[5, 6, 7, 8, 9, 10], list(range(30, 50)), [3, 4]]
         compiled = llm.generate(prompts, params)
@@ -289,9 +289,9 @@ def test_weights_move_into_one_huge_page_mapping(checkpoints, quantization, monk
         monkeypatch.setenv("TPSERVE_HUGE_PAGES", move)
         llm = LLM(str(checkpoints("qwen2")), max_num_seqs=2, kv_cache_memory=8 << 20, quantization=quantization)
         try:
-            slots, quantized = hugepages._slots(llm.runner.model)
+            slots, quantized = hugepages._slots(llm.executor.model)
             tensors = [getattr(owner, attr) for owner, attr in slots]
-            assert len(tensors) >= 4 * len(llm.runner.model.layers)
+            assert len(tensors) >= 4 * len(llm.executor.model.layers)
             maps = {tuple(sorted(_mapping(t.data_ptr()).items())) for t in tensors}
             if move == "1":
                 assert len(maps) == 1
@@ -299,7 +299,7 @@ def test_weights_move_into_one_huge_page_mapping(checkpoints, quantization, monk
                 assert "hg" in fields["VmFlags"].split()
                 for qw in quantized:
                     assert qw.kernel[1][0] is qw.data  # bound again after the move
-                pool = llm.runner.model.attention_layers[0].cache.pool
+                pool = llm.executor.model.attention_layers[0].cache.pool
                 assert "hg" in _mapping(pool.data_ptr())["VmFlags"].split() and not pool.any()
             else:
                 assert not any("hg" in dict(m).get("VmFlags", "").split() for m in maps)

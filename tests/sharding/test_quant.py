@@ -224,7 +224,7 @@ def test_auto_dtype_on_cpu_keeps_a_bfloat16_checkpoints_weights(tmp_path):
     for dtype, q in (("auto", None), ("float32", "bf16"), ("bfloat16", None)):
         llm = LLM(str(folder), dtype=dtype, quantization=q, max_num_seqs=2, kv_cache_memory=8 << 20)
         try:
-            runner = llm.runner
+            runner = llm.executor
             linears = [m for m in runner.model.modules() if hasattr(m, "qweight") and hasattr(m, "prepack")]
             if dtype == "bfloat16":
                 assert runner.dtype == torch.bfloat16 and runner.cfg.quantization is None

@@ -53,10 +53,10 @@ class DraftModel:
         block_bytes = 2 * c.num_hidden_layers * kv_heads * head_dim * target.block_size * 4
         cfg = EngineConfig(path, max_num_seqs=rows, max_model_len=target.max_model_len, block_size=target.block_size,
                            kv_cache_memory=target.num_blocks * block_bytes)
-        self.runner = start_executor(cfg, Dist())  # one rank: every collective is a no-op
-        self.blocks = BlockManager(self.runner.num_blocks, self.runner.block_size, enable_prefix_caching=False)
+        self.executor = start_executor(cfg, Dist())  # one rank: every collective is a no-op
+        self.blocks = BlockManager(self.executor.num_blocks, self.executor.block_size, enable_prefix_caching=False)
         self.free_rows = list(range(rows))
-        self.sent: dict[int, int] = {}  # seq_id -> blocks of its table the runner has been told about
+        self.sent: dict[int, int] = {}  # seq_id -> blocks of its table the executor has been told about
 
     def _step(self, seq, row: int, ids: list[int], start: int) -> int:
         table = self.blocks.block_table(seq)
@@ -66,7 +66,7 @@ class DraftModel:
         self.sent[seq.seq_id] = len(table)
         step = Step(torch.tensor(ids, dtype=torch.int64), torch.tensor([[row, len(ids), start, LOGITS_LAST]]),
                     updates)
-        return int(self.runner.run(step)[0].argmax())
+        return int(self.executor.run(step)[0].argmax())
 
     def propose(self, seq, st, k: int) -> list[int]:
         if st.draft_row < 0:
