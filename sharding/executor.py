@@ -28,6 +28,11 @@ if TYPE_CHECKING:
     from sharding.progress import StartPhases
 
 
+def _of_runner(name: str) -> property:
+    """A read-only attribute of rank 0's own ModelRunner, read through the executor."""
+    return property(lambda self: getattr(self.runner, name))
+
+
 class Executor:
     """Every rank's steps and commands, driven from rank 0: its own ModelRunner (`runner`) executes replica 0's first
     stage, the wire carries the rest. What the server reads of the model and its cache (num_blocks, block_size,
@@ -40,67 +45,22 @@ class Executor:
         self._order = 0  # launches and no-wait commands, numbered (Launched.order)
         self._unwaited: dict[int, list] = {}  # replica -> [(order, send work, tensor)] of commands not waited for yet
 
-    # ---- what the server reads of rank 0's model and cache --------------------------------------------------------
-    @property
-    def cfg(self) -> EngineConfig:
-        return self.runner.cfg
-
-    @property
-    def config(self) -> PretrainedConfig:
-        return self.runner.config
-
-    @property
-    def model(self) -> CausalLM:
-        return self.runner.model
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.runner.dtype
-
-    @property
-    def vocab_size(self) -> int:
-        return self.runner.vocab_size
-
-    @property
-    def max_model_len(self) -> int:
-        return self.runner.max_model_len
-
-    @property
-    def num_blocks(self) -> int:
-        return self.runner.num_blocks
-
-    @property
-    def block_size(self) -> int:
-        return self.runner.block_size
-
-    @property
-    def block_table(self) -> torch.Tensor:
-        return self.runner.block_table
-
-    @property
-    def lora(self) -> LoraManager | None:
-        return self.runner.lora
-
-    @property
-    def thread_id(self) -> int:
-        """Steps are fastest on the thread that built the model (server/engine/core.py: EngineThread)."""
-        return self.runner.thread_id
-
-    @property
-    def phases(self) -> StartPhases:
-        return self.runner.phases
-
-    @property
-    def load_seconds(self) -> float:
-        return self.runner.load_seconds
-
-    @property
-    def bytes_read(self) -> int:
-        return self.runner.bytes_read
-
-    @property
-    def seq_parallel_steps(self) -> int:
-        return self.runner.seq_parallel_steps
+    # ---- what the server reads of rank 0's model and cache: rank 0's own ModelRunner's ---------------------------
+    cfg: EngineConfig = _of_runner("cfg")
+    config: PretrainedConfig = _of_runner("config")
+    model: CausalLM = _of_runner("model")
+    dtype: torch.dtype = _of_runner("dtype")
+    vocab_size: int = _of_runner("vocab_size")
+    max_model_len: int = _of_runner("max_model_len")
+    num_blocks: int = _of_runner("num_blocks")
+    block_size: int = _of_runner("block_size")
+    block_table: torch.Tensor = _of_runner("block_table")
+    lora: LoraManager | None = _of_runner("lora")
+    thread_id: int = _of_runner("thread_id")  # steps are fastest on it (server/engine/thread.py: EngineThread)
+    phases: StartPhases = _of_runner("phases")
+    load_seconds: float = _of_runner("load_seconds")
+    bytes_read: int = _of_runner("bytes_read")
+    seq_parallel_steps: int = _of_runner("seq_parallel_steps")
 
     def kv_cache_bytes(self) -> int:
         return self.runner.kv_cache_bytes()
