@@ -41,8 +41,9 @@ CTX = 512
 
 
 def llama_bin(name: str) -> Path:
+    """llama.cpp's tool `name` from LLAMA_CPP_DIR (default $TPSERVE_HOME/llama.cpp: scripts/build_llama_cpp.sh)."""
     home = Path(os.environ.get("TPSERVE_HOME") or Path.home() / ".cache" / "tpserve")
-    return home / "llama.cpp" / "bin" / name
+    return Path(os.environ.get("LLAMA_CPP_DIR") or home / "llama.cpp") / "bin" / name
 
 
 def tpserve_scores(model: str, quantization: str | None, group: int, threads: int) -> tuple[list[float], list[int]]:
