@@ -76,6 +76,19 @@ for mode, group, n, k in (("int8", 32, 40, 96), ("int4", 32, 48, 128), ("int4", 
     for m in (1, 3, 9):
         x = torch.randn(m, k, generator=g)
         out[f"{mode}-{group}-{m}"] = quant.linear(x, qw).view(torch.int32).flatten().tolist()
+f32 = kernels.f32_linear_op()
+for n, k in ((64, 96), (45, 70)):  # a ragged last block of 32 outputs
+    w, b = torch.randn(n, k, generator=g), torch.randn(n, generator=g)
+    for m in (1, 2, 3, 8, 11):
+        x = torch.randn(m, k, generator=g)
+        y = f32(x, kernels.block_f32(w), b, n)
+        assert torch.allclose(y, torch.nn.functional.linear(x, w, b), atol=1e-4), (n, k, m)
+        out[f"float32-{n}-{m}"] = y.view(torch.int32).flatten().tolist()
+logits = torch.randn(5, 1000, generator=g)
+logits[1, 7] = logits[1].max() + 1
+logits[2, 999] = logits[2].max() + 1
+logits[3, 10] = float("nan")
+out["argmax"] = kernels.argmax_op()(logits).tolist()
 print(json.dumps(out))
 """
 
@@ -86,7 +99,9 @@ print(json.dumps(out))
 def test_the_avx2_build_takes_int8_activations_and_equals_the_vnni_build():
     """On AVX2 alone (Zen 2/3) the int8 and int4 linears multiply int8 activations as with AVX-512 VNNI (vpmaddubsw
     instead of vpdpbusd): the same layout, exact int32 dot products, the same float steps after them, so the same
-    outputs bit for bit, at one row and in prefill-sized batches, with a ragged last block of rows."""
+    outputs bit for bit, at one row and in prefill-sized batches, with a ragged last block of rows. The float32
+    kernel's AVX2 tiles (3 rows, not 8) chain the same FMAs over k, so they agree bit for bit too, and so does the
+    greedy argmax (first maximum; a NaN row answers its first NaN)."""
     got = {}
     for build in ("x86-64-v3", "x86-64-v4-vnni-bf16"):
         p = run_py(QUANT_OUTPUTS, dict(os.environ, TPSERVE_KERNELS=build))

@@ -22,7 +22,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 #include <omp.h>
@@ -158,6 +158,19 @@ at::Tensor argmax_rows(const at::Tensor& logits) {
     }
     best = _mm512_reduce_max_ps(m);
     nan = unordered != 0;
+#elif defined(__AVX2__)
+    __m256 m = _mm256_set1_ps(row[0]);
+    __m256 unordered = _mm256_setzero_ps();
+    for (; i + 8 <= V; i += 8) {
+      const __m256 v = _mm256_loadu_ps(row + i);
+      unordered = _mm256_or_ps(unordered, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+      m = _mm256_max_ps(m, v);
+    }
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1));
+    best = _mm_cvtss_f32(m4);
+    nan = _mm256_movemask_ps(unordered) != 0;
 #endif
     for (; i < V; ++i) {
       nan |= is_nan(row[i]);
@@ -174,6 +187,10 @@ at::Tensor argmax_rows(const at::Tensor& logits) {
         const __mmask16 eq = _mm512_cmp_ps_mask(_mm512_loadu_ps(row + i), target, _CMP_EQ_OQ);
         if (eq) break;
       }
+#elif defined(__AVX2__)
+      const __m256 target = _mm256_set1_ps(best);
+      for (; i + 8 <= V; i += 8)
+        if (_mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(row + i), target, _CMP_EQ_OQ))) break;
 #endif
       while (row[i] != best) ++i;
       at = i;

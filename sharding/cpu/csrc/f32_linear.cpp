@@ -16,6 +16,11 @@
 // k = 0 .. K-1 from zero, then + bias. So a row's product does not depend on the rows batched with it (oneDNN picks
 // its kernel by the row count).
 //
+// AVX2 CPUs (the x86-64-v3 build) have 16 vector registers of 8 floats, not 32 of 16: a tile of 8 rows x 32 outputs
+// would spill. There a tile walks the block's weights once per 3 rows, with 3 x 4 accumulators and the weights taken
+// straight from memory by the FMAs (the block's K x 128 bytes are in L2 for the second and third pass). Each output
+// is still the same chain of FMAs over k, so the AVX2 and AVX-512 builds agree bit for bit.
+//
 // Other CPUs get the same loops in portable C++ (auto-vectorized). Built by sharding/cpu/kernels.py with the others.
 
 #include <ATen/ATen.h>
@@ -28,7 +33,7 @@
 #include <cstdint>
 #include <type_traits>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #endif
 
@@ -36,6 +41,39 @@ namespace {
 
 constexpr int64_t BW = tpserve::F32_BLOCK;  // output columns per block
 constexpr int64_t MR = 8;   // activation rows per tile (8 x 2 accumulators)
+
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+// R (1-3) rows x 32 outputs of one block: 4R accumulators, R broadcasts, weights as memory operands
+template <int R>
+inline void f32_tile_avx2(const float* x, int64_t ldx, const float* w, int64_t K, const float* bias, float* y,
+                          int64_t ldy, int64_t ncols) {
+  __m256 acc[R][4];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < 4; ++c) acc[r][c] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    const float* wk = w + k * BW;
+    __m256 xb[R];
+    for (int r = 0; r < R; ++r) xb[r] = _mm256_broadcast_ss(x + r * ldx + k);
+    for (int c = 0; c < 4; ++c) {
+      const __m256 wc = _mm256_loadu_ps(wk + 8 * c);
+      for (int r = 0; r < R; ++r) acc[r][c] = _mm256_fmadd_ps(xb[r], wc, acc[r][c]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    if (ncols == BW) {
+      for (int c = 0; c < 4; ++c) {
+        __m256 a = acc[r][c];
+        if (bias) a = _mm256_add_ps(a, _mm256_loadu_ps(bias + 8 * c));
+        _mm256_storeu_ps(y + r * ldy + 8 * c, a);
+      }
+    } else {  // the last block of a linear whose N is not a multiple of 32
+      alignas(32) float tmp[BW];
+      for (int c = 0; c < 4; ++c) _mm256_store_ps(tmp + 8 * c, acc[r][c]);
+      for (int64_t j = 0; j < ncols; ++j) y[r * ldy + j] = bias ? tmp[j] + bias[j] : tmp[j];
+    }
+  }
+}
+#endif
 
 template <int R>
 inline void f32_tile(const float* x, int64_t ldx, const float* w, int64_t K, const float* bias, float* y, int64_t ldy,
@@ -62,6 +100,11 @@ inline void f32_tile(const float* x, int64_t ldx, const float* w, int64_t K, con
     _mm512_mask_storeu_ps(y + r * ldy, m0, a0);
     _mm512_mask_storeu_ps(y + r * ldy + 16, m1, a1);
   }
+#elif defined(__AVX2__) && defined(__FMA__)
+  int r0 = 0;
+  for (; r0 + 3 <= R; r0 += 3) f32_tile_avx2<3>(x + r0 * ldx, ldx, w, K, bias, y + r0 * ldy, ldy, ncols);
+  if (R - r0 == 2) f32_tile_avx2<2>(x + r0 * ldx, ldx, w, K, bias, y + r0 * ldy, ldy, ncols);
+  if (R - r0 == 1) f32_tile_avx2<1>(x + r0 * ldx, ldx, w, K, bias, y + r0 * ldy, ldy, ncols);
 #else
   float acc[R][BW] = {};
   for (int64_t k = 0; k < K; ++k) {
