@@ -36,8 +36,8 @@ from loaders import envs
 
 CSRC = os.path.join(os.path.dirname(__file__), "csrc")
 SOURCES = ("paged_attention.cpp", "quant_linear.cpp", "rms_norm.cpp", "rotary.cpp", "decode_glue.cpp",
-           "f32_linear.cpp", "build_info.cpp")
-HEADERS = ("tpserve_kernels.h",)  # shared by the sources: part of a build's hash
+           "f32_linear.cpp", "amx_linear.cpp", "build_info.cpp")
+HEADERS = ("tpserve_kernels.h", "amx_tiles.h")  # shared by the sources: part of a build's hash
 PREBUILT = os.path.join(os.path.dirname(__file__), "prebuilt")  # manifest.json + <variant>/tpserve_kernels.so
 LIBRARY = "tpserve_kernels.so"
 # -fopenmp: at::parallel_for is OpenMP in torch's CPU builds; without it the loop runs on one thread (the libgomp.so.1
@@ -58,7 +58,14 @@ _V4 = _V3 + ("avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl")
 # best first: `choose` takes the first one whose flags the CPU has. The AVX-512 levels are tuned for an AVX-512 core:
 # GCC's -mtune=generic made the batched int8 kernel (int8_range, 8 rows) 0.6x as fast on Zen 4 (BENCHMARKS.md
 # section 14), and any AVX-512 core's tuning (icelake-server, sapphirerapids, znver3) gave it back.
+_AMX = ("amx_tile", "amx_int8", "amx_bf16")
 VARIANTS = (
+    # Sapphire Rapids and later Xeons: the VNNI-BF16 build, plus AMX tiles for prefill-sized batches of the int8, int4
+    # and bf16 linears (amx_linear.cpp). NOT RUN ON AMX HARDWARE: built, and its loop order tested on emulated tiles.
+    # Chosen only where Linux grants the process the tile registers (cpu_flags).
+    Variant("x86-64-v4-amx", "x86_64", _V4 + ("avx512_vnni", "avx512_bf16") + _AMX,
+            ("-march=x86-64-v4", "-mavx512vnni", "-mavx512bf16", "-mamx-tile", "-mamx-int8", "-mamx-bf16",
+             "-mtune=sapphirerapids")),
     # Zen 4 / Zen 5, Sapphire Rapids and later: int8/int4 activations in int8 (vpdpbusd), bf16 ones in bfloat16
     Variant("x86-64-v4-vnni-bf16", "x86_64", _V4 + ("avx512_vnni", "avx512_bf16"),
             ("-march=x86-64-v4", "-mavx512vnni", "-mavx512bf16", "-mtune=icelake-server")),
@@ -87,7 +94,25 @@ def cpu_flags() -> set[str]:
                     break
     except OSError:
         pass
-    return flags - _denied_by_cpuid(flags)
+    flags -= _denied_by_cpuid(flags)
+    if set(_AMX) & flags and not amx_granted():
+        flags -= set(_AMX)
+    return flags
+
+
+def amx_granted() -> bool:
+    """Whether Linux lets this process use AMX tile data (arch_prctl ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA: Linux
+    5.16+ requires the request; it holds for the whole process). False off x86-64 Linux or when refused."""
+    if platform.machine() != "x86_64" or not sys.platform.startswith("linux"):
+        return False
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        sys_arch_prctl, req_xcomp_perm, xtiledata = 158, 0x1023, 18
+        return libc.syscall(sys_arch_prctl, req_xcomp_perm, xtiledata) == 0
+    except (OSError, AttributeError):
+        return False
 
 
 def _denied_by_cpuid(flags: set[str]) -> set[str]:

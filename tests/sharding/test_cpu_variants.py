@@ -18,7 +18,12 @@ ROOT = Path(__file__).resolve().parents[2]
 ZEN4 = set(cv._V4) | {"avx512_vnni", "avx512_bf16", "sse4_2", "avx512vbmi"}
 
 
+SAPPHIRE_RAPIDS = ZEN4 | {"amx_tile", "amx_int8", "amx_bf16", "avx512_fp16"}
+
+
 @pytest.mark.parametrize("flags, machine, expected", [
+    (SAPPHIRE_RAPIDS, "x86_64", "x86-64-v4-amx"),
+    (SAPPHIRE_RAPIDS - {"amx_int8"}, "x86_64", "x86-64-v4-vnni-bf16"),  # tiles without int8 ones: no AMX build
     (ZEN4, "x86_64", "x86-64-v4-vnni-bf16"),
     (ZEN4 - {"avx512_bf16"}, "x86_64", "x86-64-v4"),           # Ice Lake server: VNNI without BF16
     (set(cv._V4), "x86_64", "x86-64-v4"),                      # Skylake-X
@@ -39,7 +44,7 @@ def test_choose_among_what_is_prebuilt():
 
 
 def test_variants_to_build():
-    assert cv.variants_to_build("all", "x86_64") == ["x86-64-v4-vnni-bf16", "x86-64-v4", "x86-64-v3"]
+    assert cv.variants_to_build("all", "x86_64") == ["x86-64-v4-amx", "x86-64-v4-vnni-bf16", "x86-64-v4", "x86-64-v3"]
     assert cv.variants_to_build("all", "aarch64") == ["armv8-a"]
     assert cv.variants_to_build("none") == []
     assert cv.variants_to_build("x86-64-v3, x86-64-v4") == ["x86-64-v3", "x86-64-v4"]

@@ -509,6 +509,7 @@ inline void add_bias(const float* bias, int64_t M, int64_t n0, int64_t nrows, fl
 
 void int8_range(const float* x, const Int8Rows* xq, int64_t M, int64_t K, const int8_t* w, const at::Half* scale,
                 const float* bias, int64_t N, float* y, int64_t b0, int64_t b1) {
+  if (amx_int_range(xq, M, K, w, false, scale, 32, bias, N, y, b0, b1)) return;  // AMX builds, prefill
 #ifdef TPSERVE_INT8_DOT
   (void)x;
   for (int64_t b = b0; b < b1; ++b) {
@@ -536,6 +537,7 @@ void int8_range(const float* x, const Int8Rows* xq, int64_t M, int64_t K, const 
 
 void bf16_range(const float* x, const Int8Rows* xq, int64_t M, int64_t K, const uint16_t* w, const float* bias,
                 int64_t N, float* y, int64_t b0, int64_t b1) {
+  if (amx_bf16_range(xq, M, K, w, bias, N, y, b0, b1)) return;  // AMX builds, prefill
 #ifdef TPSERVE_BF16_DOT
   (void)x;
   for (int64_t b = b0; b < b1; ++b) {
@@ -561,6 +563,7 @@ void bf16_range(const float* x, const Int8Rows* xq, int64_t M, int64_t K, const 
 
 void int4_range(const float* x, const Int8Rows* xq, int64_t M, int64_t K, const uint8_t* w, const at::Half* scale,
                 int64_t G, const float* bias, int64_t N, float* y, int64_t b0, int64_t b1) {
+  if (amx_int_range(xq, M, K, w, true, scale, G, bias, N, y, b0, b1)) return;  // AMX builds, prefill
   const int64_t ng = K / G;
 #ifdef TPSERVE_INT8_DOT
   (void)x;

@@ -56,6 +56,16 @@ void int8_range(const float* x, const Int8Rows* xq, int64_t M, int64_t K, const 
 void int4_range(const float* x, const Int8Rows* xq, int64_t M, int64_t K, const uint8_t* w, const at::Half* scale,
                 int64_t G, const float* bias, int64_t N, float* y, int64_t b0, int64_t b1);
 
+// amx_linear.cpp (the x86-64-v4-amx build; elsewhere they return false): the int8 / int4 (int4: w is the packed
+// nibbles) and bf16 ranges above on AMX tiles, for AMX_MIN_ROWS activation rows or more, when the OS grants the tiles;
+// false: not taken, run the other kernels
+constexpr int64_t AMX_MIN_ROWS = 16;  // one A tile; below it the VNNI kernels leave no tile rows idle
+bool amx_ready();
+bool amx_int_range(const Int8Rows* xq, int64_t M, int64_t K, const void* w, bool int4, const at::Half* scale,
+                   int64_t G, const float* bias, int64_t N, float* y, int64_t b0, int64_t b1);
+bool amx_bf16_range(const Int8Rows* xq, int64_t M, int64_t K, const uint16_t* w, const float* bias, int64_t N, float* y,
+                    int64_t b0, int64_t b1);
+
 // f32_linear.cpp: blocks of 32 output columns (kernels.block_f32)
 constexpr int64_t F32_BLOCK = 32;
 void f32_range(const float* x, int64_t M, int64_t K, const float* w, const float* bias, int64_t N, float* y, int64_t b0,
