@@ -70,6 +70,12 @@ def _shm(raw: str) -> bool:
     return raw == "1"
 
 
+def _numa(raw: str) -> str:
+    if raw not in ("auto", "off", "distribute"):
+        raise ValueError(f"TPSERVE_NUMA must be auto, off or distribute, not {raw!r}")
+    return raw
+
+
 def _kernel_switch(name: str, what: str) -> Var[bool]:
     return _var(f"TPSERVE_{name}_KERNEL", "0/1", "1", None, USER,
                 f"`0`: torch's path instead of the compiled {what}; read once, when the kernels load",
@@ -95,7 +101,11 @@ PROGRESS_INTERVAL = _var("TPSERVE_PROGRESS_INTERVAL", "float (s)", "10", None, U
 
 # --- every rank: joining the others ---
 THREADS = _var("TPSERVE_THREADS", "int", "0", "cores ÷ ranks on the host", USER,
-               "torch threads per rank (0: the default)", int)
+               "torch threads per rank (0: the default; a rank bound to a NUMA node: the CPUs it got)", int)
+NUMA = _var("TPSERVE_NUMA", "str", "auto", None, USER,
+            "where a host's CPU ranks run: `auto` (one NUMA node each, or an equal share of one, when the host has "
+            "several and the local ranks are a multiple of them), `off`, `distribute` (spread over the nodes "
+            "whatever the counts); `tpserve serve --numa` sets it for its ranks (docs/numa.md)", _numa)
 PP_LAYER_PARTITION = _var("TPSERVE_PP_LAYER_PARTITION", "str", None, "as even as possible", USER,
                           "decoder layers per pipeline stage, e.g. `3,2` (vLLM's VLLM_PP_LAYER_PARTITION); rank 0 "
                           "checks it before spawning, every rank reads it when it joins", str)

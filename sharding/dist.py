@@ -20,6 +20,7 @@ so it never has to go through NCCL. With one rank nothing is initialised and eve
 from __future__ import annotations
 
 import datetime
+import json
 import logging
 import os
 import socket
@@ -29,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from loaders import envs
-from sharding import shm_allreduce
+from sharding import numa, shm_allreduce
 
 logger = logging.getLogger(__name__)
 
@@ -40,8 +41,11 @@ def default_device() -> torch.device:
     return torch.device("cpu")
 
 
-def threads_per_rank(local_world_size: int) -> int:
-    """Cores of this host divided by the ranks on it (at least one): ranks x threads must not exceed the cores."""
+def threads_per_rank(local_world_size: int, placement: numa.Placement | None = None) -> int:
+    """Cores of this host divided by the ranks on it (at least one): ranks x threads must not exceed the cores. A
+    rank bound to a NUMA node (sharding/numa.py) has CPUs of its own: one thread on each."""
+    if placement is not None:
+        return len(placement.cpus)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return max(1, cores // max(1, local_world_size))
 
@@ -145,6 +149,8 @@ class Dist:
     timeout: datetime.timedelta = datetime.timedelta(seconds=600)
     generation: int = 0  # of this rank's replica: 0 at start, +1 each time the replica is respawned
     shm_ok: bool = False  # the shared-memory collectives may be used for this rank's TP group
+    # where ranks run (placement_record): this rank's own; on rank 0, every rank's (global rank -> record)
+    placements: dict[int, dict[str, str]] = field(default_factory=dict)
 
     @property
     def is_first(self) -> bool:
@@ -313,6 +319,10 @@ def _group_name(kind: str, replica: int, generation: int) -> str:
     return f"tpserve/{restart}/r{replica}/g{generation}/{kind}"
 
 
+def _placement_key(rank: int) -> str:
+    return f"tpserve/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/placement/{rank}"
+
+
 def _same_host(store, name: str, members: list[int], global_rank: int) -> bool:
     """Whether every member runs on this host (hostname + boot id, exchanged through the store)."""
     me = socket.gethostname()
@@ -375,11 +385,23 @@ def install_groups(d: Dist, groups: ReplicaGroups) -> None:
         d.generation = groups.generation
 
 
+def placement_record(local_rank: int, placement: numa.Placement | None, note: str) -> dict[str, str]:
+    """Where this rank runs, as rank 0 shows it (the start line, /metrics): host, NUMA nodes (empty when not
+    bound), the CPUs it may run on, its torch threads, and its memory policy or why it is not bound (numa.place)."""
+    cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else range(os.cpu_count() or 1)
+    return {"host": socket.gethostname(), "local_rank": str(local_rank),
+            "numa_nodes": numa.format_cpulist(placement.nodes) if placement else "",
+            "cpus": numa.format_cpulist(cpus), "threads": str(torch.get_num_threads()),
+            "numa": f"memory: {note}" if placement else f"not bound: {note}"}
+
+
 def init_dist(layout: Layout | None = None, timeout_s: float | None = None) -> Dist:
     """Join the ranks described by the environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT; a respawned
     replica's ranks also TPSERVE_GENERATION).
 
-    torchrun and tpserve's own launcher both set these. Without them this process is a single rank. `layout` splits
+    torchrun and tpserve's own launcher both set these. Without them this process is a single rank. Before anything
+    is allocated, a CPU rank is placed on a NUMA node as TPSERVE_NUMA says (sharding/numa.py, with LOCAL_RANK and
+    LOCAL_WORLD_SIZE), and `placements` records where it runs (on rank 0: every rank). `layout` splits
     the world (default: all of it tensor parallel). There is no world-wide group: rank 0 hosts (or under torchrun,
     joins) the rendezvous store, and every group is made over it by name (make_replica_groups): each replica's link
     to rank 0 and each stage's TP group, so that one replica's failure leaves the others' groups intact.
@@ -387,30 +409,40 @@ def init_dist(layout: Layout | None = None, timeout_s: float | None = None) -> D
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", str(world_size)))
+    local_rank = int(os.environ.get("LOCAL_RANK", str(rank % max(1, local_world_size))))
     layout = layout or Layout(tp=world_size)
     if layout.world_size != world_size:
         raise ValueError(f"tensor x pipeline x data parallel sizes ({layout.tp} x {layout.pp} x {layout.dp} = "
                          f"{layout.world_size}) must equal the world size ({world_size})")
     device = default_device()
-    torch.set_num_threads(envs.THREADS.get() or threads_per_rank(local_world_size))
-    partition = envs.PP_LAYER_PARTITION.get()
-    if world_size == 1:
-        return Dist(device=device, layer_partition=partition)
-    timeout = datetime.timedelta(seconds=timeout_s or envs.COLLECTIVE_TIMEOUT.get())
     backend = "nccl" if device.type == "cuda" else "gloo"
     # the shared-memory collectives spin: only for gloo ranks no more than the cores of their host (a bad
-    # TPSERVE_SHM_ALLREDUCE setting fails here, before joining)
-    shm_ok = shm_allreduce.wanted(backend, local_world_size, local_world_size)
+    # TPSERVE_SHM_ALLREDUCE setting fails here, before joining; and before binding, so every rank counts the same
+    # cores)
+    shm_ok = world_size > 1 and shm_allreduce.wanted(backend, local_world_size, local_world_size)
+    # NUMA placement (sharding/numa.py) before anything is allocated, so the weights and the cache land on the node
+    mode = envs.NUMA.get() if device.type == "cpu" else "off"
+    placement, note = numa.place(local_rank, local_world_size, mode)
+    torch.set_num_threads(envs.THREADS.get() or threads_per_rank(local_world_size, placement))
+    record = placement_record(local_rank, placement, note)
+    partition = envs.PP_LAYER_PARTITION.get()
+    if world_size == 1:
+        return Dist(device=device, layer_partition=partition, placements={0: record})
+    timeout = datetime.timedelta(seconds=timeout_s or envs.COLLECTIVE_TIMEOUT.get())
     if device.type == "cuda":
         torch.cuda.set_device(device)
     store, _, _ = next(dist.rendezvous("env://", rank, world_size, timeout=timeout))
+    store.set(_placement_key(rank), json.dumps(record))  # for rank 0 (a respawned rank writes its own again)
     generation = envs.GENERATION.get()
     dp_rank, pp_rank, tp_rank = layout.coords(rank)
     d = Dist(tp_rank, layout.tp, local_world_size, device, layout=layout, global_rank=rank,
-             layer_partition=partition, store=store, timeout=timeout, generation=generation, shm_ok=shm_ok)
+             layer_partition=partition, store=store, timeout=timeout, generation=generation, shm_ok=shm_ok,
+             placements={rank: record})
     for replica in range(layout.dp) if rank == 0 else [dp_rank]:
         install_groups(d, make_replica_groups(d, replica, generation if replica == dp_rank else 0))
-    logger.debug("rank %d/%d (dp %d, pp %d, tp %d) on %s (%s), %d threads, all-reduce via %s", rank, world_size,
-                 dp_rank, pp_rank, tp_rank, device, backend, torch.get_num_threads(),
+    if rank == 0:  # every rank wrote its record before joining its groups, which rank 0 has now made with all
+        d.placements = {r: json.loads(store.get(_placement_key(r))) for r in range(world_size)}
+    logger.debug("rank %d/%d (dp %d, pp %d, tp %d) on %s (%s), %d threads on CPUs %s, all-reduce via %s", rank,
+                 world_size, dp_rank, pp_rank, tp_rank, device, backend, torch.get_num_threads(), record["cpus"],
                  "shared memory" if d.fast_all_reduce is not None else backend)
     return d

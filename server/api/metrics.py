@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 from prometheus_client.core import CounterMetricFamily
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
@@ -69,6 +69,14 @@ class Metrics:
                                              registry=r)
         self.step_seconds = Histogram("tpserve_step_seconds", "Duration of one engine step", buckets=LATENCY_BUCKETS,
                                       registry=r)
+        self.rank_placement = Info("tpserve_rank_placement", "Where each rank runs: host, NUMA node(s) (empty: not "
+                                   "bound), CPUs, torch threads, memory policy or why not bound (--numa)", ["rank"],
+                                   registry=r)
+
+    def show_placements(self, placements: dict[int, dict[str, str]]) -> None:
+        """What every rank reported at start (sharding/dist.py: placement_record), one info sample per rank."""
+        for rank, record in sorted(placements.items()):
+            self.rank_placement.labels(str(rank)).info(dict(record))
 
     def watch_experts(self, model) -> None:
         """Export an MoE model's per-expert token counts (ExpertTokens), once."""

@@ -24,6 +24,7 @@ from loaders.checkpoint import Checkpoint
 from loaders.default_model import ensure_default_model
 from sharding.dist import Dist, init_dist
 from sharding.executor import start_executor
+from sharding.numa import MODES
 from sharding.runner import EngineConfig, build_model, resolve_max_model_len, start_rank
 from sharding.worker import leave_shutdown_to_rank0, worker_loop
 
@@ -175,11 +176,13 @@ def world_size(cfg: EngineConfig, tp: int) -> int:
     return tp * cfg.pipeline_parallel_size * cfg.data_parallel_size
 
 
-def spawn_workers(cfg: EngineConfig, tp: int) -> tuple[Workers, dict[str, str]]:
-    """Ranks 1..world-1 as `python -m sharding.worker`; returns them and rank 0's rendezvous environment."""
+def spawn_workers(cfg: EngineConfig, tp: int, settings: dict[str, str] | None = None) \
+        -> tuple[Workers, dict[str, str]]:
+    """Ranks 1..world-1 as `python -m sharding.worker`; returns them and rank 0's rendezvous environment.
+    `settings`: more environment variables for every rank (and for ranks spawned again later)."""
     world = world_size(cfg, tp)
     rdzv = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(world),
-                LOCAL_WORLD_SIZE=str(world))
+                LOCAL_WORLD_SIZE=str(world), **(settings or {}))
     workers = Workers(argv=cfg.to_argv(), env=rdzv)
     for rank in range(1, world):
         workers.spawn(rank)
@@ -199,16 +202,30 @@ def torchrun_worker_signals() -> None:
         leave_shutdown_to_rank0()
 
 
-def launch(cfg: EngineConfig, tp: int):
+def rank_settings(numa: str | None) -> dict[str, str]:
+    """The environment the command line's settings give every rank: TPSERVE_NUMA for --numa (checked here, before
+    any rank starts; None: the variable as set, or its default)."""
+    if numa is None:
+        envs.NUMA.get()  # a bad TPSERVE_NUMA is refused before any rank starts
+        return {}
+    if numa not in MODES:
+        raise ValueError(f"--numa must be one of {', '.join(MODES)}, not {numa!r}")
+    return {envs.NUMA.name: numa}
+
+
+def launch(cfg: EngineConfig, tp: int, numa: str | None = None):
     """Start every rank. Returns (executor, dist, workers) on rank 0; on ranks > 0 under torchrun, runs the worker
-    loop and exits the process when it ends."""
+    loop and exits the process when it ends. `numa`: where each host's CPU ranks run (sharding/numa.py; None:
+    TPSERVE_NUMA)."""
+    settings = rank_settings(numa)
     if under_torchrun():
         world = int(os.environ.get("WORLD_SIZE", "1"))
         if world != world_size(cfg, tp):
             raise ValueError(f"--tensor-parallel-size {tp} x --pipeline-parallel-size {cfg.pipeline_parallel_size} "
                              f"x --data-parallel-size {cfg.data_parallel_size} does not match torchrun's world size "
                              f"{world}")
-        dist = init_dist(cfg.layout(world))
+        with environment(settings):
+            dist = init_dist(cfg.layout(world))
         if not dist.is_driver:
             worker_loop(start_rank(cfg, dist))
             dist.shutdown()
@@ -216,7 +233,7 @@ def launch(cfg: EngineConfig, tp: int):
         return start_executor(cfg, dist), dist, Workers()
     validate(cfg, tp)
     world = world_size(cfg, tp)
-    workers, rdzv = spawn_workers(cfg, tp) if world > 1 else (Workers(), {})
+    workers, rdzv = spawn_workers(cfg, tp, settings) if world > 1 else (Workers(), settings)
     workers.on_death = _fail_fast
     workers.watch()
     with environment(rdzv):

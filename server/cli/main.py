@@ -16,6 +16,7 @@ import threading
 import time
 
 from loaders import envs
+from sharding import numa  # (light: no torch)
 
 logger = logging.getLogger("tpserve")
 STARTED = time.monotonic()  # the start's phases are logged with the time from here to serving
@@ -201,7 +202,7 @@ def serve(args) -> int:
             raise ValueError(f"cannot read the model's config or its sentence-transformers files: {e}") from None
     torchrun_worker_signals()
     compute = EngineThread()  # every torch call of this process runs there: loading now, the engine loop later
-    runner, dist, workers = compute.call(launch, cfg, args.tensor_parallel_size)
+    runner, dist, workers = compute.call(launch, cfg, args.tensor_parallel_size, args.numa)
     tokenizer = load_tokenizer(cfg.model)
     if pooling is None:
         pooling = pooling_config(cfg.model, runner.config, args.pooling, args.normalize_embeddings)
@@ -236,6 +237,7 @@ def serve(args) -> int:
                                                                  args.responses_store_max_count),
                         loras=loras)
     engine.step_listeners.append(lambda dt, _: state.metrics.step_seconds.observe(dt))
+    state.metrics.show_placements(dist.placements)
     supervisor = None
     if workers.procs:  # ranks this process spawned: a dead or hung replica is isolated and (by default) restarted
         supervisor = Supervisor(engine, runner, workers, cfg, restart=args.restart_failed_ranks,
@@ -286,6 +288,9 @@ def serve(args) -> int:
                 runner.phases.summary(), max(total - sum(runner.phases.seconds.values()), 0.0))
     if engine.speculator is not None:
         print(f"tpserve: {engine.speculator.cfg.describe()}", flush=True)
+    placements = describe_placements(dist.placements)
+    if placements:
+        print(f"tpserve: {placements}", flush=True)
     print(f"tpserve: serving {name} on http://{args.host}:{args.port} ({layout})", flush=True)
     try:
         server.run()
@@ -340,7 +345,18 @@ def generate(args) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def describe_placements(placements: dict[int, dict[str, str]]) -> str | None:
+    """The start line's account of where the ranks run, when any is bound to a NUMA node (None: none is)."""
+    if not any(p["numa_nodes"] for p in placements.values()):
+        return None
+    hosts = {p["host"] for p in placements.values()}
+    return "NUMA placement: " + "; ".join(
+        f"rank {r}" + (f" on {p['host']}" if len(hosts) > 1 else "")
+        + (f" node {p['numa_nodes']}" if p["numa_nodes"] else " unbound")
+        + f", CPUs {p['cpus']}, {p['threads']} threads" for r, p in sorted(placements.items()))
+
+
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="tpserve", description="A readable tensor-parallel LLM server")
     sub = ap.add_subparsers(dest="cmd", required=True)
     s = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
@@ -393,6 +409,11 @@ def main(argv: list[str] | None = None) -> int:
                         "server exits non-zero (default 3)")
     s.add_argument("--rank-restart-window", type=float, default=600.0, metavar="SECONDS",
                    help="the window --max-rank-restarts counts failures in (default 600)")
+    s.add_argument("--numa", choices=numa.MODES, default=None,
+                   help="where this host's CPU ranks run: auto binds each to a NUMA node (or an equal share of one) "
+                        "when the host has several and the ranks are a multiple of them; distribute spreads them "
+                        "over the nodes whatever the counts; off leaves them to the scheduler (default: "
+                        "TPSERVE_NUMA, else auto; docs/numa.md)")
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     g = sub.add_parser("generate", help="generate offline (no HTTP)")
     add_engine_args(g)
@@ -403,7 +424,11 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--chat", action="store_true", help="wrap each prompt as a user message in the chat template")
     g.add_argument("--json", action="store_true", help="one JSON object per prompt")
     sub.add_parser("prepare", help="convert the embedded default model into the cache folder and print its path")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     rank = os.environ.get("RANK", "0")
     logging.basicConfig(level=logging.INFO if rank == "0" else logging.WARNING,
                         format=f"%(asctime)s [rank {rank}] %(levelname)s %(name)s: %(message)s")

@@ -1,6 +1,7 @@
 """The OpenAI API through the official `openai` client against a real `tpserve serve` at TP 1 and 2."""
 
 import asyncio
+import re
 import time
 
 import httpx
@@ -18,6 +19,7 @@ def srv(request, server_factory, checkpoints):
     folder = checkpoints("llama")
     s = server_factory(folder, request.param, "--max-model-len", "256", "--max-num-seqs", "8")
     s.folder = folder
+    s.tp = request.param
     s.tok = AutoTokenizer.from_pretrained(str(folder))
     return s
 
@@ -165,6 +167,11 @@ def test_metrics_exposes_gauges(srv):
     for name in ("tpserve_requests_running", "tpserve_requests_waiting", "tpserve_kv_cache_usage_ratio",
                  "tpserve_time_to_first_token_seconds_bucket", "tpserve_requests_finished_total"):
         assert name in body
+    # where each rank runs, as every rank reported it to rank 0 at start (sharding/numa.py, docs/numa.md)
+    placements = [line for line in body.splitlines() if line.startswith("tpserve_rank_placement_info{")]
+    assert sorted(re.search(r'[{,]rank="(\d+)"', line).group(1) for line in placements) == \
+        [str(r) for r in range(srv.tp)]
+    assert all('cpus="' in line and 'threads="' in line for line in placements), placements
 
 
 def test_metrics_count_tokens_and_every_inter_token_gap(srv, client):
