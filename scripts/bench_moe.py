@@ -239,7 +239,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     print(f"CPU: {cpu_name()}, {args.threads} threads", flush=True)
     result = prefill(args) if args.what == "prefill" else layouts(args)
-    result.update(cpu=cpu_name(), threads=args.threads, model=args.model)
+    result.update(cpu=cpu_name(), threads=args.threads, model=args.model,
+                  tpserve_kernels=os.environ.get("TPSERVE_KERNELS", "auto"),
+                  llama_cpp=(llama_bin("VERSION").parent.parent / "VERSION").read_text().strip()
+                  if (llama_bin("VERSION").parent.parent / "VERSION").exists() else None)
     out = Path(args.output or f"results/bench_moe_{args.what}_{args.quantization}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))

@@ -43,7 +43,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 from bench_baseline import PROMPT, f32_gguf, load_avg  # noqa: E402
 from bench_prefill import cpu_name  # noqa: E402
-from bench_quant_accuracy import llama_bin  # noqa: E402
+from bench_quant_accuracy import builds, llama_bin  # noqa: E402
 
 # (tpserve dtype, tpserve quantization, llama.cpp GGUF type)
 PAIRS = [("float32", None, "F32"), ("bfloat16", None, "F16"), ("float32", "bf16", "F16"), ("float32", "int8", "Q8_0"),
@@ -309,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
                  f"{s['ratio']:.2f}x" if have_llama else ""))
     out = Path(args.output or "results/quant.json")
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(dict(cpu=cpu_name(), threads=args.threads, prompt=PROMPT, max_tokens=MAX_TOKENS,
+    out.write_text(json.dumps(dict(cpu=cpu_name(), **builds(), threads=args.threads, prompt=PROMPT, max_tokens=MAX_TOKENS,
                                    rows=rows, summary=summary), indent=2))
     print(f"saved {out}")
     return 0

@@ -46,6 +46,14 @@ def llama_bin(name: str) -> Path:
     return Path(os.environ.get("LLAMA_CPP_DIR") or home / "llama.cpp") / "bin" / name
 
 
+def builds() -> dict:
+    """What a result was measured with: tpserve's kernel build (TPSERVE_KERNELS) and llama.cpp's (its VERSION file:
+    version and ISA, from scripts/build_llama_cpp.sh)."""
+    version = llama_bin("VERSION").parent.parent / "VERSION"
+    return dict(tpserve_kernels=os.environ.get("TPSERVE_KERNELS", "auto"),
+                llama_cpp=version.read_text().strip() if version.exists() else None)
+
+
 def tpserve_scores(model: str, quantization: str | None, group: int, threads: int) -> tuple[list[float], list[int]]:
     """(logprob of each scored token, float32-comparable top-1 id at each scored position)."""
     from server.llm import LLM

@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from bench_baseline import f32_gguf
     from bench_quant import llama_gguf
-    from bench_quant_accuracy import llama_bin
+    from bench_quant_accuracy import builds, llama_bin
 
     from loaders.default_model import ensure_default_model
 
@@ -191,8 +191,8 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.output or ("results/servers.json" if args.precision == "float32"
                                else f"results/servers_{args.precision}.json"))
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(dict(precision=args.precision, gguf=kind, threads=args.threads, llama_slots=slots,
-                                   input_len=args.input_len, output_len=args.output_len, runs=rows,
+    out.write_text(json.dumps(dict(**builds(), precision=args.precision, gguf=kind, threads=args.threads,
+                                   llama_slots=slots, input_len=args.input_len, output_len=args.output_len, runs=rows,
                                    summary=summary), indent=1))
     print(f"wrote {out}")
     return 0
