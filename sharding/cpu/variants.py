@@ -35,9 +35,15 @@ from dataclasses import dataclass
 from loaders import envs
 
 CSRC = os.path.join(os.path.dirname(__file__), "csrc")
-SOURCES = ("paged_attention.cpp", "quant_linear.cpp", "rms_norm.cpp", "rotary.cpp", "decode_glue.cpp",
-           "f32_linear.cpp", "build_info.cpp")
-HEADERS = ("tpserve_kernels.h",)  # shared by the sources: part of a build's hash
+# core/: the kernels without torch; the rest: the torch ops
+CORE_SOURCES = ("core/quant_linear.cpp", "core/f32_linear.cpp", "core/rms_norm.cpp", "core/rotary.cpp",
+                "core/paged_attention.cpp", "core/argmax.cpp")
+SOURCES = CORE_SOURCES + ("paged_attention.cpp", "quant_linear.cpp", "rms_norm.cpp", "rotary.cpp", "decode_glue.cpp",
+                          "f32_linear.cpp", "build_info.cpp")
+# included by the sources (the arch/ ones by core/ for the build's ISA): part of a build's hash, and of the wheel
+# (pyproject.toml's package-data)
+HEADERS = ("tpserve_kernels.h", "core/kernels.h", "core/portable_quant.h", "core/portable_f32.h",
+           "arch/x86/quant_avx512.h", "arch/x86/quant_avx2.h", "arch/x86/f32.h", "arch/x86/argmax.h")
 PREBUILT = os.path.join(os.path.dirname(__file__), "prebuilt")  # manifest.json + <variant>/tpserve_kernels.so
 LIBRARY = "tpserve_kernels.so"
 # -fopenmp: at::parallel_for is OpenMP in torch's CPU builds; without it the loop runs on one thread (the libgomp.so.1
@@ -169,7 +175,7 @@ def _build_ninja(label: str, march: tuple[str, ...]) -> str:
               + [f"-isystem {p}" for p in includes] + ["-fPIC", "-std=c++20", *COMMON_CFLAGS, *march])
     ldflags = (["-shared", "-fopenmp"] + [f"-L{p}" for p in cpp_extension.library_paths()]
                + ["-lc10", "-ltorch_cpu", "-ltorch"])  # no libtorch_python: the ops register through TORCH_LIBRARY
-    objects = [os.path.splitext(s)[0] + ".o" for s in SOURCES]
+    objects = [os.path.splitext(s)[0].replace("/", "_") + ".o" for s in SOURCES]  # core/x.cpp -> core_x.o
     lines = ["ninja_required_version = 1.3", f"cxx = {os.environ.get('CXX', 'c++')}",
              "cflags = " + " ".join(cflags), "ldflags = " + " ".join(ldflags),
              "rule compile", "  command = $cxx -MMD -MF $out.d $cflags -c $in -o $out", "  depfile = $out.d",
