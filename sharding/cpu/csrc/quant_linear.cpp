@@ -113,7 +113,7 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& w, int64_t N) {
 TORCH_LIBRARY_FRAGMENT(tpserve, m) {
   m.def("int8_linear(Tensor x, Tensor w, Tensor scale, int n) -> Tensor");
   m.def("int4_linear(Tensor x, Tensor w, Tensor scale, int group, int n) -> Tensor");
-  // int8_linear and int4_linear quantize their activations (VNNI, AVX2), and take weights in blocks of 16 rows
+  // int8_linear and int4_linear quantize their activations (VNNI, AVX2, NEON), and take weights in blocks of 16 rows
   m.def("quant_int8_activations() -> bool", &tpserve::vnni_layout);
   m.def("bf16_linear(Tensor x, Tensor w, int n) -> Tensor");
   // bf16_linear rounds its activations to bfloat16 (AVX-512 BF16), and takes weights in blocks of 16 rows

@@ -1,5 +1,5 @@
 // What the torch op files share: the torch-free kernels (core/kernels.h: raw-pointer entry points over a range of
-// work) and the tensor ops one op file calls from another.
+// work, also what tests/harness.cpp runs without torch) and the tensor ops one op file calls from another.
 #pragma once
 
 #include <ATen/ATen.h>

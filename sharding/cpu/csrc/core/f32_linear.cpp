@@ -14,12 +14,12 @@
 //
 // Every output is summed the same way whatever the row count or the tile: acc = fma(x[m, k], W[n, k], acc) for
 // k = 0 .. K-1 from zero, then + bias. So a row's product does not depend on the rows batched with it (oneDNN picks
-// its kernel by the row count), and every build with FMAs (AVX-512, AVX2) gives the same bits.
+// its kernel by the row count), and every build with FMAs (AVX-512, AVX2, NEON) gives the same bits.
 //
 // AVX2 CPUs (the x86-64-v3 build) have 16 vector registers of 8 floats, not 32 of 16: a tile of 8 rows x 32 outputs
 // would spill. There a tile walks the block's weights once per 3 rows, with 3 x 4 accumulators and the weights taken
 // straight from memory by the FMAs (the block's K x 128 bytes are in L2 for the second and third pass)
-// (arch/x86/f32.h).
+// (arch/x86/f32.h). NEON has 32 registers of 4 floats: 3 rows x 8 accumulators (arch/arm/f32.h).
 //
 // Other CPUs get the same loops in portable C++ (core/portable_f32.h, auto-vectorized).
 
@@ -38,6 +38,8 @@ constexpr int64_t MR = 8;   // activation rows per tile (8 x 2 accumulators)
 
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include "../arch/x86/f32.h"
+#elif defined(__aarch64__) && defined(__ARM_NEON)
+#include "../arch/arm/f32.h"
 #endif
 #ifndef TPSERVE_F32_TILE
 #include "portable_f32.h"

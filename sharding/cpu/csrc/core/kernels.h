@@ -4,11 +4,14 @@
 // two paths give bitwise the same results (tests/sharding/test_perf_paths.py).
 //
 // Layout of the sources (docs/cpu-kernels.md):
-//   core/*.cpp      these entry points, torch-free, with the portable C++ loops (core/portable.h): what a build runs
-//                   where no ISA-specific loop exists, and the reference the ISA loops are checked against
+//   core/*.cpp      these entry points, torch-free, with the portable C++ loops (core/portable_quant.h,
+//                   core/portable_f32.h): what a build runs where its ISA has no loop of its own
 //   arch/x86/*.h    the AVX-512 (VNNI, BF16) and AVX2 inner loops, chosen by the build's -march (__AVX512F__, ...)
+//   arch/arm/*.h    the NEON inner loops (with the dot product extension where the build has it: __ARM_FEATURE_DOTPROD)
 //   *.cpp           the torch ops over them (TORCH_LIBRARY, at::parallel_for) and decode_glue.cpp's fused steps
-// Nothing here includes a torch header: core/*.cpp compile alone, for any variant.
+//   tests/harness.cpp  a torch-free program that runs every kernel of a build against a plain scalar reference
+//                   (tests/sharding/test_kernel_harness.py: natively for the x86 variants, under qemu for ARM64)
+// Nothing here includes a torch header: the harness compiles core/*.cpp alone, for any variant, cross-compiled too.
 #pragma once
 
 #include <cstdint>
@@ -54,18 +57,19 @@ inline void with_rows(int64_t rows, const F& f) {
   f(std::integral_constant<int, MAXR>{});
 }
 
-// What this build's kernels run: "avx512-vnni-bf16", "avx512", "avx2" or "portable"
+// What this build's kernels run, for the harness and the logs: "avx512-vnni-bf16", "avx512", "avx2", "neon-dotprod",
+// "neon" or "portable"
 const char* kernels_isa();
 
 // ---- linears: y [M, N] (row stride N) from x [M, K] contiguous, over output blocks [b0, b1) -------------------------
 // core/quant_linear.cpp: blocks of 4 output rows (int8, int4, bf16 weights as quant.py's pack_rows stores them), or
-// for int8 and int4 where the kernels multiply int8 activations (AVX-512 VNNI, AVX2) blocks of 16 (int_rows()
+// for int8 and int4 where the kernels multiply int8 activations (AVX-512 VNNI, AVX2, NEON) blocks of 16 (int_rows()
 // says which)
 constexpr int64_t QUANT_BLOCK = 4;
 constexpr int64_t VNNI_BLOCK = 16;
 
-// int8 and int4 on CPUs with AVX-512 VNNI or AVX2 multiply int8 activations: x quantized per row and block of 32
-// inputs (Q8_0's scheme), once per input, by quantize_rows (blocks [kb0, kb1) of every row; `rows` sized by
+// int8 and int4 on CPUs with AVX-512 VNNI, AVX2 or NEON multiply int8 activations: x quantized per row and block of
+// 32 inputs (Q8_0's scheme), once per input, by quantize_rows (blocks [kb0, kb1) of every row; `rows` sized by
 // resize_rows)
 struct Int8Rows {
   std::vector<int8_t> q;        // [M, K]
@@ -75,7 +79,7 @@ struct Int8Rows {
   int64_t M = 0, K = 0;
 };
 bool vnni_layout();  // whether int8_range and int4_range take x quantized and weights in blocks of 16 rows
-int64_t int_rows();  // rows per block of the int8 and int4 layout: 16 with VNNI or AVX2, else 4
+int64_t int_rows();  // rows per block of the int8 and int4 layout: 16 with VNNI, AVX2 or NEON, else 4
 void resize_rows(Int8Rows& r, int64_t M, int64_t K);
 void quantize_rows(const float* x, Int8Rows& r, int64_t m0, int64_t m1, int64_t kb0, int64_t kb1);
 // bf16 weights on CPUs with AVX-512 BF16: x rounded to bfloat16 (xq->h, sized by resize_bf16_rows) and weights in

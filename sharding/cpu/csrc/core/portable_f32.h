@@ -1,5 +1,5 @@
 // The portable tile of core/f32_linear.cpp (R rows x 32 outputs of one block, auto-vectorized), included there where
-// the build's ISA header (arch/x86/f32.h) has none. Moved here unchanged from f32_linear.cpp.
+// the build's ISA header (arch/x86/f32.h, arch/arm/f32.h) has none. Moved here unchanged from f32_linear.cpp.
 #pragma once
 
 namespace {

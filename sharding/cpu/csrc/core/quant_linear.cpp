@@ -7,7 +7,7 @@
 //
 // Two layouts of w (quant.py's pack_rows; int_rows() / bf16_rows() say which this build reads):
 //
-// With AVX-512 VNNI or AVX2 (int8, int4) and AVX-512 BF16 (bf16), the kernels multiply small types, as llama.cpp
+// With AVX-512 VNNI, AVX2 or NEON (int8, int4) and AVX-512 BF16 (bf16), the kernels multiply small types, as llama.cpp
 // does: the activations are quantized once per input to int8 per row and block of 32 inputs (scale max|x| / 127,
 // Q8_0's; quantize_rows) or rounded to bfloat16 (round_rows_bf16). Weights are in blocks of 16 output rows; each
 // 64-byte line holds 4 bytes of each of the 16 rows (4 int8 inputs, 8 int4 inputs, 2 bf16 inputs), so one vpdpbusd
@@ -19,8 +19,10 @@
 // SmolLM2's int8 gate_up at 32 rows: 669 us with float32 activations (BENCHMARKS.md section 10), 365-408 us with int8
 // ones in the 4-row layout, 210-251 us in this one; at one row it still reads the weights (in cache) at ~100 GB/s,
 // faster than memory delivers them (section 11). AVX2 without VNNI (Zen 2 and 3, Intel client cores) runs the same
-// layout with vpmaddubsw and vpmaddwd in two 256-bit halves of each line (arch/x86/quant_avx2.h). The int32 dot
-// products are exact and the float steps after them the same, so both builds give the same outputs, bit for bit.
+// layout with vpmaddubsw and vpmaddwd in two 256-bit halves of each line (arch/x86/quant_avx2.h); ARM64 with sdot
+// (the dot product extension) or smull + sadalp, a line as four 128-bit quarters (arch/arm/quant_neon.h). The int32
+// dot products are exact and the float steps after them the same, so all of these builds give the same outputs, bit
+// for bit.
 //
 // Elsewhere (x86-64-v4 without VNNI, x86 below AVX2; bf16 weights everywhere but AVX-512 BF16), float32 activations:
 // weights in blocks of 4 output rows, interleaved in runs of 16 bytes (32 for bf16), the block's 4 rows computed
@@ -56,6 +58,8 @@ constexpr int64_t RUN = 16;  // bytes of one row stored together (int8, int4; bf
 #include "../arch/x86/quant_avx512.h"
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include "../arch/x86/quant_avx2.h"
+#elif defined(__aarch64__) && defined(__ARM_NEON)
+#include "../arch/arm/quant_neon.h"
 #endif
 #ifndef TPSERVE_AVX512
 #include "portable_quant.h"
@@ -71,7 +75,7 @@ bool has_bf16_dot() {
 #endif
 }
 
-bool has_vnni() {  // the int8 and int4 kernels take int8 activations and 16-row blocks (AVX-512 VNNI or AVX2)
+bool has_vnni() {  // the int8 and int4 kernels take int8 activations and 16-row blocks (VNNI, AVX2, NEON)
 #ifdef TPSERVE_INT8_DOT
   return true;
 #else
@@ -226,6 +230,10 @@ const char* kernels_isa() {
   return "avx512";
 #elif defined(TPSERVE_AVX2_DOT)
   return "avx2";
+#elif defined(TPSERVE_NEON) && defined(__ARM_FEATURE_DOTPROD)
+  return "neon-dotprod";
+#elif defined(TPSERVE_NEON)
+  return "neon";
 #else
   return "portable";
 #endif

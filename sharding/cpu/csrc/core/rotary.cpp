@@ -1,7 +1,7 @@
 // Rotary position embedding of one head, torch-free (the op: rotary.cpp; decode_glue.cpp calls it too). Same
 // arithmetic as transformers' formula `x * cos + rotate_half(x) * sin`, product by product, without contraction into
 // FMAs (this file is compiled with fp-contract off), so the result is bitwise the formula's on every build
-// (tests/sharding/test_perf_paths.py).
+// (tests/sharding/test_perf_paths.py, tests/sharding/test_kernel_harness.py).
 
 #pragma GCC optimize("fp-contract=off")
 

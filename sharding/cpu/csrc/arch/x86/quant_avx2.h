@@ -1,6 +1,6 @@
 // AVX2 inner loops of core/quant_linear.cpp (included there, in its anonymous namespace, where the build has AVX2, FMA
 // and F16C but not AVX-512: the x86-64-v3 variant). Moved here unchanged from quant_linear.cpp: the same outputs as
-// the VNNI build's, bit for bit (tests/sharding/test_cpu_variants.py).
+// the VNNI build's, bit for bit (tests/sharding/test_cpu_variants.py, tests/sharding/test_kernel_harness.py).
 #pragma once
 
 #include <immintrin.h>

@@ -1,7 +1,7 @@
 // AVX-512 inner loops of core/quant_linear.cpp (included there, in its anonymous namespace, where the build has
 // AVX-512 F and BW: the x86-64-v4 variants): the 4-row layout's float32-activation blocks, and with VNNI (BF16) the
 // 16-row layout's int8 (bfloat16) dot products. Moved here unchanged from quant_linear.cpp; the arithmetic of every
-// output is what it was, bit for bit (tests/sharding/test_cpu_variants.py).
+// output is what it was, bit for bit (tests/sharding/test_cpu_variants.py, tests/sharding/test_kernel_harness.py).
 #pragma once
 
 #include <immintrin.h>
