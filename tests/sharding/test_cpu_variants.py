@@ -16,6 +16,13 @@ from sharding.cpu import variants as cv
 
 ROOT = Path(__file__).resolve().parents[2]
 ZEN4 = set(cv._V4) | {"avx512_vnni", "avx512_bf16", "sse4_2", "avx512vbmi"}
+# ARM64 CPUs' /proc/cpuinfo Features
+GRAVITON2 = set("fp asimd evtstrm aes pmull sha1 sha2 crc32 atomics fphp asimdhp cpuid asimdrdm lrcpc dcpop asimddp "
+                "ssbs".split())  # Neoverse N1
+GRAVITON3 = GRAVITON2 | set("jscvt fcma sha3 sm3 sm4 sha512 sve asimdfhm dit uscat ilrcpc flagm paca pacg dcpodp "
+                            "svei8mm svebf16 i8mm bf16 dgh rng".split())  # Neoverse V1
+GRAVITON4 = GRAVITON3 | set("sve2 sveaes svepmull svebitperm svesha3 flagm2 frint".split())  # Neoverse V2
+CORTEX_A72 = set("fp asimd evtstrm crc32 cpuid".split())  # Raspberry Pi 4: ARMv8.0, no dotprod
 
 
 SAPPHIRE_RAPIDS = ZEN4 | {"amx_tile", "amx_int8", "amx_bf16", "avx512_fp16"}
@@ -31,11 +38,32 @@ SAPPHIRE_RAPIDS = ZEN4 | {"amx_tile", "amx_int8", "amx_bf16", "avx512_fp16"}
     (set(cv._V3), "x86_64", "x86-64-v3"),                      # Haswell, Zen 1-3
     (set(cv._V3) - {"fma"}, "x86_64", None),                   # below x86-64-v3: torch's own paths
     ({"asimd", "fp"}, "aarch64", "armv8-a"),
+    (CORTEX_A72, "aarch64", "armv8-a"),                        # ARMv8.0: no dot product instructions
+    (GRAVITON2, "aarch64", "armv8.2-a+dotprod"),
+    (GRAVITON3, "aarch64", "armv8.2-a+dotprod"),               # SVE and i8mm: no variant of their own (yet)
+    (GRAVITON4, "aarch64", "armv8.2-a+dotprod"),
+    ({"fp", "asimddp"}, "aarch64", None),                      # (no asimd: not a CPU Linux runs)
+    (GRAVITON3, "x86_64", None),                               # ARM flags do not make an x86 variant
     (ZEN4, "aarch64", None),                                   # x86 flags do not make an ARM variant
 ])
 def test_choose_the_best_variant_the_cpu_runs(flags, machine, expected):
     v = cv.choose(flags, machine)
     assert (v and v.name) == expected
+
+
+def test_arm64_flags_come_from_the_auxiliary_vector(monkeypatch):
+    """On ARM64 the flags are the auxiliary vector's (AT_HWCAP bits, named as /proc/cpuinfo names them): under
+    qemu-user, building an arm64 image on an x86 host, /proc/cpuinfo is the host's x86 one and must not count."""
+    bits = {name: bit for bit, name in cv._ARM_HWCAP.items()}
+    hwcap = sum(1 << bits[f] for f in ("fp", "asimd", "asimddp", "sve"))
+    assert cv.arm_flags_from_hwcap(hwcap, 1 << 13) == {"fp", "asimd", "asimddp", "sve", "i8mm"}
+    assert cv.arm_flags_from_hwcap(0b11) == {"fp", "asimd"}
+    host = platform.machine()
+    monkeypatch.setattr(cv.platform, "machine", lambda: "aarch64")
+    monkeypatch.setattr(cv, "_arm_auxv_flags", lambda: {"fp", "asimd", "asimddp"})
+    if host == "x86_64":  # this host's /proc/cpuinfo has x86 `flags`: ignored
+        assert cv.cpu_flags() == {"fp", "asimd", "asimddp"}
+        assert cv.choose(cv.cpu_flags()).name == "armv8.2-a+dotprod"
 
 
 def test_choose_among_what_is_prebuilt():
@@ -45,7 +73,7 @@ def test_choose_among_what_is_prebuilt():
 
 def test_variants_to_build():
     assert cv.variants_to_build("all", "x86_64") == ["x86-64-v4-amx", "x86-64-v4-vnni-bf16", "x86-64-v4", "x86-64-v3"]
-    assert cv.variants_to_build("all", "aarch64") == ["armv8-a"]
+    assert cv.variants_to_build("all", "aarch64") == ["armv8.2-a+dotprod", "armv8-a"]
     assert cv.variants_to_build("none") == []
     assert cv.variants_to_build("x86-64-v3, x86-64-v4") == ["x86-64-v3", "x86-64-v4"]
     with pytest.raises(ValueError, match="unknown variant.*avx9"):

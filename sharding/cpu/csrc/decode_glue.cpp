@@ -22,9 +22,6 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#if defined(__AVX512F__) || defined(__AVX2__)
-#include <immintrin.h>
-#endif
 #include <omp.h>
 #include <optional>
 #include <vector>
@@ -128,13 +125,7 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
 
 // argmax_rows(logits [B, V] float32) -> [B] int64: torch.argmax(logits, -1) (the first maximal value; a NaN counts as
 // the maximum, as torch's does), for greedy sampling. torch's CPU argmax reads a 49,152-wide row at ~4.5 GB/s (44 us
-// per decode step); this is one vectorized max pass and one compare pass over the row.
-inline bool is_nan(float v) {  // by its bits: -ffast-math folds std::isnan to false
-  uint32_t bits;
-  std::memcpy(&bits, &v, sizeof bits);
-  return (bits & 0x7FFFFFFFu) > 0x7F800000u;
-}
-
+// per decode step); this is one vectorized max pass and one compare pass over the row (core/argmax.cpp).
 at::Tensor argmax_rows(const at::Tensor& logits) {
   TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.size(1) > 0,
               "argmax_rows: float32 logits [B, V], V > 0");
@@ -143,60 +134,7 @@ at::Tensor argmax_rows(const at::Tensor& logits) {
   at::Tensor out = at::empty({B}, lc.options().dtype(at::kLong));
   const float* lp = lc.data_ptr<float>();
   int64_t* op = out.data_ptr<int64_t>();
-  for (int64_t b = 0; b < B; ++b) {
-    const float* row = lp + b * V;
-    float best = row[0];
-    bool nan = false;
-    int64_t i = 0;
-#if defined(__AVX512F__)
-    __m512 m = _mm512_set1_ps(row[0]);
-    __mmask16 unordered = 0;
-    for (; i + 16 <= V; i += 16) {
-      const __m512 v = _mm512_loadu_ps(row + i);
-      unordered |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-      m = _mm512_max_ps(m, v);
-    }
-    best = _mm512_reduce_max_ps(m);
-    nan = unordered != 0;
-#elif defined(__AVX2__)
-    __m256 m = _mm256_set1_ps(row[0]);
-    __m256 unordered = _mm256_setzero_ps();
-    for (; i + 8 <= V; i += 8) {
-      const __m256 v = _mm256_loadu_ps(row + i);
-      unordered = _mm256_or_ps(unordered, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-      m = _mm256_max_ps(m, v);
-    }
-    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
-    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-    m4 = _mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1));
-    best = _mm_cvtss_f32(m4);
-    nan = _mm256_movemask_ps(unordered) != 0;
-#endif
-    for (; i < V; ++i) {
-      nan |= is_nan(row[i]);
-      best = row[i] > best ? row[i] : best;
-    }
-    int64_t at = 0;
-    if (nan) {
-      while (!is_nan(row[at])) ++at;
-    } else {
-      i = 0;
-#if defined(__AVX512F__)
-      const __m512 target = _mm512_set1_ps(best);
-      for (; i + 16 <= V; i += 16) {
-        const __mmask16 eq = _mm512_cmp_ps_mask(_mm512_loadu_ps(row + i), target, _CMP_EQ_OQ);
-        if (eq) break;
-      }
-#elif defined(__AVX2__)
-      const __m256 target = _mm256_set1_ps(best);
-      for (; i + 8 <= V; i += 8)
-        if (_mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(row + i), target, _CMP_EQ_OQ))) break;
-#endif
-      while (row[i] != best) ++i;
-      at = i;
-    }
-    op[b] = at;
-  }
+  for (int64_t b = 0; b < B; ++b) op[b] = tpserve::argmax_row(lp + b * V, V);
   return out;
 }
 
@@ -547,10 +485,10 @@ void linear_range(const PlanLinear& l, const float* x, const tpserve::Int8Rows* 
       tpserve::f32_range(x, M, l.k, l.w.data_ptr<float>(), bias, l.n, y, b0, b1);
       break;
     case 1:
-      tpserve::int8_range(x, xq, M, l.k, l.w.data_ptr<int8_t>(), l.scale.data_ptr<at::Half>(), bias, l.n, y, b0, b1);
+      tpserve::int8_range(x, xq, M, l.k, l.w.data_ptr<int8_t>(), tpserve::half_data(l.scale), bias, l.n, y, b0, b1);
       break;
     case 2:
-      tpserve::int4_range(x, xq, M, l.k, l.w.data_ptr<uint8_t>(), l.scale.data_ptr<at::Half>(), l.group, bias, l.n, y,
+      tpserve::int4_range(x, xq, M, l.k, l.w.data_ptr<uint8_t>(), tpserve::half_data(l.scale), l.group, bias, l.n, y,
                           b0, b1);
       break;
     default:

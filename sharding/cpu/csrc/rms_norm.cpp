@@ -1,7 +1,7 @@
 // RMSNorm of float32 rows in one pass (CPU): y = w * (x * rsqrt(mean(x^2) + eps)), the order transformers uses.
 // torch's CPU `F.rms_norm` runs as ~6 separate ops (pow, mean, add, rsqrt, two muls) and cost ~10 us per call on a
 // decode row, called twice per layer; this is one dispatch. Rows are split over threads only when there are enough
-// of them (prefill) to pay for it.
+// of them (prefill) to pay for it. The kernel: core/rms_norm.cpp (torch-free).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -9,22 +9,9 @@
 
 #include "tpserve_kernels.h"
 
-#include <cmath>
+#include <algorithm>
 
 namespace tpserve {
-
-void rms_norm_rows(const float* x, const float* w, float eps, float* y, int64_t D, int64_t r0, int64_t r1) {
-  for (int64_t r = r0; r < r1; ++r) {
-    const float* xr = x + r * D;
-    float* yr = y + r * D;
-    float ss = 0.f;
-#pragma omp simd reduction(+ : ss)
-    for (int64_t i = 0; i < D; ++i) ss += xr[i] * xr[i];
-    const float inv = 1.f / std::sqrt(ss / static_cast<float>(D) + eps);
-#pragma omp simd
-    for (int64_t i = 0; i < D; ++i) yr[i] = w[i] * (xr[i] * inv);
-  }
-}
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 1 && x.size(1) == w.size(0), "rms_norm: x [M, D], w [D]");

@@ -1,32 +1,15 @@
 // Rotary position embedding applied in place to a step's queries and keys (CPU, float32), in one dispatch: torch's
 // `x * cos + rotate_half(x) * sin` is ~10 ops per layer (slices, neg, cat, muls, add, and the cat/split that pairs q
-// with k). Same arithmetic as transformers' formula, product by product, without contraction into FMAs, so the
-// result is bitwise the formula's (tests/sharding/test_perf_paths.py).
+// with k). The kernel (core/rotary.cpp, torch-free) is transformers' formula, product by product, without contraction
+// into FMAs, so the result is bitwise the formula's (tests/sharding/test_perf_paths.py).
 //
 //   q [N, Hq, D], k [N, Hk, D]   float32, last dim contiguous (views into the fused qkv output are fine)
 //   cos, sin [N, D]              float32, contiguous (full rotary: D == head_dim)
 
-#pragma GCC optimize("fp-contract=off")
-
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
-namespace tpserve {  // (not anonymous: decode_glue.cpp calls it)
-
-// dst = rotary(src) over one head of D floats, given the cos/sin of its token's position; dst may be src
-void rotate_head(float* dst, const float* src, const float* c, const float* s, int64_t D) {
-  const int64_t half = D / 2;
-#pragma omp simd
-  for (int64_t i = 0; i < half; ++i) {
-    const float x1 = src[i], x2 = src[i + half];
-    const float a1 = x1 * c[i], b1 = x2 * s[i];
-    const float a2 = x2 * c[i + half], b2 = x1 * s[i + half];
-    dst[i] = a1 - b1;
-    dst[i + half] = a2 + b2;
-  }
-}
-
-}  // namespace tpserve
+#include "tpserve_kernels.h"
 
 namespace {
 

@@ -1,10 +1,10 @@
-// The AMX kernels' loop order (amx_tiles.h), run on emulated tiles against plain scalar references: exact for int8
+// The AMX kernels' loop order (arch/x86/amx_tiles.h), run on emulated tiles against plain scalar references: exact for int8
 // and int4 (integer dot products, then the same float32 steps), to float32 rounding for bf16. No torch: built and run by
 // tests/sharding/test_amx.py with the extension's own flags, on any host.
 //
 //   amx_emulation            every case; one line per case; exit status 1 on any mismatch
 
-#include "../amx_tiles.h"
+#include "../arch/x86/amx_tiles.h"
 
 #include <cmath>
 #include <cstdint>

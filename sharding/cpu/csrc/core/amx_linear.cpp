@@ -1,23 +1,21 @@
-// The AMX path of the int8, int4 and bf16 linears (amx_tiles.h's kernels on the real tiles), taken by quant_linear.cpp's
-// range functions for prefill-sized batches in the x86-64-v4-amx build. Every other build compiles the entry points to
+// The AMX path of the int8, int4 and bf16 linears (arch/x86/amx_tiles.h's kernels on the real tiles), taken by
+// core/quant_linear.cpp's range functions for prefill-sized batches in the x86-64-v4-amx build. Every other build compiles the entry points to
 // `return false`, and the VNNI / AVX2 / portable kernels run.
 //
-// NOT RUN ON AMX HARDWARE (see amx_tiles.h): the loop order is tested on emulated tiles; this file is only built.
+// NOT RUN ON AMX HARDWARE (see arch/x86/amx_tiles.h): the loop order is tested on emulated tiles; this file is only built.
 //
 // Linux gives a process the tile registers only on request (arch_prctl ARCH_REQ_XCOMP_PERM for XTILEDATA, once per
 // process, for all its threads): amx_ready() asks on first use, and without the grant the build's VNNI kernels run.
 // sharding/cpu/variants.py makes the same request before it chooses this build at all.
 
-#include <ATen/ATen.h>
-
-#include "amx_tiles.h"
-#include "tpserve_kernels.h"
+#include "kernels.h"
 
 #include <algorithm>
 #include <cstdint>
 #include <vector>
 
-#ifdef TPSERVE_AMX
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AMX_BF16__)
+#include "../arch/x86/amx_tiles.h"
 #include <sys/syscall.h>
 #include <unistd.h>
 #endif
@@ -61,7 +59,7 @@ Scratch& scratch() {
 }  // namespace
 #endif
 
-bool amx_int_range(const Int8Rows* xq, int64_t M, int64_t K, const void* w, bool int4, const at::Half* scale,
+bool amx_int_range(const Int8Rows* xq, int64_t M, int64_t K, const void* w, bool int4, const fp16_t* scale,
                    int64_t G, const float* bias, int64_t N, float* y, int64_t b0, int64_t b1) {
 #ifdef TPSERVE_AMX
   if (M < AMX_MIN_ROWS || !amx_ready()) return false;
@@ -74,8 +72,8 @@ bool amx_int_range(const Int8Rows* xq, int64_t M, int64_t K, const void* w, bool
   amx::AmxTiles tiles;
   for (int64_t b = b0; b < b1; ++b) {
     const int64_t n0 = b * NV, nrows = std::min<int64_t>(NV, N - n0);
-    const at::Half* sb = scale + b * ng * NV;
-    for (int64_t i = 0; i < ng * NV; ++i) s.sw[i] = static_cast<float>(sb[i]);
+    const fp16_t* sb = scale + b * ng * NV;
+    for (int64_t i = 0; i < ng * NV; ++i) s.sw[i] = fp16_to_float(sb[i]);
     const int8_t* wb;
     if (int4) {
       amx::unpack_int4_block(static_cast<const uint8_t*>(w) + n0 * (K / 2), K, s.w8.data());

@@ -1,5 +1,5 @@
 // AMX tile kernels for prefill (Intel Sapphire Rapids and later): int8 / int4 / bf16 linears over many activation rows,
-// in the 16-row weight layout the VNNI kernels read (quant_linear.cpp), so no second copy of the weights.
+// in the 16-row weight layout the VNNI kernels read (core/quant_linear.cpp), so no second copy of the weights.
 //
 // NOT RUN ON AMX HARDWARE. No CPU with AMX was available where this was written. What is tested is this file's loop
 // order, through EmuTiles (a scalar emulation of the tile registers and of TDPBSSD / TDPBF16PS as Intel's pseudo-code

@@ -1,0 +1,484 @@
+// The kernels' own correctness harness: every torch-free kernel of one build (core/*.cpp, compiled with a variant's
+// flags) against a plain scalar reference written here, on random shapes with tails: N not a multiple of the block,
+// M of 1, 2, 3, 5, 9, 17 (every tile height and its remainders), K of odd group counts, int4 groups of 32, 64, 128.
+// No torch: it runs natively for the x86 variants and, cross-compiled (-static), under qemu-aarch64 for the ARM64
+// ones. tests/sharding/test_kernel_harness.py builds and runs it for each variant (see there for the commands).
+//
+// One line per case:   ok   <kernel> <shape> | scheme=<what the build computes> [exact] err=<max error> hash=<bits>
+// and a summary line; the exit status is 1 if any case failed. `exact` cases must equal the reference bit for bit
+// (the same float operations in the same order: the int8 / int4 linears over int8 activations, whose int32 dot
+// products are exact; the float32 linear on builds with FMA; rotary); the others are held to a tolerance (the
+// kernels sum in another order, with -ffast-math). `hash` is an FNV-1a hash of the output's bits: the same exact case
+// must hash the same on every build of the same scheme, x86 or ARM (the Python driver compares them).
+//
+// The inputs come from a fixed-seed generator of integers (splitmix64), turned into floats by exact operations, so
+// every build, on every architecture, sees the same inputs. This file is compiled without -ffast-math and with
+// -ffp-contract=off: the reference means what it says.
+
+#include "../core/kernels.h"
+
+#include <algorithm>
+#include <cinttypes>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+using tpserve::fp16_t;
+
+namespace {
+
+// ---- inputs ---------------------------------------------------------------------------------------------------------
+struct Rng {
+  uint64_t s;
+  uint64_t next() {  // splitmix64
+    uint64_t z = (s += 0x9E3779B97F4A7C15ull);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+  }
+  int64_t below(int64_t n) { return static_cast<int64_t>(next() % static_cast<uint64_t>(n)); }
+  float sym(float a) {  // uniform in [-a, a), on a grid of 2^-23 a
+    return static_cast<float>(static_cast<int32_t>(next() >> 40) - (1 << 23)) * (a / 8388608.f);
+  }
+};
+
+std::vector<float> floats(Rng& g, int64_t n, float a) {
+  std::vector<float> v(n);
+  for (auto& f : v) f = g.sym(a);
+  return v;
+}
+
+// a float16 scale: a normal half in [2^-10, 2^-2), random mantissa (built from its bits: no conversion needed)
+fp16_t random_scale(Rng& g) { return static_cast<fp16_t>(((5 + g.below(8)) << 10) | g.below(1024)); }
+
+// ---- plain conversions, for the reference ---------------------------------------------------------------------------
+float half_value(fp16_t h) {  // normal halves only (the scales above), and zero (the padding rows)
+  const int e = (h >> 10) & 0x1F, m = h & 0x3FF;
+  if (e == 0 && m == 0) return 0.f;
+  return static_cast<float>(std::ldexp(1.0 + m / 1024.0, e - 15)) * ((h & 0x8000) ? -1.f : 1.f);
+}
+
+uint16_t bf16_round(float f) {  // to nearest, ties to even (finite values)
+  uint32_t b;
+  std::memcpy(&b, &f, sizeof b);
+  return static_cast<uint16_t>((b + 0x7FFFu + ((b >> 16) & 1u)) >> 16);
+}
+
+float bf16_value(uint16_t h) {
+  const uint32_t b = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &b, sizeof f);
+  return f;
+}
+
+// ---- the layouts (sharding/layers/quant.py's pack_rows and block_scales) -----------------------------------------
+// [N rows of R bytes] -> blocks of `rows` rows (zero rows pad the last), each holding its rows' first `run` bytes in
+// turn, then their next `run` bytes, ...
+std::vector<uint8_t> pack_rows(const std::vector<uint8_t>& q, int64_t N, int64_t R, int64_t run, int64_t rows) {
+  const int64_t blocks = (N + rows - 1) / rows;
+  std::vector<uint8_t> out(blocks * rows * R, 0);
+  for (int64_t n = 0; n < N; ++n) {
+    const int64_t b = n / rows, r = n % rows;
+    for (int64_t c = 0; c < R / run; ++c)
+      for (int64_t j = 0; j < run; ++j) out[b * rows * R + c * rows * run + r * run + j] = q[n * R + c * run + j];
+  }
+  return out;
+}
+
+// [N, groups] -> [blocks, groups, rows], zeros for the padding rows
+std::vector<fp16_t> block_scales(const std::vector<fp16_t>& s, int64_t N, int64_t groups, int64_t rows) {
+  const int64_t blocks = (N + rows - 1) / rows;
+  std::vector<fp16_t> out(blocks * groups * rows, 0);
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t g = 0; g < groups; ++g) out[((n / rows) * groups + g) * rows + n % rows] = s[n * groups + g];
+  return out;
+}
+
+// ---- reporting ------------------------------------------------------------------------------------------------------
+int cases = 0, failures = 0;
+
+uint64_t fnv(const void* p, size_t n, uint64_t h = 0xCBF29CE484222325ull) {
+  const auto* b = static_cast<const uint8_t*>(p);
+  for (size_t i = 0; i < n; ++i) h = (h ^ b[i]) * 0x100000001B3ull;
+  return h;
+}
+
+// got against ref: bit for bit if exact, else |got - ref| <= tol * scale[i] (scale: the sum of the magnitudes that
+// make the output, so the bound follows the rounding a float32 sum of them may take)
+void report(const std::string& name, const std::string& scheme, bool exact, const std::vector<float>& got,
+            const std::vector<double>& ref, const std::vector<double>& scale, double tol) {
+  double worst = 0.;
+  bool ok = got.size() == ref.size();
+  for (size_t i = 0; ok && i < got.size(); ++i) {
+    const double err = std::fabs(static_cast<double>(got[i]) - ref[i]);
+    if (exact) {
+      const float r = static_cast<float>(ref[i]);
+      if (std::memcmp(&got[i], &r, sizeof r) != 0) ok = false;
+    } else if (!(err <= tol * scale[i] + 1e-30)) {  // (a NaN fails)
+      ok = false;
+    }
+    worst = std::max(worst, scale[i] > 0 ? err / scale[i] : err);
+  }
+  ++cases;
+  failures += !ok;
+  std::printf("%s %s | scheme=%s%s err=%.3g hash=%016" PRIx64 "\n", ok ? "ok  " : "FAIL", name.c_str(),
+              scheme.c_str(), exact ? " exact" : "", worst, fnv(got.data(), got.size() * sizeof(float)));
+}
+
+std::string shape(const char* kernel, int64_t M, int64_t N, int64_t K, const char* more = "") {
+  char b[160];
+  std::snprintf(b, sizeof b, "%s M=%" PRId64 " N=%" PRId64 " K=%" PRId64 "%s", kernel, M, N, K, more);
+  return b;
+}
+
+// the output blocks [0, blocks) in two ranges, as two threads would take them
+template <typename F>
+void two_ranges(int64_t blocks, const F& f) {
+  f(int64_t{0}, blocks / 2);
+  f(blocks / 2, blocks);
+}
+
+// ---- quantize_rows: Q8_0's activations ------------------------------------------------------------------------------
+void check_quantize(Rng& g, int64_t M, int64_t K) {
+  std::vector<float> x = floats(g, M * K, 3.f);
+  for (int64_t i = 0; i < 32 && M * K >= 64; ++i) x[32 + i] = 0.f;  // a block of zeros: scale 0, q 0
+  tpserve::Int8Rows xq;
+  tpserve::resize_rows(xq, M, K);
+  const int64_t nb = K / 32;
+  // in pieces, as the decode step's threads take them: rows [0, M/2) then the rest, blocks in two halves
+  const int64_t row_cuts[] = {0, M / 2, M}, block_cuts[] = {0, nb / 2, nb};
+  for (int i = 0; i < 2; ++i)
+    for (int j = 0; j < 2; ++j)
+      tpserve::quantize_rows(x.data(), xq, row_cuts[i], row_cuts[i + 1], block_cuts[j], block_cuts[j + 1]);
+  bool ok = true;
+  int64_t off = 0;
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t b = 0; b < nb; ++b) {
+      const float* xb = x.data() + m * K + b * 32;
+      float amax = 0.f;
+      for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(xb[i]));
+      const float inv = amax > 0.f ? 127.f / amax : 0.f;
+      int32_t sum = 0;
+      for (int i = 0; i < 32; ++i) {
+        const int q = static_cast<int>(std::nearbyint(xb[i] * inv));
+        sum += q;
+        if (xq.q[m * K + b * 32 + i] != q) ok = false, ++off;
+      }
+      // the scale: amax / 127 (the build's -ffast-math may take amax * (1 / 127.f): one rounding apart at most)
+      const float s = amax / 127.f, got = xq.scale[m * nb + b];
+      if (got != s && std::fabs(got - s) > std::fabs(s) * 1.2e-7f) ok = false;
+      if (xq.sum[m * nb + b] != sum) ok = false;
+    }
+  ++cases;
+  failures += !ok;
+  std::printf("%s %s | scheme=q8_0 exact err=%" PRId64 " hash=%016" PRIx64 "\n", ok ? "ok  " : "FAIL",
+              shape("quantize_rows", M, 0, K).c_str(), off,
+              fnv(xq.scale.data(), xq.scale.size() * 4, fnv(xq.q.data(), xq.q.size())));
+}
+
+// ---- int8 and int4 linears ------------------------------------------------------------------------------------------
+// w: [N, K] integer weights (int8: -127..127; int4: -8..7), s: [N, K / G] scales. Returns the build's y [M, N].
+// With int8 activations (tpserve::vnni_layout()) the reference is the kernels' scheme step by step: per block of 32
+// inputs the exact int32 dot product with the quantized x, acc = fma(float(dot), w_scale * x_scale, acc), then + bias.
+// Else x stays float32: the reference is the plain sum in double.
+void check_int(Rng& g, bool int4, int64_t M, int64_t N, int64_t K, int64_t G, bool with_bias) {
+  const int64_t groups = K / G, rows = tpserve::int_rows();
+  const bool act8 = tpserve::vnni_layout();
+  std::vector<int8_t> w(N * K);
+  for (auto& v : w) v = static_cast<int8_t>(int4 ? g.below(16) - 8 : g.below(255) - 127);
+  std::vector<fp16_t> s(N * groups);
+  for (auto& v : s) v = random_scale(g);
+  const std::vector<float> x = floats(g, M * K, 2.f);
+  std::vector<float> bias;
+  if (with_bias) bias = floats(g, N, 1.f);
+
+  // the weights as the build reads them
+  std::vector<uint8_t> bytes;
+  int64_t row_bytes = K;
+  if (!int4) {
+    bytes.assign(reinterpret_cast<const uint8_t*>(w.data()), reinterpret_cast<const uint8_t*>(w.data()) + N * K);
+  } else {  // nibbles w + 8; byte j of a run of `span` inputs holds inputs j (low) and j + span / 2 (high)
+    const int64_t span = rows == 16 ? 8 : 32;
+    row_bytes = K / 2;
+    bytes.assign(N * row_bytes, 0);
+    for (int64_t n = 0; n < N; ++n)
+      for (int64_t c = 0; c < K / span; ++c)
+        for (int64_t j = 0; j < span / 2; ++j) {
+          const int lo = w[n * K + c * span + j] + 8, hi = w[n * K + c * span + j + span / 2] + 8;
+          bytes[n * row_bytes + c * (span / 2) + j] = static_cast<uint8_t>(lo | (hi << 4));
+        }
+  }
+  const std::vector<uint8_t> packed = pack_rows(bytes, N, row_bytes, rows == 16 ? 4 : 16, rows);
+  const std::vector<fp16_t> scales = block_scales(s, N, groups, rows);
+
+  tpserve::Int8Rows xq;
+  if (act8) {
+    tpserve::resize_rows(xq, M, K);
+    tpserve::quantize_rows(x.data(), xq, 0, M, 0, K / 32);
+  }
+  std::vector<float> y(M * N, -1.f);
+  const int64_t blocks = (N + rows - 1) / rows;
+  two_ranges(blocks, [&](int64_t b0, int64_t b1) {
+    if (int4)
+      tpserve::int4_range(x.data(), &xq, M, K, packed.data(), scales.data(), G, with_bias ? bias.data() : nullptr, N,
+                          y.data(), b0, b1);
+    else
+      tpserve::int8_range(x.data(), &xq, M, K, reinterpret_cast<const int8_t*>(packed.data()), scales.data(),
+                          with_bias ? bias.data() : nullptr, N, y.data(), b0, b1);
+  });
+
+  std::vector<double> ref(M * N), mag(M * N);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t n = 0; n < N; ++n) {
+      double sum = 0., abs_sum = 0.;
+      float acc = 0.f;
+      for (int64_t b = 0; b < K / 32; ++b) {
+        const float sw = half_value(s[n * groups + b * 32 / G]);
+        int32_t dot = 0;
+        for (int64_t i = 0; i < 32; ++i) {
+          const int64_t k = b * 32 + i;
+          if (act8) dot += static_cast<int32_t>(xq.q[m * K + k]) * w[n * K + k];
+          sum += static_cast<double>(x[m * K + k]) * w[n * K + k] * sw;
+          abs_sum += std::fabs(static_cast<double>(x[m * K + k]) * w[n * K + k] * sw);
+        }
+        if (act8) acc = std::fma(static_cast<float>(dot), sw * xq.scale[m * (K / 32) + b], acc);
+      }
+      if (act8) {
+        ref[m * N + n] = with_bias ? acc + bias[n] : acc;
+      } else {
+        ref[m * N + n] = with_bias ? sum + bias[n] : sum;
+        abs_sum += with_bias ? std::fabs(bias[n]) : 0.;
+      }
+      mag[m * N + n] = abs_sum;
+    }
+  char more[64];
+  std::snprintf(more, sizeof more, "%s bias=%d", int4 ? (" G=" + std::to_string(G)).c_str() : "", with_bias ? 1 : 0);
+  report(shape(int4 ? "int4" : "int8", M, N, K, more), act8 ? "int8-act-16-rows" : "f32-act-4-rows", act8, y, ref,
+         mag, 2e-5);
+}
+
+// ---- bf16 linear ----------------------------------------------------------------------------------------------------
+void check_bf16(Rng& g, int64_t M, int64_t N, int64_t K, bool with_bias) {
+  const int64_t rows = tpserve::bf16_rows();
+  const bool dot = tpserve::bf16_dot_layout();
+  std::vector<uint16_t> w(N * K);
+  for (auto& v : w) v = bf16_round(g.sym(1.f));
+  const std::vector<float> x = floats(g, M * K, 2.f);
+  std::vector<float> bias;
+  if (with_bias) bias = floats(g, N, 1.f);
+  std::vector<uint8_t> bytes(N * K * 2);
+  std::memcpy(bytes.data(), w.data(), bytes.size());  // little-endian values, as torch stores them
+  const std::vector<uint8_t> packed = pack_rows(bytes, N, 2 * K, rows == 16 ? 4 : 32, rows);
+  tpserve::Int8Rows xq;
+  bool rounded = true;
+  if (dot) {  // x rounded to bfloat16 by the build: to nearest, ties to even
+    tpserve::resize_bf16_rows(xq, M, K);
+    tpserve::round_rows_bf16(x.data(), xq, 0, M);
+    for (int64_t i = 0; i < M * K; ++i) rounded &= xq.h[i] == bf16_round(x[i]);
+  }
+  std::vector<float> y(M * N, -1.f);
+  two_ranges((N + rows - 1) / rows, [&](int64_t b0, int64_t b1) {
+    tpserve::bf16_range(x.data(), &xq, M, K, reinterpret_cast<const uint16_t*>(packed.data()),
+                        with_bias ? bias.data() : nullptr, N, y.data(), b0, b1);
+  });
+  std::vector<double> ref(M * N), mag(M * N);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t n = 0; n < N; ++n) {
+      double sum = with_bias ? bias[n] : 0., abs_sum = with_bias ? std::fabs(bias[n]) : 0.;
+      for (int64_t k = 0; k < K; ++k) {
+        const double xv = dot ? bf16_value(bf16_round(x[m * K + k])) : x[m * K + k];
+        sum += xv * bf16_value(w[n * K + k]);
+        abs_sum += std::fabs(xv * bf16_value(w[n * K + k]));
+      }
+      ref[m * N + n] = sum;
+      mag[m * N + n] = abs_sum;
+    }
+  if (!rounded) ref[0] = NAN;  // the rounding of x is wrong: fail the case
+  report(shape("bf16", M, N, K, with_bias ? " bias=1" : " bias=0"), dot ? "bf16-act-16-rows" : "f32-act-4-rows",
+         false, y, ref, mag, 2e-5);
+}
+
+// ---- float32 linear -------------------------------------------------------------------------------------------------
+// The kernels' sum: acc = fma(x[m, k], W[n, k], acc) for k = 0 .. K-1, then + bias. Exact on every build with FMAs
+// (AVX-512, AVX2, NEON); the portable loops (no FMA instruction) are held to a tolerance.
+#if defined(__FMA__) || defined(__aarch64__)
+constexpr bool F32_FMA = true;
+#else
+constexpr bool F32_FMA = false;
+#endif
+
+void check_f32(Rng& g, int64_t M, int64_t N, int64_t K, bool with_bias) {
+  const int64_t BW = tpserve::F32_BLOCK, blocks = (N + BW - 1) / BW;
+  const std::vector<float> W = floats(g, N * K, 1.f), x = floats(g, M * K, 2.f);
+  std::vector<float> bias;
+  if (with_bias) bias = floats(g, N, 1.f);
+  std::vector<float> wb(blocks * K * BW, 0.f);  // kernels.block_f32: w[b, k, j] = W[32 b + j, k]
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t k = 0; k < K; ++k) wb[((n / BW) * K + k) * BW + n % BW] = W[n * K + k];
+  std::vector<float> y(M * N, -1.f);
+  two_ranges(blocks, [&](int64_t b0, int64_t b1) {
+    tpserve::f32_range(x.data(), M, K, wb.data(), with_bias ? bias.data() : nullptr, N, y.data(), b0, b1);
+  });
+  std::vector<double> ref(M * N), mag(M * N);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t n = 0; n < N; ++n) {
+      float acc = 0.f;
+      double abs_sum = with_bias ? std::fabs(bias[n]) : 0.;
+      for (int64_t k = 0; k < K; ++k) {
+        acc = std::fma(x[m * K + k], W[n * K + k], acc);
+        abs_sum += std::fabs(static_cast<double>(x[m * K + k]) * W[n * K + k]);
+      }
+      ref[m * N + n] = with_bias ? acc + bias[n] : acc;
+      mag[m * N + n] = abs_sum;
+    }
+  report(shape("f32", M, N, K, with_bias ? " bias=1" : " bias=0"), F32_FMA ? "fma-chain" : "mul-add", F32_FMA, y, ref,
+         mag, 2e-5);
+}
+
+// ---- the rest of a decode layer -------------------------------------------------------------------------------------
+void check_rms_norm(Rng& g, int64_t M, int64_t D) {
+  const std::vector<float> x = floats(g, M * D, 3.f), w = floats(g, D, 1.f);
+  const float eps = 1e-6f;
+  std::vector<float> y(M * D, -1.f);
+  tpserve::rms_norm_rows(x.data(), w.data(), eps, y.data(), D, 0, M / 2);
+  tpserve::rms_norm_rows(x.data(), w.data(), eps, y.data(), D, M / 2, M);
+  std::vector<double> ref(M * D), mag(M * D);
+  for (int64_t m = 0; m < M; ++m) {
+    double ss = 0.;
+    for (int64_t i = 0; i < D; ++i) ss += static_cast<double>(x[m * D + i]) * x[m * D + i];
+    const double inv = 1. / std::sqrt(ss / D + eps);
+    for (int64_t i = 0; i < D; ++i) {
+      ref[m * D + i] = w[i] * (x[m * D + i] * inv);
+      mag[m * D + i] = std::fabs(ref[m * D + i]);
+    }
+  }
+  report(shape("rms_norm", M, 0, D), "float32", false, y, ref, mag, 1e-5);
+}
+
+// transformers' formula, product by product, no FMA (as the kernel is compiled): exact
+void check_rotary(Rng& g, int64_t H, int64_t D) {
+  const std::vector<float> src = floats(g, H * D, 2.f), c = floats(g, D, 1.f), s = floats(g, D, 1.f);
+  std::vector<float> y(src);
+  for (int64_t h = 0; h < H; ++h) tpserve::rotate_head(y.data() + h * D, y.data() + h * D, c.data(), s.data(), D);
+  std::vector<double> ref(H * D), mag(H * D, 0.);
+  const int64_t half = D / 2;
+  for (int64_t h = 0; h < H; ++h)
+    for (int64_t i = 0; i < half; ++i) {
+      const float x1 = src[h * D + i], x2 = src[h * D + i + half];
+      const float a1 = x1 * c[i], b1 = x2 * s[i], a2 = x2 * c[i + half], b2 = x1 * s[i + half];
+      ref[h * D + i] = a1 - b1;
+      ref[h * D + i + half] = a2 + b2;
+    }
+  report(shape("rotary", H, 0, D), "float32-no-fma", true, y, ref, mag, 0.);
+}
+
+// one (sequence, KV head) of paged decode attention: G query heads over keys [first, len) in scattered blocks
+void check_attention(Rng& g, int64_t G, int64_t D, int64_t len, int64_t window) {
+  const int64_t BS = 16, nblocks = (len + BS - 1) / BS + 3;
+  const std::vector<float> q = floats(g, G * D, 1.f), kp = floats(g, nblocks * BS * D, 1.f),
+                           vp = floats(g, nblocks * BS * D, 1.f);
+  std::vector<int64_t> table(nblocks);
+  for (int64_t i = 0; i < nblocks; ++i) table[i] = i;
+  for (int64_t i = nblocks - 1; i > 0; --i) std::swap(table[i], table[g.below(i + 1)]);  // scattered blocks
+  const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+  const float scale = 1.f / std::sqrt(static_cast<float>(D));
+  std::vector<float> scores, y(G * D, -1.f);
+  tpserve::paged_attention_head(q.data(), kp.data(), vp.data(), table.data(), len, first, G, D, BS, scale, scores,
+                                y.data());
+  std::vector<double> ref(G * D, 0.), mag(G * D, 0.);
+  for (int64_t h = 0; h < G; ++h) {
+    std::vector<double> p(len - first);
+    double mx = -1e300, total = 0.;
+    for (int64_t t = first; t < len; ++t) {
+      const float* k = kp.data() + (table[t / BS] * BS + t % BS) * D;
+      double dotp = 0.;
+      for (int64_t d = 0; d < D; ++d) dotp += static_cast<double>(q[h * D + d]) * k[d];
+      p[t - first] = dotp * scale;
+      mx = std::max(mx, p[t - first]);
+    }
+    for (auto& v : p) total += v = std::exp(v - mx);
+    for (int64_t t = first; t < len; ++t) {
+      const float* v = vp.data() + (table[t / BS] * BS + t % BS) * D;
+      for (int64_t d = 0; d < D; ++d) {
+        ref[h * D + d] += p[t - first] / total * v[d];
+        mag[h * D + d] += p[t - first] / total * std::fabs(v[d]);
+      }
+    }
+  }
+  char more[64];
+  std::snprintf(more, sizeof more, " len=%" PRId64 " window=%" PRId64, len, window);
+  report(shape("attention", G, 0, D, more), "float32", false, y, ref, mag, 1e-5);
+}
+
+// argmax: the first maximal value; a NaN wins (its first one)
+void check_argmax(Rng& g, int64_t V, int where, bool nan) {
+  std::vector<float> row = floats(g, V, 5.f);
+  const int64_t at = where == 0 ? 0 : where == 1 ? V - 1 : V / 2;  // the maximum at the start, the end, the middle
+  row[at] = 7.f;
+  if (V > 2) row[V - 2] = 7.f;  // a tie later on: the first one counts
+  if (nan && V > 3) row[V / 3] = NAN, row[V - 1] = NAN;
+  const int64_t got = tpserve::argmax_row(row.data(), V);
+  int64_t want = 0;
+  if (nan && V > 3) {
+    want = V / 3;
+  } else {
+    for (int64_t i = 1; i < V; ++i)
+      if (row[i] > row[want]) want = i;
+  }
+  std::vector<float> gv{static_cast<float>(got)};
+  std::vector<double> rv{static_cast<double>(want)}, mv{0.};
+  char more[64];
+  std::snprintf(more, sizeof more, " at=%d nan=%d", where, nan ? 1 : 0);
+  report(shape("argmax", 1, V, 0, more), "index", true, gv, rv, mv, 0.);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Rng g{argc > 1 ? std::strtoull(argv[1], nullptr, 10) : 20240601ull};
+  const int64_t Ms[] = {1, 2, 3, 5, 9, 17};
+  std::printf("harness: kernels %s, int8/int4 rows per block %" PRId64 " (int8 activations: %s), bf16 rows %" PRId64
+              "\n", tpserve::kernels_isa(), tpserve::int_rows(), tpserve::vnni_layout() ? "yes" : "no",
+              tpserve::bf16_rows());
+
+  for (int64_t M : {1, 3, 17})
+    for (int64_t K : {32, 96, 800}) check_quantize(g, M, K);
+
+  // int8: K of 1, 3, 5, 7 blocks of 32; N: one block, ragged tails of either layout
+  int bias = 0;
+  for (int64_t M : Ms)
+    for (int64_t N : {16, 37, 100})
+      for (int64_t K : {32, 96, 160, 224}) check_int(g, false, M, N, K, 32, (bias++ % 2) == 1);
+  // int4: groups of 32, 64, 128, each with an odd number of groups
+  for (int64_t M : Ms)
+    for (int64_t G : {32, 64, 128})
+      for (int64_t odd : {1, 3, 5})
+        for (int64_t N : {20, 48}) check_int(g, true, M, N, G * odd, G, (bias++ % 2) == 1);
+  for (int64_t M : Ms)
+    for (int64_t N : {16, 37})
+      for (int64_t K : {16, 48, 272}) check_bf16(g, M, N, K, (bias++ % 2) == 1);
+  for (int64_t M : {1, 2, 3, 4, 5, 8, 9, 11, 17})
+    for (int64_t N : {7, 32, 45, 100})
+      for (int64_t K : {1, 7, 33, 128}) check_f32(g, M, N, K, (bias++ % 2) == 1);
+
+  for (int64_t M : {1, 2, 5})
+    for (int64_t D : {6, 64, 100, 576}) check_rms_norm(g, M, D);
+  for (int64_t H : {1, 3})
+    for (int64_t D : {2, 6, 64, 128}) check_rotary(g, H, D);
+  for (int64_t G : {1, 3})
+    for (int64_t D : {32, 64})
+      for (int64_t len : {1, 17, 37, 64}) {
+        check_attention(g, G, D, len, 0);
+        check_attention(g, G, D, len, 20);
+      }
+  for (int64_t V : {1, 2, 7, 16, 17, 1000, 1001})
+    for (int where : {0, 1, 2})
+      for (bool nan : {false, true}) check_argmax(g, V, where, nan);
+
+  std::printf("harness: %s: %d cases, %d failed\n", tpserve::kernels_isa(), cases, failures);
+  return failures ? 1 : 0;
+}
