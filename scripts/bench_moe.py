@@ -31,7 +31,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-LLAMA_KIND = {"int8": "Q8_0", "int4": "Q4_0", "bf16": "BF16"}
+LLAMA_KIND = {"int8": "Q8_0", "int4": "Q4_0", "bf16": "BF16", "float32": "F32"}
 DECODE_TOKENS = 128
 PROMPT_LEN = 22
 
@@ -93,7 +93,8 @@ def prefill(args) -> dict:
 
     kind = LLAMA_KIND[args.quantization]
     gguf = args.gguf.format(kind=kind)
-    llm = LLM(args.model, quantization=args.quantization, max_num_seqs=1, max_model_len=args.prompt_len + 64,
+    llm = LLM(args.model, quantization=None if args.quantization == "float32" else args.quantization, max_num_seqs=1,
+              max_model_len=args.prompt_len + 64,
               max_num_batched_tokens=args.prompt_len, enable_prefix_caching=False,
               kv_cache_memory=512 << 20)
     vocab = llm.executor.vocab_size
