@@ -115,7 +115,8 @@ def test_two_torchrun_nodes_serve_tp2(checkpoints, tmp_path):
                 p.kill()
 
 
-@pytest.mark.parametrize("layout", [("--tensor-parallel-size", "2"), ("--pipeline-parallel-size", "2")],
+@pytest.mark.parametrize("layout", [("--tensor-parallel-size", "2"),
+                                    pytest.param(("--pipeline-parallel-size", "2"), marks=pytest.mark.slow)],
                          ids=["tp2", "pp2"])
 def test_a_rank_that_fails_at_start_stops_every_node_and_is_named(checkpoints, tmp_path, layout):
     """Node 1 lacks the checkpoint (a typical multi-node mistake): rank 1 (a TP peer, or the second pipeline stage)

@@ -3,8 +3,10 @@
 import re
 
 import openai
+import pytest
 
 
+@pytest.mark.slow
 def test_default_model_answers_paris_at_tp3(server_factory):
     s = server_factory(None, 3, "--max-model-len", "256", "--max-num-seqs", "4", ready_timeout=600)
     client = openai.OpenAI(base_url=s.v1, api_key="x", max_retries=0, timeout=300)

@@ -190,6 +190,7 @@ def test_sigkill_of_rank_0_takes_the_respawned_ranks_with_it(dp2):
     assert not os.path.exists(f"/proc/{respawned}") or "zombie" in open(f"/proc/{respawned}/status").read().lower()
 
 
+@pytest.mark.slow
 def test_sigterm_during_a_respawn_drains_and_exits_0(server_factory, checkpoints):
     s = server_factory(checkpoints("llama"), 2, "--max-model-len", "256", "--shutdown-timeout", "60")
     expected = undisturbed(s, SEEDS[:1])

@@ -192,6 +192,7 @@ def test_sampling_keeps_the_target_distribution_and_seeds(folder):
         assert chi2 < dof + 6 * (2 * dof) ** 0.5 + 10, (pos, chi2, dof)  # far below the 1e-6 tail
 
 
+@pytest.mark.slow
 def test_draft_model_at_tp2(folder, references, tmp_path, tool_checkpoint):
     """The served model as its own draft keeps every proposal; another random model with the same tokenizer keeps
     almost none; both give transformers' tokens, and the draft's pool is empty again afterwards."""

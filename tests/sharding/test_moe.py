@@ -82,8 +82,11 @@ MATRIX = {
 }
 
 
-# TP 4 with expert parallelism is the fast tier's one TP 4 launch; the rest of TP 3 and 4 is the slow tier's
-@pytest.mark.parametrize("tp,ep", [pytest.param(*k, marks=[] if k[0] < 3 or k == (4, True) else pytest.mark.slow) for k in MATRIX])
+# the fast tier: TP 1 with and without expert parallelism, TP 2 with it; the rest of TP 2, 3 and 4 is the slow tier's
+FAST_MOE = {(1, False), (1, True), (2, True)}
+
+
+@pytest.mark.parametrize("tp,ep", [pytest.param(*k, marks=[] if k in FAST_MOE else pytest.mark.slow) for k in MATRIX])
 def test_greedy_equals_transformers(reference, tp, ep):
     archs = MATRIX[tp, ep]
     jobs = [{"model": str(reference[a][0]), "prompts": PROMPTS, "max_tokens": MAX_TOKENS, "logprobs": 5,

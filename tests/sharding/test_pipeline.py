@@ -30,7 +30,8 @@ SLOW = pytest.mark.slow
 
 
 @pytest.mark.parametrize("tp,pp,dp", [(1, 2, 1), pytest.param(1, 3, 1, marks=SLOW), (2, 2, 1),
-                                      pytest.param(1, 1, 2, marks=SLOW), (2, 1, 2), pytest.param(1, 2, 2, marks=SLOW)])
+                                      pytest.param(1, 1, 2, marks=SLOW), pytest.param(2, 1, 2, marks=SLOW),
+                                      pytest.param(1, 2, 2, marks=SLOW)])
 def test_layouts_equal_transformers(five_layers, tp, pp, dp):
     folder, expected = five_layers
     job = {"model": str(folder), "prompts": PROMPTS, "max_tokens": MAX_TOKENS, "logprobs": 5,
