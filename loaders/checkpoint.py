@@ -99,7 +99,20 @@ class Checkpoint:
 
     `read(name, dim, ranges)` returns the concatenation along `dim` of the given [start, stop) blocks of one tensor,
     reading only their bytes. `bytes_read` counts the tensor bytes requested so far (tests check it).
+
+    A `.gguf` file (or a folder that holds one and no config.json, or one part of a split set) opens as
+    loaders.gguf_file.GGUFCheckpoint instead, which serves the same interface under Hugging Face tensor names.
     """
+
+    config_source = "its config.json"  # what the model's shapes come from (error messages)
+
+    def __new__(cls, folder: str | os.PathLike | None = None, *args, **kwargs):
+        if cls is Checkpoint and folder is not None:
+            from loaders.gguf_file import GGUFCheckpoint, find_gguf
+
+            if find_gguf(folder) is not None:
+                return super().__new__(GGUFCheckpoint)
+        return super().__new__(cls)
 
     def __init__(self, folder: str | os.PathLike) -> None:
         self.folder = Path(folder).expanduser()
@@ -196,7 +209,17 @@ class Checkpoint:
         the tensor is first narrowed to its index-th slice along its first dimension (one expert of a fused [E, ...]
         tensor), and `dim` counts that slice's dimensions.
         """
-        info = self.info(name)
+        return self._read_info(self.info(name), dim, ranges, index)
+
+    def quant_type(self, name: str) -> str | None:
+        """The tpserve mode ("int8", "int4") a tensor is stored in, None for a float tensor (all of a safetensors
+        checkpoint's; a GGUF file's Q8_0 and Q4_0 tensors are read as blocks, sharding/layers/quant.py)."""
+        return None
+
+    def _read_info(self, info: TensorInfo, dim: int = 0, ranges: list[tuple[int, int]] | None = None,
+                   index: int | None = None) -> torch.Tensor:
+        """read() of the tensor `info` describes (a subclass may describe a view of a tensor's bytes)."""
+        name = info.name
         if index is not None:
             if not info.shape or not 0 <= index < info.shape[0]:
                 raise CheckpointError(f"{name}: index {index} is outside the first dimension of shape {info.shape}")

@@ -138,7 +138,7 @@ def check_plan(model: CausalLM, ckpt: Checkpoint, whole: bool = True) -> None:
     if wrong:
         problems.append(f"{len(wrong)} shape mismatch(es): {'; '.join(wrong[:10])}")
     if problems:
-        raise CheckpointError(f"checkpoint {ckpt.folder} does not match its config.json ({ckpt.architecture}): "
+        raise CheckpointError(f"checkpoint {ckpt.folder} does not match {ckpt.config_source} ({ckpt.architecture}): "
                               + " | ".join(problems))
 
 

@@ -58,7 +58,14 @@ def free_port() -> int:
 
 
 def resolve_model(model: str | None) -> str:
-    return str(ensure_default_model()) if not model else model
+    """The model to serve: the default one, else `model`; a folder holding a GGUF model (or any part of a split
+    set) resolves to its (first) .gguf file, so every later step sees the file."""
+    if not model:
+        return str(ensure_default_model())
+    from loaders.gguf_file import find_gguf
+
+    gguf = find_gguf(model)
+    return str(gguf) if gguf is not None else model
 
 
 def validate(cfg: EngineConfig, tp: int) -> None:

@@ -10,6 +10,13 @@ from __future__ import annotations
 def load_tokenizer(model_path: str):
     from transformers import AutoTokenizer
 
+    from loaders.gguf_file import find_gguf
+
+    if find_gguf(model_path) is not None:  # built from the GGUF file's own metadata
+        from loaders.gguf_file import load_tokenizer as load_gguf_tokenizer
+
+        return load_gguf_tokenizer(model_path)
+
     try:
         return AutoTokenizer.from_pretrained(model_path, trust_remote_code=False)
     except (OSError, ValueError) as e:
@@ -19,6 +26,13 @@ def load_tokenizer(model_path: str):
 def eos_token_ids(model_path: str, tokenizer) -> frozenset[int]:
     """EOS ids from generation_config.json (an int or a list) and the tokenizer."""
     ids: set[int] = set()
+    from loaders.gguf_file import eos_token_ids as gguf_eos_ids, find_gguf
+
+    if find_gguf(model_path) is not None:
+        ids.update(gguf_eos_ids(model_path))
+        if tokenizer.eos_token_id is not None:
+            ids.add(tokenizer.eos_token_id)
+        return frozenset(ids)
     try:
         from transformers import GenerationConfig
 

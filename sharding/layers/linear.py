@@ -135,16 +135,22 @@ class ColumnParallelLinear(_Linear):
 
     def load(self, ckpt: Checkpoint) -> None:
         ws, bs = [], []
+        self.qweight = quant.read_blocks(ckpt, [(p.name + ".weight", 0, [(p.start, p.stop)]) for p in self.pieces])
+        if self.qweight is not None:  # stored quantized (GGUF): the weight is the blocks, never a float copy
+            self.weight = None
         for p in self.pieces:
             ranges = [(p.start, p.stop)]
-            if p.transposed:
+            if self.qweight is not None:
+                pass
+            elif p.transposed:
                 ws.append(ckpt.read(p.name + ".weight", 1, ranges).t())
             else:
                 ws.append(ckpt.read(p.name + ".weight", 0, ranges))
             if self.bias is not None:
                 bs.append(ckpt.read(p.name + ".bias", 0, ranges))
         # Group contiguous blocks of one fused tensor are still separate reads; cat copies once into the parameter.
-        self.weight.data.copy_(torch.cat(ws, 0) if len(ws) > 1 else ws[0])
+        if ws:
+            self.weight.data.copy_(torch.cat(ws, 0) if len(ws) > 1 else ws[0])
         if self.bias is not None:
             self.bias.data.copy_(torch.cat(bs, 0) if len(bs) > 1 else bs[0])
 
@@ -172,11 +178,13 @@ class RowParallelLinear(_Linear):
 
     def load(self, ckpt: Checkpoint) -> None:
         p = self.piece
-        if p.transposed:
-            w = ckpt.read(p.name + ".weight", 0, [(p.start, p.stop)]).t()
+        self.qweight = quant.read_blocks(ckpt, [(p.name + ".weight", 1, [(p.start, p.stop)])])
+        if self.qweight is not None:  # stored quantized (GGUF): this rank's 32-input blocks of every row
+            self.weight = None
+        elif p.transposed:
+            self.weight.data.copy_(ckpt.read(p.name + ".weight", 0, [(p.start, p.stop)]).t())
         else:
-            w = ckpt.read(p.name + ".weight", 1, [(p.start, p.stop)])
-        self.weight.data.copy_(w)
+            self.weight.data.copy_(ckpt.read(p.name + ".weight", 1, [(p.start, p.stop)]))
         if self.bias is not None:
             self.bias.data.copy_(ckpt.read(p.name + ".bias"))
 
@@ -240,7 +248,11 @@ class ParallelLMHead(_Linear):
 
     def load(self, ckpt: Checkpoint) -> None:
         if not self.tied:
-            self.weight.data.copy_(ckpt.read(self.name + ".weight", 0, [(self.start, self.stop)]))
+            self.qweight = quant.read_blocks(ckpt, [(self.name + ".weight", 0, [(self.start, self.stop)])])
+            if self.qweight is not None:  # stored quantized (GGUF): served in its own blocks
+                self.weight = None
+            else:
+                self.weight.data.copy_(ckpt.read(self.name + ".weight", 0, [(self.start, self.stop)]))
         if self.bias is not None:
             self.bias.data.copy_(ckpt.read(self.name + ".bias", 0, [(self.start, self.stop)]))
 

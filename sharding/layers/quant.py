@@ -161,6 +161,60 @@ def quantize(weight: torch.Tensor, mode: str, group: int = 32, rows: int | None 
                                 block_scales(scale, rows), in_features, out_features, group, rows))
 
 
+def from_blocks(mode: str, values: torch.Tensor, scale: torch.Tensor, rows: int | None = None) -> QuantizedWeight:
+    """A weight stored quantized in llama.cpp's blocks of 32 inputs (a GGUF file's Q8_0 / Q4_0 tensors), laid out
+    for the kernel as `quantize` would lay it out, without a float copy: the values are repacked as bytes and the
+    float16 scales copied as they are, so dequantize() gives exactly the file's q * d.
+
+    int8 (Q8_0): `values` int8 [out, in], W = values * scale. int4 (Q4_0): `values` uint8 [out, in / 32, 16], byte j
+    of a block holding input j in its low nibble and input j + 16 in its high one, W = (nibble - 8) * scale (the
+    int4 layout's own nibbles, so where its run is 16 bytes the blocks are used as they are). `scale`: float16
+    [out, in / 32]. `rows`: as in quantize."""
+    out_features = values.shape[0]
+    rows = rows or kernel_rows(mode, values.device)
+    run = VNNI_RUN if rows == VNNI_ROWS else RUN[mode]
+    if mode == "int8":
+        in_features = values.shape[1]
+        packed = values
+    elif mode == "int4":
+        in_features = values.shape[1] * 32
+        if run == 16:  # byte j of a run of 32 inputs holds j and j + 16: Q4_0's block
+            packed = values.reshape(out_features, in_features // 2)
+        else:  # nibbles in input order (one byte each, transient), then paired as this layout pairs them
+            q = torch.cat([values & 0x0F, values >> 4], dim=-1).reshape(out_features, in_features // (2 * run), 2, run)
+            packed = (q[:, :, 0, :] | (q[:, :, 1, :] << 4)).reshape(out_features, in_features // 2)
+    else:
+        raise ValueError(f"no block layout for {mode!r}")
+    return bind(QuantizedWeight(mode, pack_rows(packed, run, rows), block_scales(scale.to(torch.float16), rows),
+                                in_features, out_features, 32, rows))
+
+
+def q4_0_as_int8(values: torch.Tensor) -> torch.Tensor:
+    """Q4_0 blocks ([out, blocks, 16] uint8) as int8 values [out, blocks * 32] with the same scales: exact (a Q4_0
+    value is (nibble - 8) * d, an int8 one q * d), for a fused linear whose parts mix Q8_0 and Q4_0."""
+    return (torch.cat([values & 0x0F, values >> 4], dim=-1).to(torch.int8) - 8).reshape(values.shape[0], -1)
+
+
+def read_blocks(ckpt, parts: list[tuple[str, int, list[tuple[int, int]]]]) -> QuantizedWeight | None:
+    """The weight made of `parts` (tensor name, dim, ranges; concatenated by output rows) if its tensors are stored
+    quantized (GGUF Q8_0 / Q4_0: loaders/gguf_file.py), laid out for the kernel with no float copy; None when they
+    are float tensors (read as usual)."""
+    from loaders.checkpoint import CheckpointError
+
+    modes = [ckpt.quant_type(name) for name, _, _ in parts]
+    if not any(modes):
+        return None
+    if not all(modes):
+        raise CheckpointError(f"{', '.join(name for name, _, _ in parts)}: one linear mixing float and quantized "
+                              "tensors is not served yet")
+    blocks = [ckpt.read_blocks(name, dim, ranges) for name, dim, ranges in parts]
+    mode = modes[0] if len(set(modes)) == 1 else "int8"
+    values = [v if m == mode else q4_0_as_int8(v) for m, v, _ in blocks]
+    values = torch.cat(values) if len(values) > 1 else values[0]
+    scale = torch.cat([s for _, _, s in blocks]) if len(blocks) > 1 else blocks[0][2]
+    return from_blocks(mode, values, scale)
+
+
 def block_scales(scale: torch.Tensor, rows: int = ROW_BLOCK) -> torch.Tensor:
     """[out, in / group] -> float16 [ceil(out / rows), in / group, rows]: each block of rows' scales side by side,
     group by group (zeros pad the last block), read by the kernel with the block's weights."""

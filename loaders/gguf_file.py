@@ -1,0 +1,321 @@
+"""GGUF files (llama.cpp's format), served as they ship: a `.gguf` file, a folder holding one, or a split set
+(`NAME-00001-of-0000N.gguf`).
+
+The header is parsed with the `gguf` package's GGUFReader (metadata, and each tensor's type, shape and absolute data
+offset; the reader maps the file but touches no tensor data). Tensor bytes are then read as checkpoint.py reads
+safetensors: `os.preadv` of exactly a rank's rows, or of its 32-input blocks, into fresh memory.
+
+`GGUFCheckpoint` is a `Checkpoint` under Hugging Face tensor names (blk.N.attn_q.weight ->
+model.layers.N.self_attn.q_proj.weight, ...), with a transformers config built from the file's metadata
+(`hf_config`). llama.cpp's converter permutes the rows of Llama's q/k projections (rotary pairs interleaved per head);
+they are put back in Hugging Face's order as they are read (within each head, so a rank reading whole heads reads
+its own rows only). Qwen2/Qwen3 files are not permuted.
+
+Served types: F32, F16, BF16 (read as float tensors), Q8_0 and Q4_0 (read as their blocks: `read_blocks`, which
+sharding/layers/quant.py lays out for its int8 / int4 kernels with no float copy). Every other type is refused at
+start, by name and tensor count.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections import Counter
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from loaders.checkpoint import Checkpoint, CheckpointError, TensorInfo
+
+FLOAT_TYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+BLOCK_TYPES = {"Q8_0": ("int8", 34), "Q4_0": ("int4", 18)}  # tpserve mode, bytes per block of 32 inputs
+BLOCK = 32
+SERVED_TYPES = ", ".join([*FLOAT_TYPES, *BLOCK_TYPES])
+# HF architecture name and transformers config class, by general.architecture
+ARCHITECTURES = {"llama": ("LlamaForCausalLM", "LlamaConfig"), "qwen2": ("Qwen2ForCausalLM", "Qwen2Config"),
+                 "qwen3": ("Qwen3ForCausalLM", "Qwen3Config")}
+SPLIT = re.compile(r"^(?P<stem>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
+
+GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+                "output.weight": "lm_head.weight"}
+LAYER_NAMES = {  # blk.N.<key> -> model.layers.N.<value>
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+}
+LAYER = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
+
+
+def hf_name(name: str) -> str:
+    """The Hugging Face name of a GGUF tensor (unknown names stay as they are: check_plan reports them)."""
+    if name in GLOBAL_NAMES:
+        return GLOBAL_NAMES[name]
+    m = LAYER.match(name)
+    if m and m.group(2) in LAYER_NAMES:
+        return f"model.layers.{m.group(1)}.{LAYER_NAMES[m.group(2)]}.{m.group(3)}"
+    return name
+
+
+def find_gguf(path: str | os.PathLike) -> Path | None:
+    """The GGUF file `path` names (for a split set, its first part), or None if it names none: a path ending in
+    .gguf (existing or not), or a folder without config.json that holds exactly one GGUF model."""
+    p = Path(path).expanduser()
+    if p.suffix == ".gguf" and not p.is_dir():
+        m = SPLIT.match(p.name)
+        return p.with_name(f"{m['stem']}-00001-of-{m['count']}.gguf") if m else p
+    if not p.is_dir() or (p / "config.json").is_file():
+        return None
+    models = sorted(f for f in p.glob("*.gguf") if not (SPLIT.match(f.name) and SPLIT.match(f.name)["no"] != "00001"))
+    if len(models) > 1:
+        raise CheckpointError(f"{str(p)!r} holds {len(models)} GGUF models ({', '.join(f.name for f in models[:5])}); "
+                              "pass the one to serve")
+    return models[0] if models else None
+
+
+def split_parts(first: Path) -> list[Path]:
+    m = SPLIT.match(first.name)
+    if not m:
+        return [first]
+    count = int(m["count"])
+    parts = [first.with_name(f"{m['stem']}-{i:05d}-of-{m['count']}.gguf") for i in range(1, count + 1)]
+    missing = [p.name for p in parts if not p.is_file()]
+    if missing:
+        raise CheckpointError(f"split GGUF {m['stem']}: part(s) {', '.join(missing)} missing from {first.parent}")
+    return parts
+
+
+def _reader(path: Path):
+    import gguf
+
+    try:
+        return gguf.GGUFReader(path, "r")
+    except Exception as e:  # noqa: BLE001 - any parse failure: a one-line message
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CheckpointError(f"{path} is not a readable GGUF file (truncated or corrupt?): {msg}") from None
+
+
+def _value(field):
+    v = field.contents()
+    return v
+
+
+def read_metadata(path: Path, skip_arrays: bool = True) -> dict:
+    """The key-value metadata of one GGUF file (arrays longer than 64 entries left out when `skip_arrays`)."""
+    reader = _reader(path)
+    out = {}
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF."):
+            continue
+        if skip_arrays and len(field.data) > 64:
+            out[key] = None
+            continue
+        out[key] = _value(field)
+    return out
+
+
+def unpermute_rows(x: torch.Tensor, head: int) -> torch.Tensor:
+    """llama.cpp's converter stores each head's rows as (j, half) pairs interleaved; Hugging Face's order is
+    (half, j). `x` starts at a head boundary and holds whole heads of `head` rows."""
+    n = x.shape[0] // head
+    return x.reshape(n, head // 2, 2, *x.shape[1:]).transpose(1, 2).reshape(x.shape).contiguous()
+
+
+class GGUFCheckpoint(Checkpoint):
+    """A GGUF model as a Checkpoint (see the module docstring). `folder` is the GGUF file itself (messages name it)."""
+
+    config_source = "its GGUF metadata"
+
+    def __init__(self, folder: str | os.PathLike) -> None:
+        first = find_gguf(folder)
+        if first is None or not first.is_file():
+            raise CheckpointError(f"GGUF file {str(first or folder)!r} does not exist")
+        self.folder = self.path = first
+        self.parts = split_parts(first)
+        self.config_dict = {}
+        self.bytes_read = 0
+        self._fds = {}
+        self.tensors: dict[str, TensorInfo] = {}
+        self.ggml_types: dict[str, str] = {}  # HF name -> GGML type name
+        self.permuted: dict[str, int] = {}  # HF name -> rows per head (Llama's q/k, stored permuted)
+        self.meta: dict = {}
+        refused: Counter = Counter()
+        for i, part in enumerate(self.parts):
+            reader = _reader(part)
+            if i == 0:
+                self.meta = {k: (None if len(f.data) > 64 else _value(f)) for k, f in reader.fields.items()
+                             if not k.startswith("GGUF.")}
+            size = part.stat().st_size
+            for t in reader.tensors:
+                type_name = t.tensor_type.name
+                name = hf_name(t.name)
+                shape = tuple(int(n) for n in reversed(list(t.shape)))  # GGUF lists the fastest dimension first
+                if name in self.tensors:
+                    raise CheckpointError(f"{first.name}: tensor {t.name!r} appears twice")
+                if int(t.data_offset) + int(t.n_bytes) > size:
+                    raise CheckpointError(f"{part.name}: tensor {t.name!r} ends past the end of the file "
+                                          "(file truncated?)")
+                if type_name in FLOAT_TYPES:
+                    dtype = FLOAT_TYPES[type_name]
+                elif type_name in BLOCK_TYPES:
+                    dtype = torch.uint8
+                else:
+                    refused[type_name] += 1
+                    continue
+                self.tensors[name] = TensorInfo(name, part, dtype, shape, int(t.data_offset), int(t.n_bytes))
+                self.ggml_types[name] = type_name
+        if self.meta.get("split.count") not in (None, len(self.parts)):
+            raise CheckpointError(f"{first.name} says the model is split in {self.meta['split.count']} parts, "
+                                  f"found {len(self.parts)}")
+        if refused:
+            kinds = ", ".join(f"{k} ({n} tensor{'s' if n > 1 else ''})" for k, n in sorted(refused.items()))
+            raise CheckpointError(
+                f"{first.name} holds GGUF types not served yet: {kinds}. tpserve serves {SERVED_TYPES} "
+                "(llama-quantize types F32, F16, BF16, Q8_0, Q4_0); K-quants and the other types come later")
+        arch = self.meta.get("general.architecture")
+        if arch not in ARCHITECTURES:
+            raise CheckpointError(f"{first.name}: GGUF architecture {arch!r} is not served; served: "
+                                  f"{', '.join(ARCHITECTURES)}")
+        self.gguf_arch = arch
+        if "rope_freqs.weight" in self.tensors:
+            raise CheckpointError(f"{first.name}: rope_freqs.weight (Llama 3.1-style rope scaling) is not served yet")
+        if self.meta.get(f"{arch}.rope.scaling.type") not in (None, "none"):
+            raise CheckpointError(f"{first.name}: rope scaling {self.meta[f'{arch}.rope.scaling.type']!r} is not "
+                                  "served yet for GGUF files")
+        for key in ("block_count", "embedding_length", "feed_forward_length", "attention.head_count"):
+            if not isinstance(self.meta.get(f"{arch}.{key}"), int):
+                raise CheckpointError(f"{first.name}: metadata {arch}.{key} is missing")
+        if arch == "llama":
+            heads = self.meta[f"{arch}.attention.head_count"]
+            kv_heads = self.meta.get(f"{arch}.attention.head_count_kv") or heads
+            for name, info in self.tensors.items():
+                n = heads if ".q_proj." in name else kv_heads if ".k_proj." in name else 0
+                if n:
+                    if info.shape[0] % (2 * n):
+                        raise CheckpointError(f"{first.name}: {name} has {info.shape[0]} rows, not a whole number "
+                                              f"of {n} heads")
+                    self.permuted[name] = info.shape[0] // n
+
+    @property
+    def architecture(self) -> str:
+        return ARCHITECTURES[self.gguf_arch][0]
+
+    def checkpoint_dtype(self) -> torch.dtype:
+        """The dtype of the file's float matrices (F16 / BF16 files); float32 for quantized files (their norms)."""
+        for name, info in self.tensors.items():
+            if len(info.shape) >= 2 and info.dtype.is_floating_point:
+                return info.dtype
+        return torch.float32
+
+    def quant_type(self, name: str) -> str | None:
+        kind = BLOCK_TYPES.get(self.ggml_types.get(name, ""))
+        return kind[0] if kind else None
+
+    def hf_config(self):
+        """A transformers config (LlamaConfig, Qwen2Config, Qwen3Config) from the file's metadata."""
+        import transformers
+
+        a, m = self.gguf_arch, self.meta
+        hidden, heads = m[f"{a}.embedding_length"], m[f"{a}.attention.head_count"]
+        embed = self.tensors.get("model.embed_tokens.weight")
+        if embed is None or len(embed.shape) != 2:
+            raise CheckpointError(f"{self.path.name}: no 2-D token_embd.weight")
+        kw = dict(
+            vocab_size=embed.shape[0], hidden_size=hidden, num_hidden_layers=m[f"{a}.block_count"],
+            intermediate_size=m[f"{a}.feed_forward_length"], num_attention_heads=heads,
+            num_key_value_heads=m.get(f"{a}.attention.head_count_kv") or heads,
+            head_dim=m.get(f"{a}.attention.key_length") or hidden // heads,
+            max_position_embeddings=m.get(f"{a}.context_length") or 2048,
+            rms_norm_eps=m.get(f"{a}.attention.layer_norm_rms_epsilon") or 1e-6,
+            rope_theta=float(m.get(f"{a}.rope.freq_base") or 10000.0),
+            tie_word_embeddings="lm_head.weight" not in self.tensors,
+            bos_token_id=m.get("tokenizer.ggml.bos_token_id"), eos_token_id=m.get("tokenizer.ggml.eos_token_id"),
+        )
+        if a == "llama":
+            kw["attention_bias"] = "model.layers.0.self_attn.q_proj.bias" in self.tensors
+        cls = getattr(transformers, ARCHITECTURES[a][1])
+        try:
+            config = cls(**kw)
+        except (TypeError, ValueError) as e:
+            raise CheckpointError(f"{self.path.name}: its metadata makes no valid {cls.__name__}: {e}") from None
+        config.architectures = [self.architecture]
+        config._name_or_path = str(self.path)
+        return config
+
+    def _rows(self, info: TensorInfo, dim: int, ranges: list[tuple[int, int]] | None) -> torch.Tensor:
+        """_read_info, with Llama's q/k rows put back in Hugging Face's order (whole heads read, then trimmed)."""
+        head = self.permuted.get(info.name)
+        if head is None:
+            return self._read_info(info, dim, ranges)
+        if dim != 0 or ranges is None:
+            return unpermute_rows(self._read_info(info, dim, ranges), head)
+        out = []
+        for start, stop in ranges:
+            a, b = start // head * head, -(-stop // head) * head
+            out.append(unpermute_rows(self._read_info(info, 0, [(a, b)]), head)[start - a: stop - a])
+        return torch.cat(out) if len(out) > 1 else out[0]
+
+    def read(self, name: str, dim: int = 0, ranges: list[tuple[int, int]] | None = None,
+             index: int | None = None) -> torch.Tensor:
+        info = self.info(name)
+        if index is not None:
+            raise CheckpointError(f"{name}: fused expert tensors are not served from GGUF files yet")
+        if self.quant_type(name) is None:
+            return self._rows(info, dim, ranges)
+        # A Q8_0 / Q4_0 tensor read as floats: only the embedding table does (its lookup needs float rows); the
+        # linears read blocks (read_blocks). The values are exactly the blocks' q * d.
+        mode, values, scale = self.read_blocks(name, dim, ranges)
+        if mode == "int4":
+            values = torch.cat([values & 0x0F, values >> 4], dim=-1).to(torch.int8) - 8
+        rows = values.shape[0]
+        return (values.reshape(rows, -1, BLOCK).float() * scale.float()[..., None]).reshape(rows, -1)
+
+    def read_blocks(self, name: str, dim: int = 0, ranges: list[tuple[int, int]] | None = None
+                    ) -> tuple[str, torch.Tensor, torch.Tensor]:
+        """Rows (dim 0) or 32-aligned input columns (dim 1) of a Q8_0 / Q4_0 [out, in] tensor, as its blocks:
+        (mode, values, scale) with scale float16 [rows, blocks] (the file's bits) and values int8 [rows, blocks * 32]
+        (Q8_0, "int8") or uint8 [rows, blocks, 16] (Q4_0, "int4": byte j holds input j low, j + 16 high)."""
+        info = self.info(name)
+        type_name = self.ggml_types[name]
+        mode, block_bytes = BLOCK_TYPES[type_name]
+        out_rows, cols = info.shape
+        raw = replace(info, shape=(out_rows, cols // BLOCK, block_bytes))
+        if dim == 1:
+            ranges = ranges or [(0, cols)]
+            for start, stop in ranges:
+                for edge in (start, stop):
+                    if edge % BLOCK:
+                        raise CheckpointError(
+                            f"{self.path.name}: the tensor-parallel split of {name} at input {edge} cuts a "
+                            f"{BLOCK}-input {type_name} block; not served yet: choose a tensor-parallel size that "
+                            f"divides its {cols} inputs in multiples of {BLOCK}")
+            ranges = [(start // BLOCK, stop // BLOCK) for start, stop in ranges]
+        elif dim != 0:
+            raise CheckpointError(f"{name}: dimension {dim} of a 2-D tensor")
+        data = self._rows(raw, dim, ranges)  # uint8 [rows, blocks, block_bytes]
+        scale = data[..., :2].contiguous().view(torch.float16).squeeze(-1)
+        qs = data[..., 2:].contiguous()
+        if mode == "int8":
+            return mode, qs.view(torch.int8).reshape(qs.shape[0], -1), scale
+        return mode, qs, scale
+
+
+def load_tokenizer(path: str | os.PathLike):
+    """The file's tokenizer as a Hugging Face fast tokenizer (transformers' GGUF converter: vocabulary, merges,
+    llama.cpp's pre-tokenizer split for `tokenizer.ggml.pre`, control tokens, chat template)."""
+    from transformers import AutoTokenizer
+
+    first = find_gguf(path)
+    try:
+        return AutoTokenizer.from_pretrained(str(first.parent), gguf_file=first.name, trust_remote_code=False)
+    except Exception as e:  # noqa: BLE001 - a one-line message for the user
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ValueError(f"cannot build a tokenizer from {first}: {msg}") from None
+
+
+def eos_token_ids(path: str | os.PathLike) -> set[int]:
+    """End-of-generation ids the file's metadata names (eos, and eot / eom where given)."""
+    meta = read_metadata(find_gguf(path))
+    keys = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
+    return {int(meta[k]) for k in keys if isinstance(meta.get(k), int)}

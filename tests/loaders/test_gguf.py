@@ -1,0 +1,302 @@
+"""GGUF files (loaders/gguf_file.py): tiny random llama / qwen2 / qwen3 checkpoints written as GGUF with the `gguf`
+package's writer the way llama.cpp's converter writes them (metadata keys, byte-level BPE vocabulary, Llama's q/k
+rows permuted per head), in F16 and in Q8_0 / Q4_0 blocks (norms kept F32), then served:
+
+- greedy tokens equal transformers loading the same GGUF (which dequantizes), at TP 1 and 2; where the CPU kernel
+  rounds the activations of quantized linears to int8 blocks (AVX-512 VNNI), the reference's activations are rounded
+  the same way, shard by shard;
+- the repacked blocks, dequantized by quant.py, are bit-equal to gguf-py's dequantization of the file's blocks;
+- the tokenizer built from the file encodes as the original Hugging Face tokenizer;
+- bad files are refused with one line.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from llm_runner import run_llm
+from tiny import CHAT_TEMPLATE, TEXT, make_checkpoint
+
+gguf = pytest.importorskip("gguf")
+Q = gguf.GGMLQuantizationType
+
+TO_GGUF = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+           "lm_head.weight": "output.weight"}
+LAYER_TO_GGUF = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+                 "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+                 "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
+                 "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+                 "mlp.down_proj": "ffn_down"}
+
+
+def gguf_name(name: str) -> str:
+    if name in TO_GGUF:
+        return TO_GGUF[name]
+    parts = name.split(".")  # model.layers.N.<module...>.<weight|bias>
+    return f"blk.{parts[2]}.{LAYER_TO_GGUF['.'.join(parts[3:-1])]}.{parts[-1]}"
+
+
+def permute(w: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's converter's row order for Llama's q/k (rotary halves interleaved within each head)."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_gguf(hf: Path, out: Path, types, arch: str | None = None, split_max_tensors: int = 0,
+               meta: dict | None = None, replace: dict | None = None) -> Path:
+    """The checkpoint in `hf` as a GGUF file. `types(name, array)`: the GGML type of each HF tensor (1-D stay F32).
+    `replace`: GGUF name -> (raw uint8 bytes, GGML type), written instead; `meta`: metadata to override."""
+    from safetensors.numpy import load_file
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(str(hf))
+    real_arch = cfg.model_type
+    arch = arch or real_arch
+    meta = dict(meta or {})
+    tok = json.loads((hf / "tokenizer.json").read_text())
+    vocab = {i: t for t, i in tok["model"]["vocab"].items()}
+    special = {a["id"]: a["content"] for a in tok["added_tokens"]}
+    tokens, toktypes = [], []
+    for i in range(cfg.vocab_size):
+        if i in special:
+            tokens.append(special[i]), toktypes.append(gguf.TokenType.CONTROL)
+        elif i in vocab:
+            tokens.append(vocab[i]), toktypes.append(gguf.TokenType.NORMAL)
+        else:
+            tokens.append(f"[PAD{i}]"), toktypes.append(gguf.TokenType.UNUSED)
+    merges = [m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    w = gguf.GGUFWriter(out, arch, split_max_tensors=split_max_tensors)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    kv = {f"{arch}.block_count": cfg.num_hidden_layers, f"{arch}.context_length": cfg.max_position_embeddings,
+          f"{arch}.embedding_length": cfg.hidden_size, f"{arch}.feed_forward_length": cfg.intermediate_size,
+          f"{arch}.attention.head_count": cfg.num_attention_heads,
+          f"{arch}.attention.head_count_kv": cfg.num_key_value_heads,
+          f"{arch}.rope.freq_base": float(cfg.rope_parameters["rope_theta"]),
+          f"{arch}.attention.layer_norm_rms_epsilon": float(cfg.rms_norm_eps)}
+    if real_arch == "qwen3":
+        kv[f"{arch}.attention.key_length"] = kv[f"{arch}.attention.value_length"] = head_dim
+    kv.update(meta)
+    for key, value in kv.items():
+        (w.add_float32 if isinstance(value, float) else w.add_uint32)(key, value)
+    w.add_tokenizer_model("gpt2")
+    # what llama.cpp's converter detects: Qwen2Tokenizer (qwen2, qwen3 folders) splits with Qwen2's regex
+    w.add_tokenizer_pre("qwen2" if real_arch in ("qwen2", "qwen3") else "gpt-2")
+    w.add_token_list(tokens)
+    w.add_token_types(toktypes)
+    w.add_token_merges(merges)
+    w.add_bos_token_id(cfg.bos_token_id)
+    w.add_eos_token_id(cfg.eos_token_id)
+    w.add_chat_template(CHAT_TEMPLATE)
+    state = load_file(str(hf / "model.safetensors"))
+    for name, t in state.items():
+        if name == "lm_head.weight" and getattr(cfg, "tie_word_embeddings", False):
+            continue
+        t = t.astype(np.float32)
+        if real_arch == "llama" and ".q_proj." in name:
+            t = permute(t, cfg.num_attention_heads)
+        elif real_arch == "llama" and ".k_proj." in name:
+            t = permute(t, cfg.num_key_value_heads)
+        g = gguf_name(name)
+        if replace and g in replace:
+            raw, qtype = replace[g]
+            w.add_tensor(g, raw, raw_dtype=qtype)
+            continue
+        qtype = types(name, t) if t.ndim == 2 else Q.F32
+        if qtype == Q.F32:
+            w.add_tensor(g, t)
+        elif qtype == Q.F16:
+            w.add_tensor(g, t.astype(np.float16))
+        else:
+            w.add_tensor(g, gguf.quants.quantize(t, qtype), raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out
+
+
+def q8(name, t):
+    return Q.Q8_0
+
+
+def q4_mixed(name, t):
+    """Q4_0, with v_proj Q8_0 (a fused q/k/v mixing both: served as int8, exactly) and the embedding Q8_0."""
+    return Q.Q8_0 if ".v_proj." in name or "embed" in name else Q.Q4_0
+
+
+def f16(name, t):
+    return Q.F16
+
+
+# every linear's inputs, and each TP 2 shard's, are whole 32-input blocks (o_proj 64 -> 2 x 32, down_proj 128 -> 2 x 64)
+SPECS = {"llama": dict(intermediate_size=128),
+         "qwen2": dict(intermediate_size=128, num_attention_heads=4, num_key_value_heads=2),
+         "qwen3": dict(intermediate_size=128),
+         "llama_tied": dict(intermediate_size=128)}
+VARIANTS = [("llama", "q8", q8), ("llama", "q4", q4_mixed), ("llama", "f16", f16), ("qwen2", "q8", q8),
+            ("qwen2", "q4", q4_mixed), ("qwen3", "q4", q4_mixed), ("llama_tied", "q8", q8)]
+PROMPTS = [[5, 6, 7, 8, 9, 10], list(range(30, 50))]
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    root = tmp_path_factory.mktemp("gguf")
+    hf, out = {}, {}
+    for arch, spec in SPECS.items():
+        hf[arch] = make_checkpoint(root / f"hf-{arch}", arch, **spec)
+    for arch, kind, types in VARIANTS:
+        out[arch, kind] = write_gguf(hf[arch], root / f"{arch}-{kind}" / f"{arch}-{kind}.gguf", types)
+    out["split"] = write_gguf(hf["qwen2"], root / "split" / "qwen2.gguf", q8, split_max_tensors=8)
+    return root, hf, out
+
+
+def int8_rounded(x: torch.Tensor) -> torch.Tensor:
+    """Each block of 32 inputs of a row rounded to a multiple of max|block| / 127, as the VNNI kernel rounds."""
+    b = x.reshape(-1, x.shape[-1] // 32, 32)
+    amax = b.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    return (torch.round(b * inv) * (amax / 127.0)).reshape(x.shape)
+
+
+def reference(path: Path, quantized: bool, tp: int, prompt: list[int], n: int) -> list[int]:
+    """transformers' greedy tokens on the GGUF (dequantized by transformers); with `quantized` and int8 activations,
+    every linear's input rounded as tpserve's kernel rounds it (row-parallel ones per TP shard)."""
+    from transformers import AutoModelForCausalLM
+
+    from sharding.cpu import kernels
+    from sharding.layers import quant
+
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    model.generation_config.eos_token_id = None
+    if quantized and kernels.build_kernels() and quant.int8_activations():
+        for name, mod in model.named_modules():
+            if isinstance(mod, torch.nn.Linear):
+                parts = tp if name.endswith(("o_proj", "down_proj")) else 1
+                mod.register_forward_pre_hook(lambda _m, a, p=parts: (
+                    torch.cat([int8_rounded(c) for c in a[0].chunk(p, dim=-1)], -1),))
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, pad_token_id=0,
+                             attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
+    return out.sequences[0, len(prompt):].tolist()
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_greedy_tokens_equal_transformers_on_the_same_gguf(files, tp):
+    _, _, out = files
+    keys = [(a, k) for a, k, _ in VARIANTS] + ["split"]
+    jobs = [{"model": str(out[key].parent if key == ("llama", "q8") else out[key]), "prompts": PROMPTS,
+             "max_tokens": 12} for key in keys]  # (one given as its folder)
+    results = run_llm(tp, jobs, timeout=400)
+    agree = total = 0
+    for key, result in zip(keys, results):
+        assert "error" not in result, (key, result)
+        path = out[key] if key != "split" else next(out[key].parent.glob("*-00001-of-*.gguf"))
+        for prompt, o in zip(PROMPTS, result["outputs"]):
+            expected = reference(path, key == "split" or key[1] != "f16", tp, prompt, 12)
+            assert o["token_ids"] == expected, (key, tp, o["token_ids"], expected)
+
+
+def test_repacked_blocks_dequantize_bit_equal_to_gguf(files):
+    from loaders.checkpoint import Checkpoint
+    from sharding.layers import quant
+
+    _, _, out = files
+    for kind in ("q8", "q4"):
+        ckpt = Checkpoint(out["llama", kind])
+        for name, dim, ranges in [("model.layers.0.mlp.gate_proj.weight", 0, [(32, 96)]),
+                                  ("model.layers.1.mlp.down_proj.weight", 1, [(64, 128)]),
+                                  ("model.layers.0.self_attn.o_proj.weight", 0, None)]:
+            reader = gguf.GGUFReader(ckpt.path)
+            t = next(t for t in reader.tensors if t.name == {
+                "gate_proj": "blk.0.ffn_gate.weight", "down_proj": "blk.1.ffn_down.weight",
+                "o_proj": "blk.0.attn_output.weight"}[name.split(".")[-2]])
+            full = torch.from_numpy(gguf.quants.dequantize(np.array(t.data), t.tensor_type).copy())
+            full = full.reshape(full.shape[0], -1)
+            want = full if ranges is None else full.narrow(dim, ranges[0][0], ranges[0][1] - ranges[0][0])
+            for rows in (quant.ROW_BLOCK, quant.VNNI_ROWS):
+                mode, values, scale = ckpt.read_blocks(name, dim, ranges)
+                qw = quant.from_blocks(mode, values, scale, rows=rows)
+                got = quant.dequantize(qw)
+                assert got.dtype == torch.float32 and torch.equal(got, want), (kind, name, rows)
+            assert torch.equal(ckpt.read(name, dim, ranges), want)  # the float read (embeddings) is exact too
+        ckpt.close()
+
+
+def test_the_file_s_tokenizer_encodes_as_the_original(files):
+    from transformers import AutoTokenizer
+
+    from server.engine.tokenizer import eos_token_ids, load_tokenizer
+
+    _, hf, out = files
+    ours = load_tokenizer(str(out["qwen2", "q8"]))
+    theirs = AutoTokenizer.from_pretrained(str(hf["qwen2"]))
+    texts = TEXT + ["  two  spaces\n\n\ttab and trailing  ", "😀🚀 mixed 日本語 café!!", "<|im_start|>user\nhi<|im_end|>"]
+    for text in texts:
+        assert ours.encode(text) == theirs.encode(text), text
+    assert ours.chat_template == CHAT_TEMPLATE
+    assert eos_token_ids(str(out["qwen2", "q8"]), ours) == {theirs.eos_token_id}
+
+
+def error_of(path) -> str:
+    from loaders.checkpoint import Checkpoint, CheckpointError
+    from sharding.runner import EngineConfig
+    from server.cli.launcher import validate
+
+    with pytest.raises(CheckpointError) as e:
+        validate(EngineConfig(str(path)), 2)
+    assert "\n" not in str(e.value)
+    return str(e.value)
+
+
+@pytest.fixture(scope="module")
+def bad(files):
+    root, hf, out = files
+    made = {}
+    data = out["llama", "q8"].read_bytes()
+    (root / "bad").mkdir()
+    made["truncated"] = root / "bad" / "truncated.gguf"
+    made["truncated"].write_bytes(data[: len(data) - 1000])
+    made["arch"] = write_gguf(hf["llama"], root / "bad" / "arch.gguf", q8, arch="gptneox")
+    q4k = np.zeros((64, 2 * 144), dtype=np.uint8)  # [64, 512] in Q4_K's 144-byte blocks of 256
+    made["q4k"] = write_gguf(hf["llama"], root / "bad" / "q4k.gguf", q8, replace={"blk.0.ffn_up.weight": (q4k, Q.Q4_K)})
+    made["shape"] = write_gguf(hf["llama"], root / "bad" / "shape.gguf", q8, meta={"llama.feed_forward_length": 96})
+    split = write_gguf(hf["llama"], root / "bad-split" / "s.gguf", q8, split_max_tensors=8)
+    second = next(split.parent.glob("*-00002-of-*.gguf"))
+    second.unlink()
+    made["split"] = split.parent
+    return made
+
+
+def test_bad_files_are_refused_with_one_line(bad):
+    assert "truncated" in error_of(bad["truncated"])
+    assert "GGUF architecture 'gptneox' is not served; served: llama, qwen2, qwen3" in error_of(bad["arch"])
+    msg = error_of(bad["q4k"])
+    assert "Q4_K (1 tensor)" in msg and "Q8_0" in msg and "Q4_0" in msg and "not served yet" in msg, msg
+    msg = error_of(bad["shape"])
+    assert "shape mismatch" in msg and "mlp.down_proj.weight" in msg and "GGUF metadata" in msg, msg
+    assert "00002-of-" in error_of(bad["split"]) and "missing" in error_of(bad["split"])
+
+
+def test_the_cli_refuses_a_bad_file_without_a_traceback(bad):
+    r = subprocess.run([sys.executable, "-m", "server.cli.main", "serve", str(bad["q4k"])], capture_output=True,
+                       text=True, timeout=120, stdin=subprocess.DEVNULL)
+    assert r.returncode != 0
+    assert "Q4_K (1 tensor)" in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
+
+
+def test_a_block_cut_by_the_tp_split_is_refused(files):
+    root, hf, _ = files
+    # down_proj of 96 inputs: TP 2 would split it at input 48, inside a block
+    src = make_checkpoint(root / "hf-odd", "llama", intermediate_size=96)
+    path = write_gguf(src, root / "odd" / "odd.gguf", q8)
+    from loaders.checkpoint import Checkpoint, CheckpointError
+
+    with Checkpoint(path) as ckpt, pytest.raises(CheckpointError, match="cuts a 32-input Q8_0 block"):
+        ckpt.read_blocks("model.layers.0.mlp.down_proj.weight", 1, [(48, 96)])
