@@ -100,19 +100,11 @@ class Checkpoint:
     `read(name, dim, ranges)` returns the concatenation along `dim` of the given [start, stop) blocks of one tensor,
     reading only their bytes. `bytes_read` counts the tensor bytes requested so far (tests check it).
 
-    A `.gguf` file (or a folder that holds one and no config.json, or one part of a split set) opens as
-    loaders.gguf_file.GGUFCheckpoint instead, which serves the same interface under Hugging Face tensor names.
+    A `.gguf` file (or a folder that holds one and no config.json, or one part of a split set) is opened by
+    loaders.gguf_file.open_checkpoint as a GGUFCheckpoint, which serves the same interface under Hugging Face names.
     """
 
     config_source = "its config.json"  # what the model's shapes come from (error messages)
-
-    def __new__(cls, folder: str | os.PathLike | None = None, *args, **kwargs):
-        if cls is Checkpoint and folder is not None:
-            from loaders.gguf_file import GGUFCheckpoint, find_gguf
-
-            if find_gguf(folder) is not None:
-                return super().__new__(GGUFCheckpoint)
-        return super().__new__(cls)
 
     def __init__(self, folder: str | os.PathLike) -> None:
         self.folder = Path(folder).expanduser()

@@ -74,6 +74,11 @@ def find_gguf(path: str | os.PathLike) -> Path | None:
     return models[0] if models else None
 
 
+def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
+    """The model at `path`: a GGUFCheckpoint when it names a GGUF file (find_gguf), else a safetensors Checkpoint."""
+    return GGUFCheckpoint(path) if find_gguf(path) is not None else Checkpoint(path)
+
+
 def split_parts(first: Path) -> list[Path]:
     m = SPLIT.match(first.name)
     if not m:

@@ -22,6 +22,7 @@ import torch
 
 from loaders.checkpoint import Checkpoint, CheckpointError
 from loaders.config import load_config
+from loaders.gguf_file import open_checkpoint
 from sharding.cpu import hugepages, kernels
 from sharding.layers.attention import AttentionMetadata, PagedKVCache, RotaryTable
 from sharding.dist import Dist, Layout
@@ -161,7 +162,7 @@ def cpu_precision(cfg: EngineConfig, ckpt: Checkpoint, device: torch.device) -> 
 def build_model(cfg: EngineConfig, dist: Dist, ckpt: Checkpoint | None = None
                 ) -> tuple[CausalLM, PretrainedConfig, torch.dtype]:
     """Construct this rank's model (parameters allocated, not yet loaded) and check it against the checkpoint."""
-    ckpt = ckpt or Checkpoint(cfg.model)
+    ckpt = ckpt or open_checkpoint(cfg.model)
     config = load_config(ckpt)
     cls = model_class(ckpt.architecture)
     dtype = ckpt.resolve_dtype(cfg.dtype)
@@ -198,7 +199,7 @@ class ModelRunner:
         if dist.device.type == "cpu":
             with phases.phase("kernels"):
                 kernels.build_kernels()  # the compiled CPU kernels: a prebuilt variant or a build for this CPU
-        with Checkpoint(cfg.model) as ckpt:
+        with open_checkpoint(cfg.model) as ckpt:
             self.cfg = cfg = cpu_precision(cfg, ckpt, dist.device)
             quantize = self._quantizer()
             with phases.phase("building the model"):

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from loaders import envs
-from loaders.checkpoint import Checkpoint
+from loaders.gguf_file import open_checkpoint
 from loaders.default_model import ensure_default_model
 from sharding.dist import Dist, init_dist
 from sharding.executor import start_executor
@@ -83,7 +83,7 @@ def validate(cfg: EngineConfig, tp: int) -> None:
     quant.check(cfg.quantization, cfg.quantization_group_size)
 
     partition = envs.PP_LAYER_PARTITION.get()
-    with Checkpoint(cfg.model) as ckpt:
+    with open_checkpoint(cfg.model) as ckpt:
         ckpt.resolve_dtype(cfg.dtype)
         model, config, _ = build_model(cfg, Dist(rank=0, world_size=tp, device=torch.device("meta")), ckpt)
         resolve_max_model_len(model, config, cfg.max_model_len)

@@ -182,12 +182,12 @@ def serve(args) -> int:
     name = args.served_model_name or os.path.basename(os.path.normpath(cfg.model))
     loras = None
     if cfg.enable_lora:  # every adapter checked against the base checkpoint before any rank starts
-        from loaders.checkpoint import Checkpoint
+        from loaders.gguf_file import open_checkpoint
         from server.engine.lora_registry import LoraRegistry, parse_lora_modules
         from sharding.layers.lora import supports_lora
         from sharding.models import model_class
 
-        with Checkpoint(cfg.model) as ckpt:
+        with open_checkpoint(cfg.model) as ckpt:
             if not supports_lora(model_class(ckpt.architecture)):
                 raise ValueError(f"--enable-lora: LoRA adapters are not supported for {ckpt.architecture} yet")
         loras = LoraRegistry(cfg.model, name, args.max_loras, cfg.max_cpu_loras, cfg.max_lora_rank)

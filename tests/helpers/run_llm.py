@@ -8,7 +8,7 @@ prefix-cache and preemption counters. Used by the tests so each TP degree starts
 import json
 import sys
 
-from loaders.checkpoint import Checkpoint
+from loaders.gguf_file import open_checkpoint
 from server.llm import LLM
 from server.engine.sampler import SamplingParams
 
@@ -46,7 +46,7 @@ def main() -> None:
                                     for o in outs], "trace": trace,
                         "seq_parallel_steps": llm.executor.seq_parallel_steps,
                         "bytes_read": llm.executor.bytes_read,
-                        "checkpoint_bytes": Checkpoint(llm.cfg.model).total_bytes,
+                        "checkpoint_bytes": open_checkpoint(llm.cfg.model).total_bytes,
                         "repeats": [[o.token_ids for o in r] for r in rounds[1:]], "alone": alone,
                         "prefix_hit_tokens": llm.engine.replicas.pools[0].prefix_hit_tokens,
                         "preemptions": llm.engine.replicas.num_preemptions})

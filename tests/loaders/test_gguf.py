@@ -207,7 +207,7 @@ def test_greedy_tokens_equal_transformers_on_the_same_gguf(files, tp):
 
 
 def test_repacked_blocks_dequantize_bit_equal_to_gguf(files):
-    from loaders.checkpoint import Checkpoint
+    from loaders.gguf_file import open_checkpoint as Checkpoint
     from sharding.layers import quant
 
     _, _, out = files
@@ -248,7 +248,7 @@ def test_the_file_s_tokenizer_encodes_as_the_original(files):
 
 
 def error_of(path) -> str:
-    from loaders.checkpoint import Checkpoint, CheckpointError
+    from loaders.checkpoint import CheckpointError
     from sharding.runner import EngineConfig
     from server.cli.launcher import validate
 
@@ -299,7 +299,8 @@ def test_a_block_cut_by_the_tp_split_is_refused(files):
     # down_proj of 96 inputs: TP 2 would split it at input 48, inside a block
     src = make_checkpoint(root / "hf-odd", "llama", intermediate_size=96)
     path = write_gguf(src, root / "odd" / "odd.gguf", q8)
-    from loaders.checkpoint import Checkpoint, CheckpointError
+    from loaders.checkpoint import CheckpointError
+    from loaders.gguf_file import GGUFCheckpoint
 
-    with Checkpoint(path) as ckpt, pytest.raises(CheckpointError, match="cuts a 32-input Q8_0 block"):
+    with GGUFCheckpoint(path) as ckpt, pytest.raises(CheckpointError, match="cuts a 32-input Q8_0 block"):
         ckpt.read_blocks("model.layers.0.mlp.down_proj.weight", 1, [(48, 96)])
