@@ -175,7 +175,10 @@ def from_blocks(mode: str, values: torch.Tensor, scale: torch.Tensor, rows: int 
     run = VNNI_RUN if rows == VNNI_ROWS else RUN[mode]
     if mode == "int8":
         in_features = values.shape[1]
-        packed = values
+        # -128 -> -127: the AVX2 kernel flips each weight's sign by its activation's (vpsignb), which -128 survives
+        # as -128. llama-quantize never writes -128 (its Q8_0 scale is max|x| / 127); a file that holds one is
+        # served with that weight off by one step of its block's scale.
+        packed = values.clamp(min=-127) if bool((values == -128).any()) else values
     elif mode == "int4":
         in_features = values.shape[1] * 32
         if run == 16:  # byte j of a run of 32 inputs holds j and j + 16: Q4_0's block
