@@ -191,7 +191,7 @@ def reference(path: Path, quantized: bool, tp: int, prompt: list[int], n: int) -
     return out[0, len(prompt):].tolist()
 
 
-@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("tp", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_greedy_tokens_equal_transformers_on_the_same_gguf(files, tp):
     _, _, out = files
     keys = [(a, k) for a, k, _ in VARIANTS] + ["split"]

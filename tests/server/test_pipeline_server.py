@@ -51,6 +51,7 @@ def test_two_replicas_serve_and_balance(server_factory, checkpoints):
     assert httpx.get(s.url + "/health").status_code == 200
 
 
+@pytest.mark.slow
 def test_sigkill_of_a_middle_stage_restarts_the_pipeline_and_the_stream_goes_on(server_factory, five_layers):
     """-pp 3: the middle stage dies mid-stream; the last stage is killed too and both are started again (rank 0
     keeps its stage), and the streams finish with the text of an undisturbed run."""
@@ -68,6 +69,7 @@ def test_sigkill_of_a_middle_stage_restarts_the_pipeline_and_the_stream_goes_on(
     assert len(children(s.proc.pid)) == 2
 
 
+@pytest.mark.slow
 def test_group_sigterm_drains_a_pipeline(server_factory, checkpoints):
     s = server_factory(checkpoints("llama"), 1, "-pp", "2", "--max-model-len", "256", "--shutdown-timeout", "60",
                        new_session=True)

@@ -163,7 +163,7 @@ def rejected_variants(ref, tmp_path) -> list[tuple[dict, str]]:
     return cases
 
 
-@pytest.mark.parametrize("tp", [1, 2, pytest.param(3, marks=pytest.mark.slow), pytest.param(4, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("tp", [1, *(pytest.param(tp, marks=pytest.mark.slow) for tp in (2, 3, 4))])
 def test_greedy_equals_transformers(reference, tp, tmp_path):
     archs = [a for a in reference if tp in TPS[a]]
     jobs = [{"model": str(reference[a][0]), "prompts": reference[a][1], "max_tokens": MAX_TOKENS, "logprobs": 5,
