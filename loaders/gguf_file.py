@@ -101,23 +101,12 @@ def _reader(path: Path):
         raise CheckpointError(f"{path} is not a readable GGUF file (truncated or corrupt?): {msg}") from None
 
 
-def _value(field):
-    v = field.contents()
-    return v
-
-
-def read_metadata(path: Path, skip_arrays: bool = True) -> dict:
-    """The key-value metadata of one GGUF file (arrays longer than 64 entries left out when `skip_arrays`)."""
-    reader = _reader(path)
-    out = {}
-    for key, field in reader.fields.items():
-        if key.startswith("GGUF."):
-            continue
-        if skip_arrays and len(field.data) > 64:
-            out[key] = None
-            continue
-        out[key] = _value(field)
-    return out
+def read_metadata(path: Path, skip_arrays: bool = True, reader=None) -> dict:
+    """The key-value metadata of one GGUF file (arrays longer than 64 entries left out when `skip_arrays`), from
+    `reader` if the file is open already."""
+    reader = reader or _reader(path)
+    return {key: None if skip_arrays and len(field.data) > 64 else field.contents()
+            for key, field in reader.fields.items() if not key.startswith("GGUF.")}
 
 
 def unpermute_rows(x: torch.Tensor, head: int) -> torch.Tensor:
@@ -149,8 +138,7 @@ class GGUFCheckpoint(Checkpoint):
         for i, part in enumerate(self.parts):
             reader = _reader(part)
             if i == 0:
-                self.meta = {k: (None if len(f.data) > 64 else _value(f)) for k, f in reader.fields.items()
-                             if not k.startswith("GGUF.")}
+                self.meta = read_metadata(part, reader=reader)
             size = part.stat().st_size
             for t in reader.tensors:
                 type_name = t.tensor_type.name

@@ -117,10 +117,13 @@ def cpu_flags() -> set[str]:
         auxv = _arm_auxv_flags()
         if auxv:
             return auxv | (flags if key == "Features" else set())
-    flags -= _denied_by_cpuid(flags)
-    if set(_AMX) & flags and not amx_granted():
-        flags -= set(_AMX)
-    return flags
+    return without_ungranted_amx(flags - _denied_by_cpuid(flags))
+
+
+def without_ungranted_amx(flags: set[str]) -> set[str]:
+    """`flags` less the AMX ones when Linux does not grant this process tile data: the first tile instruction would
+    fault, so the AMX build must not be chosen."""
+    return flags - set(_AMX) if set(_AMX) & flags and not amx_granted() else flags
 
 
 def amx_granted() -> bool:
