@@ -11,9 +11,9 @@ model.layers.N.self_attn.q_proj.weight, ...), with a transformers config built f
 they are put back in Hugging Face's order as they are read (within each head, so a rank reading whole heads reads
 its own rows only). Qwen2/Qwen3 files are not permuted.
 
-Served types: F32, F16, BF16 (read as float tensors), Q8_0 and Q4_0 (read as their blocks: `read_blocks`, which
-sharding/layers/quant.py lays out for its int8 / int4 kernels with no float copy). Every other type is refused at
-start, by name and tensor count.
+Served types: F32, F16, BF16 (read as float tensors), and the block types Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K
+and Q6_K, read as their blocks (`read_blocks`), which sharding/layers/quant.py lays out for its kernels with no float
+copy. Every other type is refused at start, by name and tensor count.
 """
 
 from __future__ import annotations
@@ -29,8 +29,10 @@ import torch
 from loaders.checkpoint import Checkpoint, CheckpointError, TensorInfo
 
 FLOAT_TYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
-BLOCK_TYPES = {"Q8_0": ("int8", 34), "Q4_0": ("int4", 18)}  # tpserve mode, bytes per block of 32 inputs
-BLOCK = 32
+# served block types: (inputs, bytes) per block. Q8_0 / Q4_0 become tpserve's int8 / int4, the others keep their own
+# blocks (sharding/layers/gguf_quant.py)
+BLOCK_TYPES = {"Q8_0": (32, 34), "Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q5_1": (32, 24),
+               "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210)}
 SERVED_TYPES = ", ".join([*FLOAT_TYPES, *BLOCK_TYPES])
 # HF architecture name and transformers config class, by general.architecture
 ARCHITECTURES = {"llama": ("LlamaForCausalLM", "LlamaConfig"), "qwen2": ("Qwen2ForCausalLM", "Qwen2Config"),
@@ -164,8 +166,9 @@ class GGUFCheckpoint(Checkpoint):
         if refused:
             kinds = ", ".join(f"{k} ({n} tensor{'s' if n > 1 else ''})" for k, n in sorted(refused.items()))
             raise CheckpointError(
-                f"{first.name} holds GGUF types not served yet: {kinds}. tpserve serves {SERVED_TYPES} "
-                "(llama-quantize types F32, F16, BF16, Q8_0, Q4_0); K-quants and the other types come later")
+                f"{first.name} holds GGUF types tpserve does not serve: {kinds}. Served: {SERVED_TYPES} (llama-quantize "
+                "types F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K_S/M, Q5_K_S/M, Q6_K); re-quantize the model to "
+                "one of those")
         arch = self.meta.get("general.architecture")
         if arch not in ARCHITECTURES:
             raise CheckpointError(f"{first.name}: GGUF architecture {arch!r} is not served; served: "
@@ -202,8 +205,9 @@ class GGUFCheckpoint(Checkpoint):
         return torch.float32
 
     def quant_type(self, name: str) -> str | None:
-        kind = BLOCK_TYPES.get(self.ggml_types.get(name, ""))
-        return kind[0] if kind else None
+        """The tensor's GGUF block type (Q8_0, Q4_K, ...), or None for a float tensor."""
+        t = self.ggml_types.get(name, "")
+        return t if t in BLOCK_TYPES else None
 
     def hf_config(self):
         """A transformers config (LlamaConfig, Qwen2Config, Qwen3Config) from the file's metadata."""
@@ -256,42 +260,36 @@ class GGUFCheckpoint(Checkpoint):
             raise CheckpointError(f"{name}: fused expert tensors are not served from GGUF files yet")
         if self.quant_type(name) is None:
             return self._rows(info, dim, ranges)
-        # A Q8_0 / Q4_0 tensor read as floats: only the embedding table does (its lookup needs float rows); the
-        # linears read blocks (read_blocks). The values are exactly the blocks' q * d.
-        mode, values, scale = self.read_blocks(name, dim, ranges)
-        if mode == "int4":
-            values = torch.cat([values & 0x0F, values >> 4], dim=-1).to(torch.int8) - 8
-        rows = values.shape[0]
-        return (values.reshape(rows, -1, BLOCK).float() * scale.float()[..., None]).reshape(rows, -1)
+        # A tensor in blocks read as floats: only the embedding table does (its lookup needs float rows); the
+        # linears read blocks (read_blocks). The values are exactly the blocks' (gguf-py's dequantize).
+        import gguf
 
-    def read_blocks(self, name: str, dim: int = 0, ranges: list[tuple[int, int]] | None = None
-                    ) -> tuple[str, torch.Tensor, torch.Tensor]:
-        """Rows (dim 0) or 32-aligned input columns (dim 1) of a Q8_0 / Q4_0 [out, in] tensor, as its blocks:
-        (mode, values, scale) with scale float16 [rows, blocks] (the file's bits) and values int8 [rows, blocks * 32]
-        (Q8_0, "int8") or uint8 [rows, blocks, 16] (Q4_0, "int4": byte j holds input j low, j + 16 high)."""
+        raw = self.read_blocks(name, dim, ranges)
+        rows = raw.shape[0]
+        values = gguf.quants.dequantize(raw.reshape(rows, -1).numpy(), gguf.GGMLQuantizationType[self.ggml_types[name]])
+        return torch.from_numpy(values).reshape(rows, -1)
+
+    def read_blocks(self, name: str, dim: int = 0, ranges: list[tuple[int, int]] | None = None) -> torch.Tensor:
+        """Rows (dim 0) or whole-block input columns (dim 1) of a tensor stored in blocks, as the file's bytes:
+        uint8 [rows, blocks, bytes per block]."""
         info = self.info(name)
         type_name = self.ggml_types[name]
-        mode, block_bytes = BLOCK_TYPES[type_name]
+        block, block_bytes = BLOCK_TYPES[type_name]
         out_rows, cols = info.shape
-        raw = replace(info, shape=(out_rows, cols // BLOCK, block_bytes))
+        raw = replace(info, shape=(out_rows, cols // block, block_bytes))
         if dim == 1:
             ranges = ranges or [(0, cols)]
             for start, stop in ranges:
                 for edge in (start, stop):
-                    if edge % BLOCK:
+                    if edge % block:
                         raise CheckpointError(
                             f"{self.path.name}: the tensor-parallel split of {name} at input {edge} cuts a "
-                            f"{BLOCK}-input {type_name} block; not served yet: choose a tensor-parallel size that "
-                            f"divides its {cols} inputs in multiples of {BLOCK}")
-            ranges = [(start // BLOCK, stop // BLOCK) for start, stop in ranges]
+                            f"{block}-input {type_name} block; not served yet: choose a tensor-parallel size that "
+                            f"divides its {cols} inputs in multiples of {block}")
+            ranges = [(start // block, stop // block) for start, stop in ranges]
         elif dim != 0:
             raise CheckpointError(f"{name}: dimension {dim} of a 2-D tensor")
-        data = self._rows(raw, dim, ranges)  # uint8 [rows, blocks, block_bytes]
-        scale = data[..., :2].contiguous().view(torch.float16).squeeze(-1)
-        qs = data[..., 2:].contiguous()
-        if mode == "int8":
-            return mode, qs.view(torch.int8).reshape(qs.shape[0], -1), scale
-        return mode, qs, scale
+        return self._rows(raw, dim, ranges)
 
 
 def load_tokenizer(path: str | os.PathLike):

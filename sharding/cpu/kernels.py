@@ -145,7 +145,8 @@ def build_kernels(verbose: bool = False) -> bool:
                               ("norm", envs.NORM_KERNEL, ops.rms_norm.default),
                               ("rotary", envs.ROTARY_KERNEL, ops.rotary_qk_.default),
                               ("quant", envs.QUANT_KERNEL,
-                               (ops.int8_linear.default, ops.int4_linear.default, ops.bf16_linear.default)),
+                               (ops.int8_linear.default, ops.int4_linear.default, ops.bf16_linear.default,
+                                ops.kq_linear.default)),
                               ("glue", envs.GLUE_KERNEL, (ops.decode_attention.default, ops.add_rms_norm_.default,
                                                           ops.silu_mul.default)),
                               ("f32", envs.F32_KERNEL, ops.f32_linear.default),
@@ -185,7 +186,7 @@ def rotary_op():
 
 
 def quant_linear_ops():
-    """(int8_linear, int4_linear, bf16_linear), or None."""
+    """(int8_linear, int4_linear, bf16_linear, kq_linear), or None."""
     return _OPS.get("quant")
 
 
@@ -228,13 +229,16 @@ def moe_experts_ops():
 
 def plan_linear(lin) -> tuple | None:
     """How the compiled steps (decode_layers, moe_experts) run this linear: (kind, weight, scale, bias, n, group), or
-    None where it has no compiled kernel (kinds: 0 float32 in blocks of 32 columns, 1 int8, 2 int4, 3 bf16)."""
+    None where it has no compiled kernel (kinds: 0 float32 in blocks of 32 columns, 1 int8, 2 int4, 3 bf16, 4 a GGUF
+    block type, whose code is passed as the group)."""
     empty = torch.empty(0)
     if lin.blocked is not None:
         return 0, lin.blocked, empty, lin.bias, lin._f32[1], 0
     q = lin.qweight
     if q is None or q.kernel is None:
         return None
+    if q.gguf:
+        return 4, q.data, q.scale, lin.bias, q.out_features, q.group
     kind = {"int8": 1, "int4": 2, "bf16": 3}[q.mode]
     return kind, q.data, q.scale if q.mode != "bf16" else empty, lin.bias, q.out_features, q.group
 

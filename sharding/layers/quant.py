@@ -39,6 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from sharding.cpu import kernels
+from sharding.layers import gguf_quant
 
 MODES = ("int8", "int4", "bf16")
 INT4_GROUP_SIZES = (32, 128)
@@ -86,6 +87,12 @@ class QuantizedWeight:
     group: int = 0
     rows: int = ROW_BLOCK  # rows per block: 4, or VNNI_ROWS (int8, int4 multiplied as bytes)
     kernel: tuple | None = None  # (op, its arguments after x): see bind
+
+    @property
+    def gguf(self) -> bool:
+        """A GGUF block type (Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K: sharding/layers/gguf_quant.py): `data` and `scale`
+        are its packed values and scale bytes, `group` its kernel code."""
+        return self.mode in gguf_quant.TYPES
 
     def row_scales(self) -> torch.Tensor:
         """int8, int4: the scales as [out, in / group]."""
@@ -200,22 +207,50 @@ def q4_0_as_int8(values: torch.Tensor) -> torch.Tensor:
 
 def read_blocks(ckpt, parts: list[tuple[str, int, list[tuple[int, int]]]]) -> QuantizedWeight | None:
     """The weight made of `parts` (tensor name, dim, ranges; concatenated by output rows) if its tensors are stored
-    quantized (GGUF Q8_0 / Q4_0: loaders/gguf_file.py), laid out for the kernel with no float copy; None when they
-    are float tensors (read as usual)."""
+    in GGUF blocks (loaders/gguf_file.py), laid out for the kernel with no float copy; None when they are float
+    tensors (read as usual). Q8_0 and Q4_0 become int8 and int4 (from_blocks); the other served types keep their own
+    blocks (gguf_quant.py)."""
     from loaders.checkpoint import CheckpointError
 
-    modes = [ckpt.quant_type(name) for name, _, _ in parts]
-    if not any(modes):
+    types = [ckpt.quant_type(name) for name, _, _ in parts]
+    if not any(types):
         return None
-    if not all(modes):
+    if not all(types):
         raise CheckpointError(f"{', '.join(name for name, _, _ in parts)}: one linear mixing float and quantized "
                               "tensors is not served yet")
-    blocks = [ckpt.read_blocks(name, dim, ranges) for name, dim, ranges in parts]
-    mode = modes[0] if len(set(modes)) == 1 else "int8"
-    values = [v if m == mode else q4_0_as_int8(v) for m, v, _ in blocks]
-    values = torch.cat(values) if len(values) > 1 else values[0]
-    scale = torch.cat([s for _, _, s in blocks]) if len(blocks) > 1 else blocks[0][2]
-    return from_blocks(mode, values, scale)
+    raws = [ckpt.read_blocks(name, dim, ranges) for name, dim, ranges in parts]
+    if set(types) <= {"Q8_0", "Q4_0"}:
+        blocks = [legacy_blocks(t, raw) for t, raw in zip(types, raws)]
+        mode = "int4" if set(types) == {"Q4_0"} else "int8"
+        values = [v if m == mode else q4_0_as_int8(v) for m, v, _ in blocks]
+        values = torch.cat(values) if len(values) > 1 else values[0]
+        scale = torch.cat([s for _, _, s in blocks]) if len(blocks) > 1 else blocks[0][2]
+        return from_blocks(mode, values, scale)
+    if len(set(types)) > 1:
+        raise CheckpointError(f"{', '.join(name for name, _, _ in parts)}: one fused linear over GGUF types "
+                              f"{', '.join(sorted(set(types)))} is not served yet")
+    type_name = types[0]
+    unpacked = [gguf_quant.unpack(type_name, raw) for raw in raws]
+    q = torch.cat([u[0] for u in unpacked]) if len(unpacked) > 1 else unpacked[0][0]
+    scales = {k: torch.cat([u[1][k] for u in unpacked]) for k in unpacked[0][1]}
+    return from_gguf(type_name, q, scales)
+
+
+def from_gguf(type_name: str, q: torch.Tensor, scales: dict[str, torch.Tensor]) -> QuantizedWeight:
+    """A weight in one of GGUF's other block types (gguf_quant.unpack's values and scales), packed for its kernel."""
+    w, s = gguf_quant.pack(type_name, q, scales)
+    t = gguf_quant.TYPES[type_name]
+    return bind(QuantizedWeight(type_name, w, s, q.shape[1], q.shape[0], t.code, gguf_quant.NR))
+
+
+def legacy_blocks(type_name: str, raw: torch.Tensor) -> tuple[str, torch.Tensor, torch.Tensor]:
+    """Q8_0 / Q4_0 blocks uint8 [rows, blocks, 34 | 18] -> (mode, values, float16 scale [rows, blocks]): values int8
+    [rows, blocks * 32] ("int8") or uint8 [rows, blocks, 16] ("int4": byte j holds input j low, j + 16 high)."""
+    scale = raw[..., :2].contiguous().view(torch.float16).squeeze(-1)
+    qs = raw[..., 2:].contiguous()
+    if type_name == "Q8_0":
+        return "int8", qs.view(torch.int8).reshape(qs.shape[0], -1), scale
+    return "int4", qs, scale
 
 
 def block_scales(scale: torch.Tensor, rows: int = ROW_BLOCK) -> torch.Tensor:
@@ -231,6 +266,10 @@ def dequantize(qw: QuantizedWeight, start: int = 0, stop: int | None = None) -> 
     """Float32 rows [start, stop) of the weight (start a multiple of the layout's rows per block)."""
     stop = qw.out_features if stop is None else min(stop, qw.out_features)
     assert start % qw.rows == 0
+    if qw.gguf:
+        sl = slice(start // qw.rows, -(-stop // qw.rows))
+        q, s = gguf_quant.unpack_packed(qw.mode, qw.data[sl], qw.scale[sl], qw.in_features)
+        return gguf_quant.dequantize_unpacked(qw.mode, q, s)[: stop - start]
     blocks = qw.data[start // qw.rows : -(-stop // qw.rows)]
     data = unpack_rows(blocks, qw.row_bytes, qw.run, qw.rows)[: stop - start]
     if qw.mode == "bf16":
@@ -258,7 +297,9 @@ def bf16_activations() -> bool:
 def bind(qw: QuantizedWeight) -> QuantizedWeight:
     """Resolve, once, at load, the compiled op and its arguments (a decode step makes ~120 of these calls)."""
     ops = kernels.quant_linear_ops() if qw.data.device.type == "cpu" else None
-    if ops is None or qw.rows != kernel_rows(qw.mode, qw.data.device):  # not the layout the kernel reads
+    if ops is not None and qw.gguf:  # one layout on every CPU
+        qw.kernel = (ops[3], (qw.data, qw.scale, qw.group, qw.out_features))
+    elif ops is None or qw.rows != kernel_rows(qw.mode, qw.data.device):  # not the layout the kernel reads
         qw.kernel = None
     elif qw.mode == "int8":
         qw.kernel = (ops[0], (qw.data, qw.scale, qw.out_features))

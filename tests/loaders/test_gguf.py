@@ -224,7 +224,7 @@ def test_repacked_blocks_dequantize_bit_equal_to_gguf(files):
             full = full.reshape(full.shape[0], -1)
             want = full if ranges is None else full.narrow(dim, ranges[0][0], ranges[0][1] - ranges[0][0])
             for rows in (quant.ROW_BLOCK, quant.VNNI_ROWS):
-                mode, values, scale = ckpt.read_blocks(name, dim, ranges)
+                mode, values, scale = quant.legacy_blocks(ckpt.quant_type(name), ckpt.read_blocks(name, dim, ranges))
                 qw = quant.from_blocks(mode, values, scale, rows=rows)
                 got = quant.dequantize(qw)
                 assert got.dtype == torch.float32 and torch.equal(got, want), (kind, name, rows)
@@ -267,8 +267,8 @@ def bad(files):
     made["truncated"] = root / "bad" / "truncated.gguf"
     made["truncated"].write_bytes(data[: len(data) - 1000])
     made["arch"] = write_gguf(hf["llama"], root / "bad" / "arch.gguf", q8, arch="gptneox")
-    q4k = np.zeros((64, 2 * 144), dtype=np.uint8)  # [64, 512] in Q4_K's 144-byte blocks of 256
-    made["q4k"] = write_gguf(hf["llama"], root / "bad" / "q4k.gguf", q8, replace={"blk.0.ffn_up.weight": (q4k, Q.Q4_K)})
+    q2k = np.zeros((64, 2 * 84), dtype=np.uint8)  # [64, 512] in Q2_K's 84-byte blocks of 256
+    made["q2k"] = write_gguf(hf["llama"], root / "bad" / "q2k.gguf", q8, replace={"blk.0.ffn_up.weight": (q2k, Q.Q2_K)})
     made["shape"] = write_gguf(hf["llama"], root / "bad" / "shape.gguf", q8, meta={"llama.feed_forward_length": 96})
     split = write_gguf(hf["llama"], root / "bad-split" / "s.gguf", q8, split_max_tensors=8)
     second = next(split.parent.glob("*-00002-of-*.gguf"))
@@ -280,18 +280,18 @@ def bad(files):
 def test_bad_files_are_refused_with_one_line(bad):
     assert "truncated" in error_of(bad["truncated"])
     assert "GGUF architecture 'gptneox' is not served; served: llama, qwen2, qwen3" in error_of(bad["arch"])
-    msg = error_of(bad["q4k"])
-    assert "Q4_K (1 tensor)" in msg and "Q8_0" in msg and "Q4_0" in msg and "not served yet" in msg, msg
+    msg = error_of(bad["q2k"])
+    assert "Q2_K (1 tensor)" in msg and "Q4_K_S/M" in msg and "Q6_K" in msg and "re-quantize" in msg, msg
     msg = error_of(bad["shape"])
     assert "shape mismatch" in msg and "mlp.down_proj.weight" in msg and "GGUF metadata" in msg, msg
     assert "00002-of-" in error_of(bad["split"]) and "missing" in error_of(bad["split"])
 
 
 def test_the_cli_refuses_a_bad_file_without_a_traceback(bad):
-    r = subprocess.run([sys.executable, "-m", "server.cli.main", "serve", str(bad["q4k"])], capture_output=True,
+    r = subprocess.run([sys.executable, "-m", "server.cli.main", "serve", str(bad["q2k"])], capture_output=True,
                        text=True, timeout=120, stdin=subprocess.DEVNULL)
     assert r.returncode != 0
-    assert "Q4_K (1 tensor)" in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert "Q2_K (1 tensor)" in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
 
 
 def test_a_block_cut_by_the_tp_split_is_refused(files):

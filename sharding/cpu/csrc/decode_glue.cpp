@@ -148,7 +148,8 @@ at::Tensor argmax_rows(const at::Tensor& logits) {
 // norm's output. The kernels are the ops' own (tpserve_kernels.h): the same arithmetic, bitwise.
 
 struct PlanLinear {
-  int64_t kind;  // 0 float32 (f32_linear.cpp), 1 int8, 2 int4, 3 bf16 (quant_linear.cpp)
+  int64_t kind;  // 0 float32 (f32_linear.cpp), 1 int8, 2 int4, 3 bf16 (quant_linear.cpp), 4 GGUF blocks (`group`:
+                 // the KQuant type; core/kquant_linear.cpp)
   at::Tensor w, scale;
   std::optional<at::Tensor> bias;
   int64_t n, group, k, blocks;
@@ -186,6 +187,16 @@ PlanLinear make_plan_linear(int64_t kind, at::Tensor w, at::Tensor scale, std::o
                     blocks == (n + tpserve::F32_BLOCK - 1) / tpserve::F32_BLOCK,
                 "add_linear: float32 weights [ceil(n/32), K, 32]");
     k = w.size(1);
+  } else if (kind == 4) {  // GGUF block types (core/kquant_linear.cpp): `group` is the KQuant type
+    TORCH_CHECK(tpserve::kq_valid(group) && w.dim() == 2 && w.scalar_type() == at::kByte &&
+                    scale.scalar_type() == at::kByte && scale.dim() == 2 && scale.is_contiguous() &&
+                    blocks == (n + tpserve::VNNI_BLOCK - 1) / tpserve::VNNI_BLOCK && scale.size(0) == blocks &&
+                    w.size(1) % tpserve::kq_chunk_bytes(group) == 0,
+                "add_linear: GGUF block weights [ceil(n/16), K/32 chunks], scales [ceil(n/16), ...]");
+    k = w.size(1) / tpserve::kq_chunk_bytes(group) * 32;
+    TORCH_CHECK(k % tpserve::kq_super(group) == 0 &&
+                    scale.size(1) == k / tpserve::kq_super(group) * tpserve::kq_scale_bytes(group),
+                "add_linear: GGUF block scales");
   } else {
     const int64_t rb = kind == 3 ? tpserve::bf16_rows() : tpserve::int_rows();  // rows per block
     TORCH_CHECK(w.dim() == 2 && blocks == (n + rb - 1) / rb,
@@ -466,14 +477,18 @@ void lora_expand(const std::vector<PlanLora>& lo, const LoraGroups& g, const flo
 
 // output columns [c0, c1) of linear l's output blocks [b0, b1)
 void block_columns(const PlanLinear& l, int64_t b0, int64_t b1, int64_t& c0, int64_t& c1) {
-  const int64_t per = l.kind == 0 ? tpserve::F32_BLOCK : l.kind == 3 ? tpserve::bf16_rows() : tpserve::int_rows();
+  const int64_t per = l.kind == 0   ? tpserve::F32_BLOCK
+                      : l.kind == 3 ? tpserve::bf16_rows()
+                      : l.kind == 4 ? tpserve::VNNI_BLOCK
+                                    : tpserve::int_rows();
   c0 = std::min(b0 * per, l.n);
   c1 = std::min(b1 * per, l.n);
 }
 
-// whether linear l multiplies its input quantized to int8 (int8 and int4 weights on CPUs with AVX-512 VNNI)
+// whether linear l multiplies its input quantized to int8 (int8 and int4 weights on CPUs with AVX-512 VNNI, AVX2 or
+// NEON; GGUF block types everywhere)
 // whether linear l multiplies its input rounded to bfloat16 (bf16 weights on CPUs with AVX-512 BF16)
-bool takes_rows(const PlanLinear& l) { return (l.kind == 1 || l.kind == 2) && tpserve::vnni_layout(); }
+bool takes_rows(const PlanLinear& l) { return ((l.kind == 1 || l.kind == 2) && tpserve::vnni_layout()) || l.kind == 4; }
 bool takes_bf16(const PlanLinear& l) { return l.kind == 3 && tpserve::bf16_dot_layout(); }
 
 // y[:, output blocks b0..b1) of linear l over the M rows of x (xq: x quantized, see takes_rows)
@@ -490,6 +505,10 @@ void linear_range(const PlanLinear& l, const float* x, const tpserve::Int8Rows* 
     case 2:
       tpserve::int4_range(x, xq, M, l.k, l.w.data_ptr<uint8_t>(), tpserve::half_data(l.scale), l.group, bias, l.n, y,
                           b0, b1);
+      break;
+    case 4:
+      tpserve::kq_range(l.group, xq, M, l.k, l.w.data_ptr<uint8_t>(), l.scale.data_ptr<uint8_t>(), bias, l.n, y, b0,
+                        b1);
       break;
     default:
       tpserve::bf16_range(x, xq, M, l.k, reinterpret_cast<const uint16_t*>(l.w.data_ptr<uint8_t>()), bias, l.n, y, b0,

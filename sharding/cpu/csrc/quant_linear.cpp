@@ -108,9 +108,38 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& w, int64_t N) {
   return y;
 }
 
+// GGUF's other block types (core/kquant_linear.cpp): x always quantized to int8 per row and block of 32
+at::Tensor kq_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& s, int64_t type, int64_t N) {
+  TORCH_CHECK(kq_valid(type), "kq_linear: unknown block type ", type);
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && s.dim() == 2 && x.scalar_type() == at::kFloat &&
+                  w.scalar_type() == at::kByte && s.scalar_type() == at::kByte,
+              "kq_linear: float32 x [M, K], uint8 w [N/16, ...], uint8 s [N/16, ...]");
+  const int64_t M = x.size(0), K = x.size(1), blocks = (N + VNNI_BLOCK - 1) / VNNI_BLOCK;
+  TORCH_CHECK(K % kq_super(type) == 0 && w.size(0) == blocks && w.size(1) == K / 32 * kq_chunk_bytes(type) &&
+                  s.size(0) == blocks && s.size(1) == K / kq_super(type) * kq_scale_bytes(type),
+              "kq_linear: shapes (K a multiple of the type's block, weights in blocks of 16 rows)");
+  TORCH_CHECK(w.is_contiguous() && s.is_contiguous(), "kq_linear: contiguous weights");
+  const at::Tensor xc = x.contiguous();
+  at::Tensor y = at::empty({M, N}, x.options());
+  const float* xp = xc.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  Int8Rows xq;
+  resize_rows(xq, M, K);
+  at::parallel_for(0, M, std::max<int64_t>(1, 8192 / K), [&](int64_t m0, int64_t m1) {
+    quantize_rows(xp, xq, m0, m1, 0, K / 32);
+  });
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  const uint8_t* sp = s.data_ptr<uint8_t>();
+  at::parallel_for(0, blocks, 4, [&](int64_t b0, int64_t b1) {
+    kq_range(type, &xq, M, K, wp, sp, nullptr, N, yp, b0, b1);
+  });
+  return y;
+}
+
 }  // namespace tpserve
 
 TORCH_LIBRARY_FRAGMENT(tpserve, m) {
+  m.def("kq_linear(Tensor x, Tensor w, Tensor s, int type, int n) -> Tensor");
   m.def("int8_linear(Tensor x, Tensor w, Tensor scale, int n) -> Tensor");
   m.def("int4_linear(Tensor x, Tensor w, Tensor scale, int group, int n) -> Tensor");
   // int8_linear and int4_linear quantize their activations (VNNI, AVX2, NEON), and take weights in blocks of 16 rows
@@ -124,4 +153,5 @@ TORCH_LIBRARY_IMPL(tpserve, CPU, m) {
   m.impl("int8_linear", &tpserve::int8_linear);
   m.impl("int4_linear", &tpserve::int4_linear);
   m.impl("bf16_linear", &tpserve::bf16_linear);
+  m.impl("kq_linear", &tpserve::kq_linear);
 }

@@ -75,6 +75,7 @@ struct Int8Rows {
   std::vector<int8_t> q;        // [M, K]
   std::vector<float> scale;     // [M, K/32]
   std::vector<int32_t> sum;     // [M, K/32]: each block's sum of q (the x86 kernels' weights are unsigned: w + offset)
+  std::vector<int32_t> sum16;   // [M, K/16]: the same per half block (Q6_K's groups of 16)
   std::vector<uint16_t> h;      // [M, K]: x rounded to bfloat16, for bf16 weights (round_rows_bf16)
   int64_t M = 0, K = 0;
 };
@@ -95,6 +96,17 @@ void int8_range(const float* x, const Int8Rows* xq, int64_t M, int64_t K, const 
                 const float* bias, int64_t N, float* y, int64_t b0, int64_t b1);
 void int4_range(const float* x, const Int8Rows* xq, int64_t M, int64_t K, const uint8_t* w, const fp16_t* scale,
                 int64_t G, const float* bias, int64_t N, float* y, int64_t b0, int64_t b1);
+
+// core/kquant_linear.cpp: GGUF's other block types served in their own blocks (llama.cpp's Q4_1, Q5_0, Q5_1, Q4_K,
+// Q5_K, Q6_K; its Q8_0 and Q4_0 are int8 and int4 above), over int8 activations on every build (quantize_rows), in
+// blocks of 16 output rows (the layout: kquant_linear.cpp and sharding/layers/gguf_quant.py). `type`: a KQuant.
+enum KQuant : int64_t { KQ_Q4_1 = 1, KQ_Q5_0 = 2, KQ_Q5_1 = 3, KQ_Q4_K = 4, KQ_Q5_K = 5, KQ_Q6_K = 6 };
+bool kq_valid(int64_t type);
+int64_t kq_chunk_bytes(int64_t type);  // bytes of w per 32 inputs of a 16-row block
+int64_t kq_super(int64_t type);        // inputs per block of scales (32 or 256)
+int64_t kq_scale_bytes(int64_t type);  // bytes of s per `kq_super` inputs of a 16-row block
+void kq_range(int64_t type, const Int8Rows* xq, int64_t M, int64_t K, const uint8_t* w, const uint8_t* s,
+              const float* bias, int64_t N, float* y, int64_t b0, int64_t b1);
 
 // core/amx_linear.cpp (the x86-64-v4-amx build; elsewhere they return false): the int8 / int4 (int4: w is the packed
 // nibbles) and bf16 ranges above on AMX tiles, for AMX_MIN_ROWS activation rows or more, when the OS grants the tiles;

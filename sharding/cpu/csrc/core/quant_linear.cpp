@@ -106,6 +106,7 @@ void resize_rows(Int8Rows& r, int64_t M, int64_t K) {
   r.q.resize(M * K);
   r.scale.resize(M * (K / 32));
   r.sum.resize(M * (K / 32));
+  r.sum16.resize(M * (K / 16));
 }
 
 void resize_bf16_rows(Int8Rows& r, int64_t M, int64_t K) {
@@ -125,9 +126,12 @@ void quantize_rows(const float* x, Int8Rows& r, int64_t m0, int64_t m1, int64_t 
       int8_t* qb = r.q.data() + m * K + b * 32;
       for (int i = 0; i < 32; ++i) qb[i] = static_cast<int8_t>(std::nearbyint(xb[i] * inv));
       r.scale[m * nb + b] = amax / 127.f;
-      int32_t sum = 0;
-      for (int i = 0; i < 32; ++i) sum += qb[i];
-      r.sum[m * nb + b] = sum;
+      int32_t lo = 0, hi = 0;
+      for (int i = 0; i < 16; ++i) lo += qb[i];
+      for (int i = 16; i < 32; ++i) hi += qb[i];
+      r.sum[m * nb + b] = lo + hi;
+      r.sum16[m * 2 * nb + 2 * b] = lo;
+      r.sum16[m * 2 * nb + 2 * b + 1] = hi;
     }
 }
 
