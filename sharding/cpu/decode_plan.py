@@ -155,7 +155,10 @@ def compile_layers(plan: DecodePlan) -> torch.ScriptObject | None:
     try:
         for f, specs in zip(plan.layers, linears):
             for spec in specs:
-                compiled.add_linear(*spec)
+                if spec[0] == 5:  # parts of several types (kernels.plan_linear)
+                    compiled.add_mixed_linear(*spec[1:])
+                else:
+                    compiled.add_linear(*spec)
             a = f.attn
             compiled.add_layer(a.cache.pool, a.num_heads, a.num_kv_heads, a.scale, f.post_norm.weight,
                                f.post_norm.eps, f.next_norm.weight, f.next_norm.eps)

@@ -126,9 +126,9 @@ def _slots(model: torch.nn.Module) -> tuple[list[tuple[torch.nn.Module | quant.Q
         if isinstance(getattr(m, "blocked", None), torch.Tensor):
             slots.append((m, "blocked"))
         qw = getattr(m, "qweight", None)
-        if qw is not None:
-            slots += [(qw, "data"), (qw, "scale")]
-            quantized.append(qw)
+        for part in (qw.parts or [qw]) if qw is not None else ():
+            slots += [(part, "data"), (part, "scale")]
+            quantized.append(part)
     slots = [(o, a) for o, a in slots if _movable(getattr(o, a))]
     return slots, quantized
 

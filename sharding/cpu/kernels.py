@@ -235,12 +235,28 @@ def plan_linear(lin) -> tuple | None:
     if lin.blocked is not None:
         return 0, lin.blocked, empty, lin.bias, lin._f32[1], 0
     q = lin.qweight
+    if q is not None and q.parts:  # kind 5: DecodeLayers.add_mixed_linear's arguments
+        specs = [plan_linear(_Part(p)) for p in q.parts]
+        if any(spec is None for spec in specs):
+            return None
+        return 5, [s[0] for s in specs], [s[1] for s in specs], [s[2] for s in specs], [s[4] for s in specs], \
+            [s[5] for s in specs], lin.bias
     if q is None or q.kernel is None:
         return None
     if q.gguf:
         return 4, q.data, q.scale, lin.bias, q.out_features, q.group
     kind = {"int8": 1, "int4": 2, "bf16": 3}[q.mode]
     return kind, q.data, q.scale if q.mode != "bf16" else empty, lin.bias, q.out_features, q.group
+
+
+class _Part:
+    """One part of a mixed weight, seen as a linear of its own (no bias: the whole's is added once)."""
+
+    blocked = None
+    bias = None
+
+    def __init__(self, qweight) -> None:
+        self.qweight = qweight
 
 
 def decode_glue_ops():

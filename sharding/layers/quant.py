@@ -87,6 +87,9 @@ class QuantizedWeight:
     group: int = 0
     rows: int = ROW_BLOCK  # rows per block: 4, or VNNI_ROWS (int8, int4 multiplied as bytes)
     kernel: tuple | None = None  # (op, its arguments after x): see bind
+    # mode "mixed": a fused linear whose pieces are stored in different types (a GGUF file's Q4_K q/k with its Q6_K
+    # v): the parts, in output order, each a QuantizedWeight of its own (data and scale empty here)
+    parts: list[QuantizedWeight] | None = None
 
     @property
     def gguf(self) -> bool:
@@ -108,6 +111,8 @@ class QuantizedWeight:
         return {"int8": self.in_features, "int4": self.in_features // 2, "bf16": 2 * self.in_features}[self.mode]
 
     def nbytes(self) -> int:
+        if self.parts:
+            return sum(p.nbytes() for p in self.parts)
         return self.data.numel() * self.data.element_size() + self.scale.numel() * self.scale.element_size()
 
 
@@ -226,14 +231,34 @@ def read_blocks(ckpt, parts: list[tuple[str, int, list[tuple[int, int]]]]) -> Qu
         values = torch.cat(values) if len(values) > 1 else values[0]
         scale = torch.cat([s for _, _, s in blocks]) if len(blocks) > 1 else blocks[0][2]
         return from_blocks(mode, values, scale)
-    if len(set(types)) > 1:
-        raise CheckpointError(f"{', '.join(name for name, _, _ in parts)}: one fused linear over GGUF types "
-                              f"{', '.join(sorted(set(types)))} is not served yet")
-    type_name = types[0]
+    if len(set(types)) > 1:  # runs of one type, side by side
+        runs: list[tuple[str, list[torch.Tensor]]] = []
+        for t, raw in zip(types, raws):
+            if runs and runs[-1][0] == t:
+                runs[-1][1].append(raw)
+            else:
+                runs.append((t, [raw]))
+        return mixed([_one_type(t, rs) for t, rs in runs])
+    return _one_type(types[0], raws)
+
+
+def _one_type(type_name: str, raws: list[torch.Tensor]) -> QuantizedWeight:
+    if type_name in ("Q8_0", "Q4_0"):
+        blocks = [legacy_blocks(type_name, raw) for raw in raws]
+        values = torch.cat([v for _, v, _ in blocks]) if len(blocks) > 1 else blocks[0][1]
+        scale = torch.cat([s for _, _, s in blocks]) if len(blocks) > 1 else blocks[0][2]
+        return from_blocks(blocks[0][0], values, scale)
     unpacked = [gguf_quant.unpack(type_name, raw) for raw in raws]
     q = torch.cat([u[0] for u in unpacked]) if len(unpacked) > 1 else unpacked[0][0]
     scales = {k: torch.cat([u[1][k] for u in unpacked]) for k in unpacked[0][1]}
     return from_gguf(type_name, q, scales)
+
+
+def mixed(parts: list[QuantizedWeight]) -> QuantizedWeight:
+    """Parts of different types concatenated by output rows, as one weight (mode "mixed")."""
+    empty = torch.empty(0, dtype=torch.uint8)
+    return QuantizedWeight("mixed", empty, empty, parts[0].in_features, sum(p.out_features for p in parts),
+                           rows=1, parts=parts)
 
 
 def from_gguf(type_name: str, q: torch.Tensor, scales: dict[str, torch.Tensor]) -> QuantizedWeight:
@@ -266,6 +291,8 @@ def dequantize(qw: QuantizedWeight, start: int = 0, stop: int | None = None) -> 
     """Float32 rows [start, stop) of the weight (start a multiple of the layout's rows per block)."""
     stop = qw.out_features if stop is None else min(stop, qw.out_features)
     assert start % qw.rows == 0
+    if qw.parts:
+        return torch.cat([dequantize(p) for p in qw.parts])[start:stop]
     if qw.gguf:
         sl = slice(start // qw.rows, -(-stop // qw.rows))
         q, s = gguf_quant.unpack_packed(qw.mode, qw.data[sl], qw.scale[sl], qw.in_features)
@@ -297,7 +324,9 @@ def bf16_activations() -> bool:
 def bind(qw: QuantizedWeight) -> QuantizedWeight:
     """Resolve, once, at load, the compiled op and its arguments (a decode step makes ~120 of these calls)."""
     ops = kernels.quant_linear_ops() if qw.data.device.type == "cpu" else None
-    if ops is not None and qw.gguf:  # one layout on every CPU
+    if qw.parts:
+        qw.kernel = None  # each part has its own (linear)
+    elif ops is not None and qw.gguf:  # one layout on every CPU
         qw.kernel = (ops[3], (qw.data, qw.scale, qw.group, qw.out_features))
     elif ops is None or qw.rows != kernel_rows(qw.mode, qw.data.device):  # not the layout the kernel reads
         qw.kernel = None
@@ -312,6 +341,9 @@ def bind(qw: QuantizedWeight) -> QuantizedWeight:
 
 def linear(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., in] @ dequant(W)^T (+ bias), in x's dtype."""
+    if qw.parts:
+        y = torch.cat([linear(x, p) for p in qw.parts], dim=-1)
+        return y + bias if bias is not None else y
     if qw.kernel is not None and x.dim() == 2 and x.dtype == torch.float32:
         op, args = qw.kernel  # the fast path: every step of a float32 model
         y = op(x, *args)

@@ -113,6 +113,8 @@ def write_gguf(hf: Path, out: Path, types, arch: str | None = None, split_max_te
             w.add_tensor(g, t)
         elif qtype == Q.F16:
             w.add_tensor(g, t.astype(np.float16))
+        elif qtype in RANDOM_BLOCKS:  # gguf-py cannot quantize to the K-quants: random blocks of that type
+            w.add_tensor(g, random_blocks(qtype, t.shape, seed=len(g) * 7919 + sum(map(ord, g))), raw_dtype=qtype)
         else:
             w.add_tensor(g, gguf.quants.quantize(t, qtype), raw_dtype=qtype)
     w.write_header_to_file()
@@ -120,6 +122,43 @@ def write_gguf(hf: Path, out: Path, types, arch: str | None = None, split_max_te
     w.write_tensors_to_file()
     w.close()
     return out
+
+
+# K-quant blocks are random bytes (any bytes are valid blocks) with their float16 fields set so that the weights
+# spread like a trained layer's (|W| up to ~0.2): d (and dmin) at these offsets of each block
+RANDOM_BLOCKS = {Q.Q4_K: ([0, 2], 144, 0.2 / (63 * 15)), Q.Q5_K: ([0, 2], 176, 0.2 / (63 * 31)),
+                 Q.Q6_K: ([208], 210, 0.2 / (127 * 32))}
+
+
+def random_blocks(qtype, shape: tuple[int, int], seed: int) -> np.ndarray:
+    """Random blocks of a K-quant type for a float [rows, cols] tensor: uint8 [rows, cols / 256 * block bytes]."""
+    halves, nbytes, d = RANDOM_BLOCKS[qtype]
+    rng = np.random.default_rng(seed)
+    rows, blocks = shape[0], shape[1] // 256
+    raw = rng.integers(0, 256, (rows, blocks, nbytes), dtype=np.uint8)
+    for i, offset in enumerate(halves):  # d, then dmin (7.5 d: the mins centre the weights near 0)
+        h = (rng.uniform(0.5, 1.5, (rows, blocks)) * d * (7.5 if i else 1.0)).astype(np.float16)
+        raw[..., offset:offset + 2] = h.view(np.uint8).reshape(rows, blocks, 2)
+    return raw.reshape(rows, -1)
+
+
+def q4_k_m(name, t):
+    """llama-quantize's Q4_K_M mix: Q6_K for v_proj, down_proj and the LM head (so q/k/v mixes two types)."""
+    return Q.Q6_K if any(k in name for k in (".v_proj.", ".down_proj.", "lm_head")) else Q.Q4_K
+
+
+def q5_k_m(name, t):
+    return Q.Q6_K if any(k in name for k in (".v_proj.", ".down_proj.", "lm_head")) else Q.Q5_K
+
+
+def legacy(name, t):
+    """The 32-input types besides Q4_0: Q5_0 q/k/down, Q8_0 v, Q5_1 o, Q4_1 gate/up/embedding (SmolLM2's file is
+    Q4_1 with a Q8_0 embedding)."""
+    for key, qtype in ((".q_proj.", Q.Q5_0), (".k_proj.", Q.Q5_0), (".down_proj.", Q.Q5_0), (".v_proj.", Q.Q8_0),
+                       (".o_proj.", Q.Q5_1), ("lm_head", Q.Q8_0)):
+        if key in name:
+            return qtype
+    return Q.Q4_1
 
 
 def q8(name, t):
@@ -139,9 +178,14 @@ def f16(name, t):
 SPECS = {"llama": dict(intermediate_size=128),
          "qwen2": dict(intermediate_size=128, num_attention_heads=4, num_key_value_heads=2),
          "qwen3": dict(intermediate_size=128),
-         "llama_tied": dict(intermediate_size=128)}
+         "llama_tied": dict(intermediate_size=128),
+         # K-quants: every linear's inputs (and at TP 2 each shard's) whole blocks of 256
+         "llama_k": dict(hidden_size=512, intermediate_size=1024, num_attention_heads=8, num_key_value_heads=4),
+         "qwen3_k": dict(hidden_size=512, intermediate_size=1024, num_attention_heads=8, num_key_value_heads=4,
+                         head_dim=64)}
 VARIANTS = [("llama", "q8", q8), ("llama", "q4", q4_mixed), ("llama", "f16", f16), ("qwen2", "q8", q8),
-            ("qwen2", "q4", q4_mixed), ("qwen3", "q4", q4_mixed), ("llama_tied", "q8", q8)]
+            ("qwen2", "q4", q4_mixed), ("qwen3", "q4", q4_mixed), ("llama_tied", "q8", q8),
+            ("llama", "legacy", legacy), ("llama_k", "q4_k_m", q4_k_m), ("qwen3_k", "q5_k_m", q5_k_m)]
 PROMPTS = [[5, 6, 7, 8, 9, 10], list(range(30, 50))]
 
 
@@ -150,7 +194,7 @@ def files(tmp_path_factory):
     root = tmp_path_factory.mktemp("gguf")
     hf, out = {}, {}
     for arch, spec in SPECS.items():
-        hf[arch] = make_checkpoint(root / f"hf-{arch}", arch, **spec)
+        hf[arch] = make_checkpoint(root / f"hf-{arch}", arch.removesuffix("_k"), **spec)
     for arch, kind, types in VARIANTS:
         out[arch, kind] = write_gguf(hf[arch], root / f"{arch}-{kind}" / f"{arch}-{kind}.gguf", types)
     split = write_gguf(hf["qwen2"], root / "split" / "qwen2.gguf", q8, split_max_tensors=8)
@@ -176,7 +220,8 @@ def reference(path: Path, quantized: bool, tp: int, prompt: list[int], n: int) -
     from sharding.layers import quant
 
     # transformers' GGUF config mapping leaves qwen3's attention.key_length out (head_dim would be its default 128)
-    extra = {"head_dim": 16} if path.name.startswith("qwen3") else {}
+    key_length = gguf.GGUFReader(path).fields.get("qwen3.attention.key_length")
+    extra = {"head_dim": int(key_length.contents())} if key_length is not None else {}
     model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32, **extra)
     model.generation_config.eos_token_id = None
     if quantized and kernels.build_kernels() and quant.int8_activations():

@@ -149,10 +149,14 @@ at::Tensor argmax_rows(const at::Tensor& logits) {
 
 struct PlanLinear {
   int64_t kind;  // 0 float32 (f32_linear.cpp), 1 int8, 2 int4, 3 bf16 (quant_linear.cpp), 4 GGUF blocks (`group`:
-                 // the KQuant type; core/kquant_linear.cpp)
+                 // the KQuant type; core/kquant_linear.cpp), 5 parts of several kinds side by side (`parts`)
   at::Tensor w, scale;
   std::optional<at::Tensor> bias;
   int64_t n, group, k, blocks;
+  // kind 5 (a fused linear whose pieces are stored in different types, e.g. a GGUF file's Q4_K q/k and Q6_K v): the
+  // parts in output order, each with its own blocks; block b of the whole is block b - first[p] of part p
+  std::vector<PlanLinear> parts;
+  std::vector<int64_t> first, col;  // per part: its first block in the whole, its first output column
 };
 
 // One LoRA adapter of one linear (sharding/layers/lora.py): A^T [K, R] and B^T * scale [R, N], float32, copied into the
@@ -225,6 +229,30 @@ PlanLinear make_plan_linear(int64_t kind, at::Tensor w, at::Tensor scale, std::o
   return PlanLinear{kind, std::move(w), std::move(scale), std::move(bias), n, group, k, blocks};
 }
 
+// A linear made of parts of different kinds, concatenated by output rows (kind 5)
+PlanLinear make_mixed_linear(const std::vector<int64_t>& kinds, const std::vector<at::Tensor>& ws,
+                             const std::vector<at::Tensor>& scales, const std::vector<int64_t>& ns,
+                             const std::vector<int64_t>& groups, std::optional<at::Tensor> bias) {
+  const size_t P = kinds.size();
+  TORCH_CHECK(P >= 1 && ws.size() == P && scales.size() == P && ns.size() == P && groups.size() == P,
+              "add_mixed_linear: one kind, weight, scale, size and group per part");
+  PlanLinear l{5, at::Tensor(), at::Tensor(), std::move(bias), 0, 0, 0, 0, {}, {}, {}};
+  for (size_t p = 0; p < P; ++p) {
+    TORCH_CHECK(kinds[p] >= 0 && kinds[p] <= 4, "add_mixed_linear: parts of kinds 0-4");
+    l.parts.push_back(make_plan_linear(kinds[p], ws[p], scales[p], std::nullopt, ns[p], groups[p]));
+    TORCH_CHECK(l.parts[p].k == l.parts[0].k, "add_mixed_linear: parts of one input size");
+    l.first.push_back(l.blocks);
+    l.col.push_back(l.n);
+    l.blocks += l.parts[p].blocks;
+    l.n += ns[p];
+  }
+  l.k = l.parts[0].k;
+  if (l.bias.has_value())
+    TORCH_CHECK(l.bias->scalar_type() == at::kFloat && l.bias->numel() == l.n && l.bias->is_contiguous(),
+                "add_mixed_linear: float32 bias [n]");
+  return l;
+}
+
 struct DecodeLayers : torch::CustomClassHolder {
   std::vector<PlanLinear> pending;
   std::vector<PlanLayer> layers;
@@ -234,6 +262,12 @@ struct DecodeLayers : torch::CustomClassHolder {
                   int64_t group) {
     TORCH_CHECK(pending.size() < 4, "DecodeLayers.add_linear: 4 per layer");
     pending.push_back(make_plan_linear(kind, std::move(w), std::move(scale), std::move(bias), n, group));
+  }
+
+  void add_mixed_linear(std::vector<int64_t> kinds, std::vector<at::Tensor> ws, std::vector<at::Tensor> scales,
+                        std::vector<int64_t> ns, std::vector<int64_t> groups, std::optional<at::Tensor> bias) {
+    TORCH_CHECK(pending.size() < 4, "DecodeLayers.add_mixed_linear: 4 per layer");
+    pending.push_back(make_mixed_linear(kinds, ws, scales, ns, groups, std::move(bias)));
   }
 
   // after the layer's four linears, in order: qkv, o, gate_up, down (uniform GQA groups: query head p reads KV head
@@ -475,26 +509,59 @@ void lora_expand(const std::vector<PlanLora>& lo, const LoraGroups& g, const flo
   }
 }
 
+// the output column where block b of linear l starts (b == l.blocks: l.n)
+int64_t block_column(const PlanLinear& l, int64_t b);
+
 // output columns [c0, c1) of linear l's output blocks [b0, b1)
 void block_columns(const PlanLinear& l, int64_t b0, int64_t b1, int64_t& c0, int64_t& c1) {
+  c0 = block_column(l, b0);
+  c1 = block_column(l, b1);
+}
+
+int64_t block_column(const PlanLinear& l, int64_t b) {
+  if (l.kind == 5) {
+    if (b >= l.blocks) return l.n;
+    const size_t p = std::upper_bound(l.first.begin(), l.first.end(), b) - l.first.begin() - 1;
+    return l.col[p] + block_column(l.parts[p], b - l.first[p]);
+  }
   const int64_t per = l.kind == 0   ? tpserve::F32_BLOCK
                       : l.kind == 3 ? tpserve::bf16_rows()
                       : l.kind == 4 ? tpserve::VNNI_BLOCK
                                     : tpserve::int_rows();
-  c0 = std::min(b0 * per, l.n);
-  c1 = std::min(b1 * per, l.n);
+  return std::min(b * per, l.n);
 }
 
 // whether linear l multiplies its input quantized to int8 (int8 and int4 weights on CPUs with AVX-512 VNNI, AVX2 or
 // NEON; GGUF block types everywhere)
 // whether linear l multiplies its input rounded to bfloat16 (bf16 weights on CPUs with AVX-512 BF16)
-bool takes_rows(const PlanLinear& l) { return ((l.kind == 1 || l.kind == 2) && tpserve::vnni_layout()) || l.kind == 4; }
-bool takes_bf16(const PlanLinear& l) { return l.kind == 3 && tpserve::bf16_dot_layout(); }
+bool takes_rows(const PlanLinear& l) {
+  if (l.kind == 5) return std::any_of(l.parts.begin(), l.parts.end(), [](const PlanLinear& p) { return takes_rows(p); });
+  return ((l.kind == 1 || l.kind == 2) && tpserve::vnni_layout()) || l.kind == 4;
+}
+bool takes_bf16(const PlanLinear& l) {
+  if (l.kind == 5) return std::any_of(l.parts.begin(), l.parts.end(), [](const PlanLinear& p) { return takes_bf16(p); });
+  return l.kind == 3 && tpserve::bf16_dot_layout();
+}
 
 // y[:, output blocks b0..b1) of linear l over the M rows of x (xq: x quantized, see takes_rows)
 void linear_range(const PlanLinear& l, const float* x, const tpserve::Int8Rows* xq, int64_t M, float* y, int64_t b0,
                   int64_t b1) {
   const float* bias = l.bias.has_value() ? l.bias->data_ptr<float>() : nullptr;
+  if (l.kind == 5) {  // each part over its share of [b0, b1), into a scratch of its own width, then its columns
+    thread_local std::vector<float> scratch;
+    for (size_t p = 0; p < l.parts.size(); ++p) {
+      const PlanLinear& part = l.parts[p];
+      const int64_t a = std::max(b0, l.first[p]) - l.first[p], b = std::min(b1, l.first[p] + part.blocks) - l.first[p];
+      if (a >= b) continue;
+      scratch.resize(M * part.n);
+      linear_range(part, x, xq, M, scratch.data(), a, b);
+      const int64_t c0 = block_column(part, a), c1 = block_column(part, b);
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t c = c0; c < c1; ++c)
+          y[m * l.n + l.col[p] + c] = scratch[m * part.n + c] + (bias ? bias[l.col[p] + c] : 0.f);
+    }
+    return;
+  }
   switch (l.kind) {
     case 0:
       tpserve::f32_range(x, M, l.k, l.w.data_ptr<float>(), bias, l.n, y, b0, b1);
@@ -868,6 +935,7 @@ TORCH_LIBRARY_FRAGMENT(tpserve, m) {
   m.class_<DecodeLayers>("DecodeLayers")
       .def(torch::init<>())
       .def("add_linear", &DecodeLayers::add_linear)
+      .def("add_mixed_linear", &DecodeLayers::add_mixed_linear)
       .def("add_layer", &DecodeLayers::add_layer)
       .def("set_lora", &DecodeLayers::set_lora)
       .def("size", &DecodeLayers::size);
