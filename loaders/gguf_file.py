@@ -94,21 +94,21 @@ def split_parts(first: Path) -> list[Path]:
 
 
 def _reader(path: Path):
-    import gguf
+    """The file's header (loaders/gguf_header.py: metadata and tensor directory), or a one-line CheckpointError."""
+    from loaders.gguf_header import HeaderError, read_header
 
     try:
-        return gguf.GGUFReader(path, "r")
-    except Exception as e:  # noqa: BLE001 - any parse failure: a one-line message
-        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise CheckpointError(f"{path} is not a readable GGUF file (truncated or corrupt?): {msg}") from None
+        return read_header(path)
+    except HeaderError as e:
+        raise CheckpointError(f"{path} is not a readable GGUF file: {e}") from None
+    except OSError as e:
+        raise CheckpointError(f"cannot read GGUF file {path}: {e.strerror or e}") from None
 
 
-def read_metadata(path: Path, skip_arrays: bool = True, reader=None) -> dict:
-    """The key-value metadata of one GGUF file (arrays longer than 64 entries left out when `skip_arrays`), from
-    `reader` if the file is open already."""
-    reader = reader or _reader(path)
-    return {key: None if skip_arrays and len(field.data) > 64 else field.contents()
-            for key, field in reader.fields.items() if not key.startswith("GGUF.")}
+def read_metadata(path: Path, reader=None) -> dict:
+    """The key-value metadata of one GGUF file (arrays longer than 64 entries as None), from `reader` (its header)
+    if it is read already."""
+    return dict((reader or _reader(path)).meta)
 
 
 def unpermute_rows(x: torch.Tensor, head: int) -> torch.Tensor:
@@ -294,15 +294,43 @@ class GGUFCheckpoint(Checkpoint):
 
 def load_tokenizer(path: str | os.PathLike):
     """The file's tokenizer as a Hugging Face fast tokenizer (transformers' GGUF converter: vocabulary, merges,
-    llama.cpp's pre-tokenizer split for `tokenizer.ggml.pre`, control tokens, chat template)."""
+    llama.cpp's pre-tokenizer split for `tokenizer.ggml.pre`, control tokens, chat template).
+
+    The conversion walks the whole vocabulary (seconds for a 128k one), so its result is kept in
+    $TPSERVE_HOME/gguf-tokenizers/<key> (key: the file's resolved path, size and modification time; written
+    atomically) and later starts and respawns load that folder."""
+    import hashlib
+    import shutil
+    import tempfile
+
     from transformers import AutoTokenizer
 
+    from loaders import envs
+
     first = find_gguf(path)
+    st = first.stat()
+    key = hashlib.sha256(f"{first.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:20]
+    cache = envs.HOME.get() / "gguf-tokenizers" / key
+    if (cache / "tokenizer.json").is_file():
+        try:
+            return AutoTokenizer.from_pretrained(str(cache), trust_remote_code=False)
+        except Exception:  # noqa: BLE001 - a damaged cache: converted again below
+            shutil.rmtree(cache, ignore_errors=True)
     try:
-        return AutoTokenizer.from_pretrained(str(first.parent), gguf_file=first.name, trust_remote_code=False)
+        tok = AutoTokenizer.from_pretrained(str(first.parent), gguf_file=first.name, trust_remote_code=False)
     except Exception as e:  # noqa: BLE001 - a one-line message for the user
         msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ValueError(f"cannot build a tokenizer from {first}: {msg}") from None
+    tmp = None
+    try:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=cache.parent))
+        tok.save_pretrained(str(tmp))
+        os.replace(tmp, cache)
+    except OSError:  # a read-only or full cache, or another process's rename first: serve without it
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return tok
 
 
 def eos_token_ids(path: str | os.PathLike) -> set[int]:

@@ -38,7 +38,8 @@ from loaders import envs
 CSRC = os.path.join(os.path.dirname(__file__), "csrc")
 # core/: the kernels without torch (what tests/harness.cpp compiles alone, for every variant); the rest: the torch ops
 CORE_SOURCES = ("core/quant_linear.cpp", "core/f32_linear.cpp", "core/rms_norm.cpp", "core/rotary.cpp",
-                "core/paged_attention.cpp", "core/argmax.cpp", "core/amx_linear.cpp", "core/kquant_linear.cpp")
+                "core/paged_attention.cpp", "core/argmax.cpp", "core/amx_linear.cpp", "core/kquant_linear.cpp",
+                "core/kquant_pack.cpp")
 SOURCES = CORE_SOURCES + ("paged_attention.cpp", "quant_linear.cpp", "rms_norm.cpp", "rotary.cpp", "decode_glue.cpp",
                           "f32_linear.cpp", "build_info.cpp")
 # included by the sources (the arch/ ones by core/ for the build's ISA): part of a build's hash, and of the wheel

@@ -248,9 +248,12 @@ def _one_type(type_name: str, raws: list[torch.Tensor]) -> QuantizedWeight:
         values = torch.cat([v for _, v, _ in blocks]) if len(blocks) > 1 else blocks[0][1]
         scale = torch.cat([s for _, _, s in blocks]) if len(blocks) > 1 else blocks[0][2]
         return from_blocks(blocks[0][0], values, scale)
-    unpacked = [gguf_quant.unpack(type_name, raw) for raw in raws]
-    q = torch.cat([u[0] for u in unpacked]) if len(unpacked) > 1 else unpacked[0][0]
-    scales = {k: torch.cat([u[1][k] for u in unpacked]) for k in unpacked[0][1]}
+    raw = torch.cat(raws) if len(raws) > 1 else raws[0]
+    t = gguf_quant.TYPES[type_name]
+    if kernels.quant_linear_ops() is not None and raw.device.type == "cpu":  # the compiled packer (kquant_pack.cpp)
+        w, s = torch.ops.tpserve.kq_pack(raw.contiguous(), t.code, raw.shape[1] * t.block)
+        return bind(QuantizedWeight(type_name, w, s, raw.shape[1] * t.block, raw.shape[0], t.code, gguf_quant.NR))
+    q, scales = gguf_quant.unpack(type_name, raw)
     return from_gguf(type_name, q, scales)
 
 

@@ -136,9 +136,25 @@ at::Tensor kq_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
   return y;
 }
 
+// GGUF blocks [rows, K / block, bytes] -> (w, s) as kq_linear reads them (core/kquant_pack.cpp)
+std::tuple<at::Tensor, at::Tensor> kq_pack(const at::Tensor& raw, int64_t type, int64_t K) {
+  TORCH_CHECK(kq_valid(type), "kq_pack: unknown block type ", type);
+  TORCH_CHECK(raw.dim() == 3 && raw.scalar_type() == at::kByte && raw.is_contiguous() && K % kq_super(type) == 0 &&
+                  raw.size(1) == K / kq_super(type) && raw.size(2) == kq_block_bytes(type),
+              "kq_pack: uint8 blocks [rows, K / block, bytes per block]");
+  const int64_t rows = raw.size(0), blocks = (rows + VNNI_BLOCK - 1) / VNNI_BLOCK;
+  at::Tensor w = at::empty({blocks, K / 32 * kq_chunk_bytes(type)}, raw.options());
+  at::Tensor s = at::empty({blocks, K / kq_super(type) * kq_scale_bytes(type)}, raw.options());
+  const uint8_t* rp = raw.data_ptr<uint8_t>();
+  uint8_t *wp = w.data_ptr<uint8_t>(), *sp = s.data_ptr<uint8_t>();
+  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) { kq_pack_blocks(type, rp, rows, K, wp, sp, b0, b1); });
+  return {w, s};
+}
+
 }  // namespace tpserve
 
 TORCH_LIBRARY_FRAGMENT(tpserve, m) {
+  m.def("kq_pack(Tensor raw, int type, int k) -> (Tensor, Tensor)");
   m.def("kq_linear(Tensor x, Tensor w, Tensor s, int type, int n) -> Tensor");
   m.def("int8_linear(Tensor x, Tensor w, Tensor scale, int n) -> Tensor");
   m.def("int4_linear(Tensor x, Tensor w, Tensor scale, int group, int n) -> Tensor");
@@ -154,4 +170,5 @@ TORCH_LIBRARY_IMPL(tpserve, CPU, m) {
   m.impl("int4_linear", &tpserve::int4_linear);
   m.impl("bf16_linear", &tpserve::bf16_linear);
   m.impl("kq_linear", &tpserve::kq_linear);
+  m.impl("kq_pack", &tpserve::kq_pack);
 }

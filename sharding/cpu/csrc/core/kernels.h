@@ -105,6 +105,11 @@ bool kq_valid(int64_t type);
 int64_t kq_chunk_bytes(int64_t type);  // bytes of w per 32 inputs of a 16-row block
 int64_t kq_super(int64_t type);        // inputs per block of scales (32 or 256)
 int64_t kq_scale_bytes(int64_t type);  // bytes of s per `kq_super` inputs of a 16-row block
+// core/kquant_pack.cpp: the file's blocks (uint8 [rows, K / block, bytes per block]) -> w, s for 16-row blocks
+// [b0, b1) (sized [ceil(rows / 16), K / 32 * kq_chunk_bytes] and [ceil(rows / 16), K / kq_super * kq_scale_bytes])
+int64_t kq_block_bytes(int64_t type);
+void kq_pack_blocks(int64_t type, const uint8_t* raw, int64_t rows, int64_t K, uint8_t* w, uint8_t* s, int64_t b0,
+                    int64_t b1);
 void kq_range(int64_t type, const Int8Rows* xq, int64_t M, int64_t K, const uint8_t* w, const uint8_t* s,
               const float* bias, int64_t N, float* y, int64_t b0, int64_t b1);
 
