@@ -57,11 +57,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+DEFAULT_GGUF = "default.gguf"  # the model name that serves the embedded default model's GGUF file (Q4_1) directly
+
+
 def resolve_model(model: str | None) -> str:
     """The model to serve: the default one, else `model`; a folder holding a GGUF model (or any part of a split
     set) resolves to its (first) .gguf file, so every later step sees the file."""
     if not model:
         return str(ensure_default_model())
+    if model == DEFAULT_GGUF and not os.path.exists(model):  # the default model's own file, served as it ships
+        from loaders.default_model import find_gguf as embedded_gguf
+
+        return str(embedded_gguf())
     from loaders.gguf_file import find_gguf
 
     gguf = find_gguf(model)

@@ -24,7 +24,9 @@ STARTED = time.monotonic()  # the start's phases are logged with the time from h
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", nargs="?", default=None,
-                   help="a local Hugging Face checkpoint folder (default: the embedded SmolLM2-135M-Instruct)")
+                   help="a local Hugging Face checkpoint folder or a GGUF file (or a folder holding one); default: "
+                        "the embedded SmolLM2-135M-Instruct converted to float32; `default.gguf`: its own Q4_1 "
+                        "GGUF file, served as it ships")
     p.add_argument("--model", dest="model_flag", default=None, help=argparse.SUPPRESS)
     p.add_argument("-tp", "--tensor-parallel-size", type=int, default=1,
                    help="ranks each layer is split over (default 1)")

@@ -349,3 +349,23 @@ def test_a_block_cut_by_the_tp_split_is_refused(files):
 
     with GGUFCheckpoint(path) as ckpt, pytest.raises(CheckpointError, match="cuts a 32-input Q8_0 block"):
         ckpt.read_blocks("model.layers.0.mlp.down_proj.weight", 1, [(48, 96)])
+
+
+def test_default_gguf_names_the_embedded_file():
+    from loaders.default_model import find_gguf
+    from server.cli.launcher import DEFAULT_GGUF, resolve_model
+
+    assert resolve_model(DEFAULT_GGUF) == str(find_gguf())
+    assert find_gguf().name.endswith(".Q4_1.gguf")
+
+
+@pytest.mark.slow
+def test_the_default_model_served_from_its_own_gguf_file():
+    """SmolLM2's shipped file (Q4_1 linears, Q8_0 embedding) at TP 1 and 2: greedy tokens equal transformers on the
+    same file with the activations rounded as the kernels round them (TP 2: o_proj's 576 inputs split 320 / 256)."""
+    from loaders.default_model import find_gguf
+
+    prompt = list(range(100, 120))
+    for tp in (1, 2):
+        [result] = run_llm(tp, [{"model": "default.gguf", "prompts": [prompt], "max_tokens": 16}], timeout=400)
+        assert result["outputs"][0]["token_ids"] == reference(find_gguf(), True, tp, prompt, 16), tp
