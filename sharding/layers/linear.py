@@ -210,15 +210,30 @@ class VocabParallelEmbedding(Loadable):
     def expected(self) -> dict[str, tuple[int, ...]]:
         return {self.name: (self.vocab_size, self.weight.shape[1])}
 
+    blocks: torch.Tensor | None = None  # a GGUF table kept in its blocks: uint8 [rows, blocks, bytes per block]
+    block_type: str | None = None
+
     def load(self, ckpt: Checkpoint) -> None:
+        self.block_type = ckpt.quant_type(self.name)
+        if self.block_type is not None:  # stored in blocks (GGUF): kept so; the looked-up rows are dequantized
+            self.blocks = ckpt.read_blocks(self.name, 0, [(self.start, self.stop)])
+            self.weight = None
+            return
         self.weight.data.copy_(ckpt.read(self.name, 0, [(self.start, self.stop)]))
+
+    def _lookup(self, local: torch.Tensor) -> torch.Tensor:
+        if self.blocks is None:
+            return F.embedding(local, self.weight)
+        rows = self.blocks.index_select(0, local.reshape(-1))
+        return quant.dequantize_blocks(self.block_type, rows).reshape(*local.shape, -1)
 
     def forward(self, ids: torch.Tensor, scatter: bool = False) -> torch.Tensor:
         if self.dist.world_size == 1:
-            return F.embedding(ids, self.weight)
+            return self._lookup(ids)
         inside = (ids >= self.start) & (ids < self.stop)
         local = torch.where(inside, ids - self.start, torch.zeros_like(ids))
-        out = F.embedding(local, self.weight) * inside.unsqueeze(-1).to(self.weight.dtype)
+        out = self._lookup(local)
+        out = out * inside.unsqueeze(-1).to(out.dtype)
         return self.dist.reduce_scatter_tokens(out) if scatter else self.dist.all_reduce(out)
 
 
@@ -236,6 +251,7 @@ class ParallelLMHead(_Linear):
         self.sizes = [b - a for a, b in (split_evenly(vocab_size, dist.world_size, r) for r in range(dist.world_size))]
         self.start, self.stop = split_evenly(vocab_size, dist.world_size, dist.rank)
         self.tied = tied_to is not None
+        self.tied_name = tied_to.name if tied_to is not None else None
         self.weight = tied_to.weight if tied_to is not None else _empty(self.stop - self.start, hidden, dtype=dtype,
                                                                          device=device)
         self.bias = _empty(self.stop - self.start, dtype=dtype, device=device) if bias else None
@@ -247,6 +263,9 @@ class ParallelLMHead(_Linear):
         return out
 
     def load(self, ckpt: Checkpoint) -> None:
+        if self.tied and ckpt.quant_type(self.tied_name) is not None:  # the embedding's blocks, for the matmul
+            self.qweight = quant.read_blocks(ckpt, [(self.tied_name, 0, [(self.start, self.stop)])])
+            self.weight = None
         if not self.tied:
             self.qweight = quant.read_blocks(ckpt, [(self.name + ".weight", 0, [(self.start, self.stop)])])
             if self.qweight is not None:  # stored quantized (GGUF): served in its own blocks

@@ -271,6 +271,18 @@ def from_gguf(type_name: str, q: torch.Tensor, scales: dict[str, torch.Tensor]) 
     return bind(QuantizedWeight(type_name, w, s, q.shape[1], q.shape[0], t.code, gguf_quant.NR))
 
 
+def dequantize_blocks(type_name: str, raw: torch.Tensor) -> torch.Tensor:
+    """A GGUF tensor's blocks uint8 [rows, blocks, bytes] as float32 [rows, blocks * block], exactly gguf-py's values
+    (the embedding lookup of a table kept in its blocks)."""
+    if type_name in ("Q8_0", "Q4_0"):
+        mode, values, scale = legacy_blocks(type_name, raw)
+        if mode == "int4":
+            values = torch.cat([values & 0x0F, values >> 4], dim=-1).to(torch.int8) - 8
+        rows = values.shape[0]
+        return (values.reshape(rows, -1, 32).float() * scale.float()[..., None]).reshape(rows, -1)
+    return gguf_quant.dequantize_unpacked(type_name, *gguf_quant.unpack(type_name, raw))
+
+
 def legacy_blocks(type_name: str, raw: torch.Tensor) -> tuple[str, torch.Tensor, torch.Tensor]:
     """Q8_0 / Q4_0 blocks uint8 [rows, blocks, 34 | 18] -> (mode, values, float16 scale [rows, blocks]): values int8
     [rows, blocks * 32] ("int8") or uint8 [rows, blocks, 16] ("int4": byte j holds input j low, j + 16 high)."""
