@@ -9,6 +9,7 @@ Every layer lists the HF tensors it reads (`expected()`: name -> full shape) and
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Literal
 
@@ -23,6 +24,8 @@ from sharding.layers import quant
 from sharding.layers.interface import Loadable, Packable
 from sharding.dist import Dist
 from sharding.cpu.kernels import can_pack, pack, packed_linear
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True, frozen=True)
@@ -81,7 +84,11 @@ class _Linear(Packable):
             return self._base_matmul(x, bias)
         return lora.apply(x, self._base_matmul(x, bias))
 
+    pad: tuple[int, int] | None = None  # RowParallelLinear: zeros around the inputs (a split that cuts a block)
+
     def _base_matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if self.pad is not None:
+            x = F.pad(x, self.pad)
         if self.qweight is not None:
             return quant.linear(x, self.qweight, bias)
         if self.blocked is not None:
@@ -178,8 +185,18 @@ class RowParallelLinear(_Linear):
 
     def load(self, ckpt: Checkpoint) -> None:
         p = self.piece
-        self.qweight = quant.read_blocks(ckpt, [(p.name + ".weight", 1, [(p.start, p.stop)])])
-        if self.qweight is not None:  # stored quantized (GGUF): this rank's 32-input blocks of every row
+        start, stop = p.start, p.stop
+        block = quant.block_inputs(ckpt.quant_type(p.name + ".weight"))
+        if start % block or stop % block:
+            # the split cuts a block (GGUF K-quants: 256 inputs): this rank reads the whole blocks its inputs fall in
+            # and multiplies them by its inputs with zeros on either side, so the other ranks' weights add nothing
+            a, z = start // block * block, -(-stop // block) * block
+            self.pad = (start - a, z - stop)
+            logger.info("%s: the tensor-parallel split cuts its %d-input blocks; this rank reads inputs [%d, %d) for "
+                        "its [%d, %d) and zero-pads the rest", p.name, block, a, z, start, stop)
+            start, stop = a, z
+        self.qweight = quant.read_blocks(ckpt, [(p.name + ".weight", 1, [(start, stop)])])
+        if self.qweight is not None:  # stored quantized (GGUF): this rank's blocks of every row
             self.weight = None
         elif p.transposed:
             self.weight.data.copy_(ckpt.read(p.name + ".weight", 0, [(p.start, p.stop)]).t())

@@ -271,6 +271,13 @@ def from_gguf(type_name: str, q: torch.Tensor, scales: dict[str, torch.Tensor]) 
     return bind(QuantizedWeight(type_name, w, s, q.shape[1], q.shape[0], t.code, gguf_quant.NR))
 
 
+def block_inputs(type_name: str | None) -> int:
+    """Inputs per block of a GGUF block type (1 for a float tensor): where a row-parallel split may fall."""
+    if type_name is None:
+        return 1
+    return gguf_quant.TYPES[type_name].block if type_name in gguf_quant.TYPES else 32
+
+
 def dequantize_blocks(type_name: str, raw: torch.Tensor) -> torch.Tensor:
     """A GGUF tensor's blocks uint8 [rows, blocks, bytes] as float32 [rows, blocks * block], exactly gguf-py's values
     (the embedding lookup of a table kept in its blocks)."""
