@@ -5,6 +5,8 @@
     python scripts/bench_quant.py --rounds 3 --served   # and `tpserve serve` streaming the same completion
     python scripts/bench_quant.py --rounds 3 --served --pairs 5 --no-llama   # served over offline, 5 pairs a round
     python scripts/bench_quant.py --linears         # the GEMVs alone: SmolLM2's linear shapes at M=1
+    python scripts/bench_quant.py --same-file '/data/llama3-8b-{kind}.gguf' --kinds Q4_K_M,Q6_K,Q8_0
+                                                    # one GGUF file per kind, served as it is by both engines
 
 Pairs: tpserve float32 / bfloat16 (--dtype) / bf16 (weights only, --quantization) / int8 / int4 (group 32) against
 llama.cpp F32 / F16 / F16 / Q8_0 / Q4_0, all made from the same float32 weights (llama.cpp's with its own
@@ -162,6 +164,21 @@ def interleaved(offline: "Tpserve", served: Served, pairs: int) -> dict:
                 served_runs=on, event_loop_cpu_ms=loop_cpu / tokens * 1e3, client_cpu_ms=client_cpu / tokens * 1e3)
 
 
+def weight_bytes(llm) -> int:
+    """Bytes of the linears' weights a decode step streams (quantized or float; the embedding table is looked up,
+    not streamed): rank 0's model at TP 1."""
+    total = 0
+    for m in llm.executor.model.modules():
+        qw = getattr(m, "qweight", None)
+        if qw is not None:
+            total += qw.nbytes()
+        elif getattr(m, "blocked", None) is not None:
+            total += m.blocked.nbytes
+        elif getattr(m, "packed", None) is not None and hasattr(m, "matmul"):
+            total += m.packed.nbytes
+    return total
+
+
 def llama_gguf(f32: Path, kind: str, threads: int) -> Path:
     if kind == "F32":
         return f32
@@ -243,6 +260,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gguf", default="results/SmolLM2-135M-Instruct-F32.gguf",
                     help="llama.cpp's F32 GGUF of the same weights (quantized from it), or a template of ready files, "
                          "e.g. /data/moe-{kind}.gguf ({kind}: Q8_0, Q4_0, ...)")
+    ap.add_argument("--same-file", default=None,
+                    help="GGUF files both engines serve as they are, a template over --kinds, e.g. "
+                         "/data/llama3-8b-{kind}.gguf: tpserve loads the file itself (its block types' own kernels)")
+    ap.add_argument("--kinds", default="Q4_K_M,Q6_K,Q8_0", help="--same-file: the {kind}s")
     ap.add_argument("--output", default=None)
     args = ap.parse_args(argv)
     print(f"CPU: {cpu_name()}, {args.threads} threads, load {load_avg()}", flush=True)
@@ -256,17 +277,27 @@ def main(argv: list[str] | None = None) -> int:
     os.environ["TPSERVE_THREADS"] = str(args.threads)
     from loaders.default_model import ensure_default_model
 
-    model = args.model or str(ensure_default_model())
+    model = args.model or (None if args.same_file else str(ensure_default_model()))
     templated = "{kind}" in args.gguf  # ready GGUFs (e.g. converted by llama.cpp's convert_hf_to_gguf.py)
-    f32 = None if templated else f32_gguf(Path(args.gguf))
-    pairs = [p for p in PAIRS if not args.only or precision(p[0], p[1]) in args.only]
     have_llama = llama_bin("llama-bench").exists() and not args.no_llama
     if not have_llama:
         print("llama.cpp skipped: run scripts/build_llama_cpp.sh first", flush=True)
-    engines = {precision(d, q): Tpserve(model, d, q) for d, q, _ in pairs}
-    served = {precision(d, q): Served(model, d, q, args.threads) for d, q, _ in pairs} if args.served else {}
-    ggufs = {kind: Path(args.gguf.format(kind=kind)) if templated else llama_gguf(f32, kind, args.threads)
-             for _, _, kind in pairs} if have_llama else {}
+    if args.same_file:  # one file per kind, served by both: the case's name (precision()) is the kind
+        pairs = [("float32", kind, kind) for kind in args.kinds.split(",")]
+        files = {kind: args.same_file.format(kind=kind) for _, _, kind in pairs}
+        engines = {kind: Tpserve(files[kind], "float32", None) for _, _, kind in pairs}
+        served = {kind: Served(files[kind], "float32", None, args.threads) for _, _, kind in pairs} if args.served else {}
+        ggufs = {kind: Path(files[kind]) for _, _, kind in pairs}
+        for kind in files:
+            print(f"{kind}: {files[kind]}, {weight_bytes(engines[kind].llm) / 1e6:.0f} MB streamed per token "
+                  "(tpserve's weights less the embedding table)", flush=True)
+    else:
+        f32 = None if templated else f32_gguf(Path(args.gguf))
+        pairs = [p for p in PAIRS if not args.only or precision(p[0], p[1]) in args.only]
+        engines = {precision(d, q): Tpserve(model, d, q) for d, q, _ in pairs}
+        served = {precision(d, q): Served(model, d, q, args.threads) for d, q, _ in pairs} if args.served else {}
+        ggufs = {kind: Path(args.gguf.format(kind=kind)) if templated else llama_gguf(f32, kind, args.threads)
+                 for _, _, kind in pairs} if have_llama else {}
     rows = []
     for r in range(args.rounds):
         for dtype, q, kind in pairs:
