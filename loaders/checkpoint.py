@@ -252,7 +252,15 @@ class Checkpoint:
         return out.reshape(info.shape) if not info.shape else out
 
     def close(self) -> None:
+        """Close the files and drop their pages from the page cache: the rank's shard is in its own memory now, and a
+        second copy of the checkpoint's bytes would stay cached (counted as free by the kernel, but evicting
+        other processes' pages first) long after the load."""
         for fd in self._fds.values():
+            if hasattr(os, "posix_fadvise"):
+                try:
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                except OSError:
+                    pass
             os.close(fd)
         self._fds.clear()
 
