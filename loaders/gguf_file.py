@@ -292,6 +292,17 @@ class GGUFCheckpoint(Checkpoint):
         return self._rows(raw, dim, ranges)
 
 
+def tokenizer_cache(first: Path) -> Path:
+    """Where load_tokenizer keeps the tokenizer converted from GGUF file `first` (a Hugging Face tokenizer folder)."""
+    import hashlib
+
+    from loaders import envs
+
+    st = first.stat()
+    key = hashlib.sha256(f"{first.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:20]
+    return envs.HOME.get() / "gguf-tokenizers" / key
+
+
 def load_tokenizer(path: str | os.PathLike):
     """The file's tokenizer as a Hugging Face fast tokenizer (transformers' GGUF converter: vocabulary, merges,
     llama.cpp's pre-tokenizer split for `tokenizer.ggml.pre`, control tokens, chat template).
@@ -299,18 +310,13 @@ def load_tokenizer(path: str | os.PathLike):
     The conversion walks the whole vocabulary (seconds for a 128k one), so its result is kept in
     $TPSERVE_HOME/gguf-tokenizers/<key> (key: the file's resolved path, size and modification time; written
     atomically) and later starts and respawns load that folder."""
-    import hashlib
     import shutil
     import tempfile
 
     from transformers import AutoTokenizer
 
-    from loaders import envs
-
     first = find_gguf(path)
-    st = first.stat()
-    key = hashlib.sha256(f"{first.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:20]
-    cache = envs.HOME.get() / "gguf-tokenizers" / key
+    cache = tokenizer_cache(first)
     if (cache / "tokenizer.json").is_file():
         try:
             return AutoTokenizer.from_pretrained(str(cache), trust_remote_code=False)

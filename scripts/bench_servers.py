@@ -4,6 +4,7 @@
     python scripts/bench_servers.py                          # levels 1:4,8:16,32:32; 2 rounds; float32
     python scripts/bench_servers.py --precision int8         # tpserve --quantization int8 against Q8_0
     python scripts/bench_servers.py --levels 1:6 --rounds 5
+    python scripts/bench_servers.py --same-file model-Q4_K_M.gguf --levels 8:16   # one GGUF file served by both
 
 The servers run at once on this machine, idle between runs, with the same threads:
 - tpserve: TP=1, the default SmolLM2 checkpoint (--dtype bfloat16 / --quantization bf16|int8|int4 for the other
@@ -102,6 +103,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="llama.cpp's F32 GGUF of the same weights (quantized from it), or a template of ready files, "
                          "e.g. /data/moe-{kind}.gguf")
     ap.add_argument("--model", help="tpserve's checkpoint folder (default: the default model)")
+    ap.add_argument("--same-file", default=None,
+                    help="a GGUF file both servers serve as it is (tpserve's block-type kernels; --precision ignored)")
     ap.add_argument("--tpserve-args", default="", help="more `tpserve serve` flags, e.g. '-tp 2 --kv-cache-memory 2GiB'")
     ap.add_argument("--outdir", default="results/serving")
     ap.add_argument("--output", default=None)
@@ -120,15 +123,24 @@ def main(argv: list[str] | None = None) -> int:
     model = args.model or str(ensure_default_model())
     tp_args, kind = PRECISIONS[args.precision]
     tp_args = tp_args + args.tpserve_args.split()
-    gguf = (Path(args.gguf.format(kind=kind)) if "{kind}" in args.gguf
-            else llama_gguf(f32_gguf(Path(args.gguf)), kind, args.threads))
+    if args.same_file:
+        from loaders.gguf_file import find_gguf, load_tokenizer, tokenizer_cache
+
+        gguf = Path(args.same_file)
+        load_tokenizer(gguf)  # converted once into its cache folder, which the load generator reads
+        model, tp_args, kind = str(gguf), args.tpserve_args.split(), gguf.name
+        tokenizer = str(tokenizer_cache(find_gguf(gguf)))
+    else:
+        gguf = (Path(args.gguf.format(kind=kind)) if "{kind}" in args.gguf
+                else llama_gguf(f32_gguf(Path(args.gguf)), kind, args.threads))
+        tokenizer = model
     Path(args.outdir).mkdir(parents=True, exist_ok=True)
     levels = [tuple(int(x) for x in level.split(":")) for level in args.levels.split(",")]
     slots = args.llama_parallel or max(c for c, _ in levels)
     # SmolLM2's end-of-text tokens (<|endoftext|>, <|im_end|>): banned on llama.cpp, which has no ignore_eos
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(model)
+    tok = AutoTokenizer.from_pretrained(tokenizer)
     eos_ids = sorted({i for i in (tok.eos_token_id, tok.convert_tokens_to_ids("<|endoftext|>")) if i is not None})
     no_eos = {"logit_bias": {str(i): -100 for i in eos_ids}}
 
@@ -166,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
         for r in range(args.rounds):
             for conc, num in levels:
                 for name, _, extra in (servers if r % 2 == 0 else servers[::-1]):
-                    rows.append(run_level(name, ports[name], conc, num, args, model, extra, r))
+                    rows.append(run_level(name, ports[name], conc, num, args, tokenizer, extra, r))
     finally:
         stop_servers(procs)
     summary = []
@@ -188,7 +200,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {name:22s} c={conc:>2}: {m['output_tok_s']:6.1f} tok/s, TTFT p50 {m['ttft_p50_ms']:5.0f} ms, "
                   f"ITL p50 {m['itl_p50_ms']:5.1f} ms, {m['mean_output_tokens']:.0f} tokens/request"
                   + (f"  | tpserve / this = {ratios['tpserve_ratio']:.2f}x" if ratios else ""))
-    out = Path(args.output or ("results/servers.json" if args.precision == "float32"
+    out = Path(args.output or ("results/servers_same_file.json" if args.same_file
+                               else "results/servers.json" if args.precision == "float32"
                                else f"results/servers_{args.precision}.json"))
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(dict(**builds(), precision=args.precision, gguf=kind, threads=args.threads,
