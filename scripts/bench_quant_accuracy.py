@@ -3,6 +3,8 @@ weights.
 
     python scripts/bench_quant_accuracy.py                  # tpserve and llama.cpp (scripts/build_llama_cpp.sh first)
     python scripts/bench_quant_accuracy.py --only tpserve
+    python scripts/bench_quant_accuracy.py --same-file '/data/SmolLM2-{kind}.gguf' --output results/gguf_ppl.json
+                                          # both engines on the same GGUF files, a text of >= 20k tokens
 
 Text: scripts/data/eval_text.txt, three chapters of the Python language reference as shipped in CPython's
 `pydoc_data` (~5,300 SmolLM2 tokens). Both engines score it the way llama.cpp's `llama-perplexity` does: the text is
@@ -52,6 +54,24 @@ def builds() -> dict:
     version = llama_bin("VERSION").parent.parent / "VERSION"
     return dict(tpserve_kernels=os.environ.get("TPSERVE_KERNELS", "auto"),
                 llama_cpp=version.read_text().strip() if version.exists() else None)
+
+
+def long_text(min_chars: int = 110_000) -> Path:
+    """A text of >= 20k SmolLM2 tokens for --same-file: CPython's pydoc_data topics (the language and library
+    reference shipped with Python), in their sorted order, until `min_chars`; written to results/ so that both engines
+    read the same bytes."""
+    from pydoc_data.topics import topics
+
+    parts, size = [], 0
+    for key in sorted(topics):
+        parts.append(topics[key].strip())
+        size += len(parts[-1])
+        if size >= min_chars:
+            break
+    out = ROOT / "results" / "eval_text_long.txt"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text("\n\n".join(parts) + "\n")
+    return out
 
 
 def tpserve_scores(model: str, quantization: str | None, group: int, threads: int) -> tuple[list[float], list[int]]:
@@ -107,9 +127,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", choices=["tpserve", "llamacpp"], action="append")
     ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     ap.add_argument("--gguf", default="results/SmolLM2-135M-Instruct-F32.gguf")
+    ap.add_argument("--same-file", default=None,
+                    help="GGUF files both engines score as they are, a template over --kinds (e.g. "
+                         "results/SmolLM2-{kind}.gguf), on a text of >= 20k tokens (long_text); the perplexity "
+                         "of each engine on each file")
+    ap.add_argument("--kinds", default="Q8_0,Q6_K,Q5_K_M,Q4_K_M,Q4_0")
     ap.add_argument("--output", default="results/quant_accuracy.json")
     args = ap.parse_args(argv)
     from loaders.default_model import ensure_default_model
+
+    if args.same_file:
+        return same_file(args)
 
     model = args.model or str(ensure_default_model())
     which = args.only or ["tpserve", "llamacpp"]
@@ -149,6 +177,29 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['top1_agreement'] * 100:15.2f}%")
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
     Path(args.output).write_text(json.dumps(dict(cpu=cpu_name(), text=TEXT.name, ctx=CTX, rows=rows), indent=2))
+    print(f"saved {args.output}")
+    return 0
+
+
+def same_file(args) -> int:
+    """tpserve and llama-perplexity on the same GGUF files, over long_text()."""
+    global TEXT
+    TEXT = long_text()
+    rows = []
+    print(f"CPU: {cpu_name()}; text {TEXT} ({TEXT.stat().st_size} bytes), windows of {CTX}, second halves scored",
+          flush=True)
+    for kind in args.kinds.split(","):
+        path = Path(args.same_file.format(kind=kind))
+        lp, _ = tpserve_scores(str(path), None, 32, args.threads)
+        ours = math.exp(-sum(lp) / len(lp))
+        theirs = llama_perplexity(path, path.with_suffix(".kld"), args.threads, write_base=True)["ppl"]
+        rows.append(dict(kind=kind, file=str(path), tpserve_ppl=ours, llama_ppl=theirs, scored=len(lp),
+                         relative=ours / theirs - 1))
+        print(f"{kind:<8} tpserve {ours:9.4f}  llama-perplexity {theirs:9.4f}  ({(ours / theirs - 1) * 100:+.2f} %, "
+              f"{len(lp)} tokens scored)", flush=True)
+    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.output).write_text(json.dumps(dict(cpu=cpu_name(), **builds(), text=str(TEXT), ctx=CTX, rows=rows),
+                                            indent=2))
     print(f"saved {args.output}")
     return 0
 
