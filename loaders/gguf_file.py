@@ -174,6 +174,7 @@ class GGUFCheckpoint(Checkpoint):
             raise CheckpointError(f"{first.name}: GGUF architecture {arch!r} is not served; served: "
                                   f"{', '.join(ARCHITECTURES)}")
         self.gguf_arch = arch
+        self._check_vocabulary(first.name, _reader(self.parts[0]).lengths)
         if "rope_freqs.weight" in self.tensors:
             raise CheckpointError(f"{first.name}: rope_freqs.weight (Llama 3.1-style rope scaling) is not served yet")
         if self.meta.get(f"{arch}.rope.scaling.type") not in (None, "none"):
@@ -192,6 +193,22 @@ class GGUFCheckpoint(Checkpoint):
                         raise CheckpointError(f"{first.name}: {name} has {info.shape[0]} rows, not a whole number "
                                               f"of {n} heads")
                     self.permuted[name] = info.shape[0] // n
+
+    def _check_vocabulary(self, file: str, lengths: dict) -> None:
+        """The tokenizer's arrays agree with each other and with the embedding table (a file whose vocabulary and
+        weights disagree would index past the table, or decode ids it has no token for)."""
+        tokens = lengths.get("tokenizer.ggml.tokens")
+        if tokens is None:
+            raise CheckpointError(f"{file}: no tokenizer.ggml.tokens (the file carries no vocabulary)")
+        for key in ("tokenizer.ggml.token_type", "tokenizer.ggml.scores"):
+            if key in lengths and lengths[key] != tokens:
+                raise CheckpointError(f"{file}: {key} has {lengths[key]} entries for {tokens} tokens")
+        if self.meta.get("tokenizer.ggml.model") == "gpt2" and not lengths.get("tokenizer.ggml.merges"):
+            raise CheckpointError(f"{file}: a BPE (gpt2) vocabulary without tokenizer.ggml.merges")
+        embed = self.tensors.get("model.embed_tokens.weight")
+        if embed is not None and len(embed.shape) == 2 and tokens > embed.shape[0]:
+            raise CheckpointError(f"{file}: the vocabulary has {tokens} tokens but token_embd.weight has "
+                                  f"{embed.shape[0]} rows")
 
     @property
     def architecture(self) -> str:

@@ -42,9 +42,10 @@ class TensorEntry:
 @dataclass(frozen=True, slots=True)
 class Header:
     version: int
-    meta: dict
+    meta: dict  # arrays longer than SHORT_ARRAY: None
     tensors: list[TensorEntry]
     data_offset: int
+    lengths: dict  # every array's length, by key (the long ones' too)
 
 
 class _Cursor:
@@ -85,15 +86,19 @@ class _Cursor:
             raise HeaderError(f"{self.path.name}: unknown metadata value type {kind}")
         item, count = self.take("<I"), self.take("<Q")
         if count <= SHORT_ARRAY:
-            return [self.value(item) for _ in range(count)]
-        if item in SCALARS:
+            value = [self.value(item) for _ in range(count)]
+        elif item in SCALARS:
             self.pos += count * struct.calcsize(SCALARS[item])
+            value = None
         elif item == STRING:
             self.skip_strings(count)
+            value = None
         else:  # arrays of arrays: walked
             for _ in range(count):
                 self.value(item)
-        return None
+            value = None
+        self.last_length = count  # (after any inner array's)
+        return value
 
 
 @functools.lru_cache(maxsize=8)
@@ -115,10 +120,13 @@ def _read(path: str, _mtime: int, _size: int) -> Header:
         if version not in (2, 3):
             raise HeaderError(f"{p.name}: GGUF version {version} (big-endian or unknown) is not read; versions 2-3")
         n_tensors, n_kv = c.take("<Q"), c.take("<Q")
-        meta = {}
+        meta, lengths = {}, {}
         for _ in range(n_kv):
             key = c.string()
-            meta[key] = c.value(c.take("<I"))
+            kind = c.take("<I")
+            meta[key] = c.value(kind)
+            if kind == ARRAY:
+                lengths[key] = c.last_length
         tensors = []
         for _ in range(n_tensors):
             name = c.string()
@@ -140,7 +148,7 @@ def _read(path: str, _mtime: int, _size: int) -> Header:
             raise HeaderError(f"{p.name}: general.alignment {align!r} is not a power of two")
         data = -(-c.pos // align) * align
         tensors = [TensorEntry(t.name, t.tensor_type, t.shape, data + t.data_offset, t.n_bytes) for t in tensors]
-        return Header(version, meta, tensors, data)
+        return Header(version, meta, tensors, data, lengths)
     finally:
         buf.close()
 

@@ -49,9 +49,11 @@ def permute(w: np.ndarray, heads: int) -> np.ndarray:
 
 
 def write_gguf(hf: Path, out: Path, types, arch: str | None = None, split_max_tensors: int = 0,
-               meta: dict | None = None, replace: dict | None = None) -> Path:
+               meta: dict | None = None, replace: dict | None = None, extra_tokens: int = 0,
+               merges: bool = True) -> Path:
     """The checkpoint in `hf` as a GGUF file. `types(name, array)`: the GGML type of each HF tensor (1-D stay F32).
-    `replace`: GGUF name -> (raw uint8 bytes, GGML type), written instead; `meta`: metadata to override."""
+    `replace`: GGUF name -> (raw uint8 bytes, GGML type), written instead; `meta`: metadata to override;
+    `extra_tokens`: tokens past the embedding's rows, `merges=False`: none (bad files)."""
     from safetensors.numpy import load_file
     from transformers import AutoConfig
 
@@ -63,14 +65,14 @@ def write_gguf(hf: Path, out: Path, types, arch: str | None = None, split_max_te
     vocab = {i: t for t, i in tok["model"]["vocab"].items()}
     special = {a["id"]: a["content"] for a in tok["added_tokens"]}
     tokens, toktypes = [], []
-    for i in range(cfg.vocab_size):
+    for i in range(cfg.vocab_size + extra_tokens):
         if i in special:
             tokens.append(special[i]), toktypes.append(gguf.TokenType.CONTROL)
         elif i in vocab:
             tokens.append(vocab[i]), toktypes.append(gguf.TokenType.NORMAL)
         else:
             tokens.append(f"[PAD{i}]"), toktypes.append(gguf.TokenType.UNUSED)
-    merges = [m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]]
+    merge_list = [m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]]
     out.parent.mkdir(parents=True, exist_ok=True)
     w = gguf.GGUFWriter(out, arch, split_max_tensors=split_max_tensors)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
@@ -90,7 +92,8 @@ def write_gguf(hf: Path, out: Path, types, arch: str | None = None, split_max_te
     w.add_tokenizer_pre("qwen2" if real_arch in ("qwen2", "qwen3") else "gpt-2")
     w.add_token_list(tokens)
     w.add_token_types(toktypes)
-    w.add_token_merges(merges)
+    if merges:
+        w.add_token_merges(merge_list)
     w.add_bos_token_id(cfg.bos_token_id)
     w.add_eos_token_id(cfg.eos_token_id)
     w.add_chat_template(CHAT_TEMPLATE)
@@ -353,6 +356,8 @@ def bad(files):
     q2k = np.zeros((64, 2 * 84), dtype=np.uint8)  # [64, 512] in Q2_K's 84-byte blocks of 256
     made["q2k"] = write_gguf(hf["llama"], root / "bad" / "q2k.gguf", q8, replace={"blk.0.ffn_up.weight": (q2k, Q.Q2_K)})
     made["shape"] = write_gguf(hf["llama"], root / "bad" / "shape.gguf", q8, meta={"llama.feed_forward_length": 96})
+    made["vocab"] = write_gguf(hf["llama"], root / "bad" / "vocab.gguf", q8, extra_tokens=8)
+    made["merges"] = write_gguf(hf["llama"], root / "bad" / "merges.gguf", q8, merges=False)
     split = write_gguf(hf["llama"], root / "bad-split" / "s.gguf", q8, split_max_tensors=8)
     second = next(split.parent.glob("*-00002-of-*.gguf"))
     second.unlink()
@@ -368,6 +373,9 @@ def test_bad_files_are_refused_with_one_line(bad):
     msg = error_of(bad["shape"])
     assert "shape mismatch" in msg and "mlp.down_proj.weight" in msg and "GGUF metadata" in msg, msg
     assert "00002-of-" in error_of(bad["split"]) and "missing" in error_of(bad["split"])
+    msg = error_of(bad["vocab"])
+    assert "tokens but token_embd.weight has" in msg, msg
+    assert "without tokenizer.ggml.merges" in error_of(bad["merges"])
 
 
 def test_the_cli_refuses_a_bad_file_without_a_traceback(bad):
