@@ -5,6 +5,7 @@
     python scripts/bench_servers.py --precision int8         # tpserve --quantization int8 against Q8_0
     python scripts/bench_servers.py --levels 1:6 --rounds 5
     python scripts/bench_servers.py --same-file model-Q4_K_M.gguf --levels 8:16   # one GGUF file served by both
+    python scripts/bench_servers.py --same-file model-Q4_K_M.gguf --start --rounds 3   # launch to first token, RSS
 
 The servers run at once on this machine, idle between runs, with the same threads:
 - tpserve: TP=1, the default SmolLM2 checkpoint (--dtype bfloat16 / --quantization bf16|int8|int4 for the other
@@ -51,6 +52,57 @@ def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 300) -> None:
             if proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"server behind {url} did not start (exit code {proc.poll()})") from None
             time.sleep(0.5)
+
+
+def tree_rss(pid: int) -> int:
+    """Resident bytes of process `pid` and its descendants (tpserve's ranks), from /proc."""
+    total, todo = 0, [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            with open(f"/proc/{p}/status") as f:
+                total += next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+            with open(f"/proc/{p}/task/{p}/children") as f:
+                todo += [int(c) for c in f.read().split()]
+        except (OSError, StopIteration):
+            pass
+    return total
+
+
+def first_token(port: int, extra: dict | None, deadline: float) -> None:
+    """One streamed completion of one token: returns when its first content chunk arrives."""
+    body = dict(prompt="Hello", max_tokens=1, stream=True, temperature=0, **(extra or {}))
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})
+    while True:
+        try:
+            with urllib.request.urlopen(req, timeout=30) as r:
+                for line in r:
+                    if line.startswith(b"data: {"):
+                        return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
+
+
+def measure_starts(commands: dict, rounds: int, env: dict) -> list[dict]:
+    """Each server alone, `rounds` times, interleaved: seconds from its launch to its first streamed token, and its
+    resident memory (with its ranks) then."""
+    rows = []
+    for r in range(rounds):
+        for name, (cmd, port, extra) in (commands.items() if r % 2 == 0 else list(commands.items())[::-1]):
+            t0 = time.monotonic()
+            proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            try:
+                first_token(port, extra, t0 + 600)
+                row = dict(server=name, round=r, start_to_first_token_s=time.monotonic() - t0, rss_bytes=tree_rss(proc.pid))
+            finally:
+                stop_servers({name: proc})
+            rows.append(row)
+            print(f"[round {r}] {name:22s} start to first token {row['start_to_first_token_s']:6.1f} s, RSS "
+                  f"{row['rss_bytes'] / 2**30:.2f} GiB", flush=True)
+    return rows
 
 
 def stop_servers(procs: dict) -> None:
@@ -106,6 +158,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--same-file", default=None,
                     help="a GGUF file both servers serve as it is (tpserve's block-type kernels; --precision ignored)")
     ap.add_argument("--tpserve-args", default="", help="more `tpserve serve` flags, e.g. '-tp 2 --kv-cache-memory 2GiB'")
+    ap.add_argument("--start", action="store_true",
+                    help="instead: each server alone, --rounds times: launch to first streamed token, and RSS then")
     ap.add_argument("--outdir", default="results/serving")
     ap.add_argument("--output", default=None)
     args = ap.parse_args(argv)
@@ -148,29 +202,45 @@ def main(argv: list[str] | None = None) -> int:
     env = dict(os.environ, TPSERVE_THREADS=str(args.threads))
     procs, servers = {}, []
     quiet = dict(stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    ports["tpserve"] = free_port()
-    procs["tpserve"] = subprocess.Popen([sys.executable, "-m", "server.cli.main", "serve", model, *tp_args, "--host",
-                                         "127.0.0.1", "--port", str(ports["tpserve"]), "--log-level", "warning"],
-                                        cwd=ROOT, env=env)
-    servers.append(("tpserve", "/health", None))
+    commands = {}  # name -> (argv, port, extra body, health path)
+    port = free_port()
+    commands["tpserve"] = ([sys.executable, "-m", "server.cli.main", "serve", model, *tp_args, "--host", "127.0.0.1",
+                            "--port", str(port), "--log-level", "warning"], port, None, "/health")
     name = f"llama-server -np {slots}"
-    ports[name] = free_port()
+    port = free_port()
     per_slot = args.input_len + args.output_len + 64
-    procs[name] = subprocess.Popen([str(llama_bin("llama-server")), "-m", str(gguf), "-t", str(args.threads), "-tb",
-                                    str(args.threads), "-np", str(slots), "-cb", "-c", str(slots * per_slot),
-                                    "--host", "127.0.0.1", "--port", str(ports[name])], cwd=ROOT, **quiet)
-    servers.append((name, "/health", no_eos))
+    commands[name] = ([str(llama_bin("llama-server")), "-m", str(gguf), "-t", str(args.threads), "-tb",
+                       str(args.threads), "-np", str(slots), "-cb", "-c", str(slots * per_slot), "--host", "127.0.0.1",
+                       "--port", str(port)], port, no_eos, "/health")
     if all(importlib.util.find_spec(m) for m in ("llama_cpp", "sse_starlette", "starlette_context",
                                                  "pydantic_settings")):
         name = "llama-cpp-python"
-        ports[name] = free_port()
-        procs[name] = subprocess.Popen([sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--n_threads",
-                                        str(args.threads), "--n_threads_batch", str(args.threads), "--n_ctx", "2048",
-                                        "--interrupt_requests", "False", "--host", "127.0.0.1", "--port",
-                                        str(ports[name])], cwd=ROOT, **quiet)
-        servers.append((name, "/v1/models", no_eos))
+        port = free_port()
+        commands[name] = ([sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--n_threads",
+                           str(args.threads), "--n_threads_batch", str(args.threads), "--n_ctx", "2048",
+                           "--interrupt_requests", "False", "--host", "127.0.0.1", "--port", str(port)], port, no_eos,
+                          "/v1/models")
     else:
         print("llama-cpp-python's server not installed: its row is skipped", flush=True)
+    if args.start:
+        rows = measure_starts({n: c[:3] for n, c in commands.items()}, args.rounds, env)
+        summary = [dict(server=name, start_to_first_token_s=statistics.median(
+            x["start_to_first_token_s"] for x in rows if x["server"] == name), rss_bytes=statistics.median(
+            x["rss_bytes"] for x in rows if x["server"] == name)) for name in commands]
+        for x in summary:
+            print(f"  {x['server']:22s} start to first token {x['start_to_first_token_s']:6.1f} s, RSS "
+                  f"{x['rss_bytes'] / 2**30:.2f} GiB (medians)")
+        out = Path(args.output or "results/servers_start.json")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(dict(**builds(), gguf=str(gguf), model=model, threads=args.threads, runs=rows,
+                                       summary=summary), indent=1))
+        print(f"wrote {out}")
+        return 0
+    for name, (cmd, port, extra, health) in commands.items():
+        ports[name] = port
+        procs[name] = subprocess.Popen(cmd, cwd=ROOT, env=env if name == "tpserve" else None,
+                                       **({} if name == "tpserve" else quiet))
+        servers.append((name, health, extra))
     rows = []
     try:
         for name, health, _ in servers:
