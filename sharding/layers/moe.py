@@ -19,7 +19,10 @@ output in expert order (transformers' order, so TP 1 sums exactly as it does).
 
 Expert weights are read from either layout checkpoints use, by byte ranges: one tensor per expert (what
 `save_pretrained` writes: `experts.{e}.gate_proj.weight`, ...) or fused 3-D tensors (`experts.gate_up_proj`
-[E, 2I, H], `experts.down_proj` [E, H, I]; gpt-oss stores them transposed with gate/up interleaved).
+[E, 2I, H], `experts.down_proj` [E, H, I]; gpt-oss stores them transposed with gate/up interleaved). A GGUF
+file's stacked experts are served as the first layout (loaders/gguf_file.py registers one 2-D tensor per expert over
+its bytes), and an expert stored in blocks is read as its blocks (quant.read_blocks), as a dense linear is, a
+tensor-parallel split that cuts a block of its down projection zero-padded as RowParallelLinear pads.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from loaders.checkpoint import Checkpoint
 from loaders.partition import split_evenly
 from sharding.cpu import kernels
 from sharding.dist import Dist
+from sharding.layers import quant
 from sharding.layers.linear import _empty, _Linear
 
 
@@ -79,11 +83,28 @@ class ExpertLinear(_Linear):
         return {b.tensor: b.full for b in self.blocks + self.bias_blocks}
 
     def load(self, ckpt: Checkpoint) -> None:
-        ws = [b.read(ckpt) for b in self.blocks]
-        self.weight.data.copy_(torch.cat(ws) if len(ws) > 1 else ws[0])
+        plain = all(b.index is None and not b.transposed and not b.interleaved for b in self.blocks)
+        if plain:  # a GGUF file's expert (one 2-D tensor per expert) in blocks: its blocks, never a float copy
+            self.qweight = quant.read_blocks(ckpt, [(b.tensor, b.dim, self._block_range(ckpt, b)) for b in self.blocks])
+        if self.qweight is not None:
+            self.weight = None
+        else:
+            ws = [b.read(ckpt) for b in self.blocks]
+            self.weight.data.copy_(torch.cat(ws) if len(ws) > 1 else ws[0])
         if self.bias is not None:
             bs = [b.read(ckpt) for b in self.bias_blocks]
             self.bias.data.copy_(torch.cat(bs) if len(bs) > 1 else bs[0])
+
+    def _block_range(self, ckpt: Checkpoint, b: Block) -> list[tuple[int, int]]:
+        """The inputs to read of a block split by inputs (the down projection under tensor parallelism): where the
+        split cuts a GGUF block (K-quants' 256 inputs), the whole blocks, and zeros around this rank's inputs
+        (`pad`, as RowParallelLinear does), so the other ranks' weights add nothing."""
+        block = quant.block_inputs(ckpt.quant_type(b.tensor)) if b.dim == 1 else 1
+        if b.start % block == 0 and b.stop % block == 0:
+            return [(b.start, b.stop)]
+        a, z = b.start // block * block, -(-b.stop // block) * block
+        self.pad = (b.start - a, z - b.stop)
+        return [(a, z)]
 
 
 class Expert(nn.Module):
@@ -243,6 +264,8 @@ class SparseMoe(nn.Module):
             return None
         specs = [(e.index, kernels.plan_linear(e.gate_up), kernels.plan_linear(e.down)) for e in self.experts]
         if any(g is None or d is None or g[0] == 5 or d[0] == 5 for _, g, d in specs):  # (5: parts of several types)
+            return None
+        if any(e.down.pad is not None for e in self.experts):  # zero-padded inputs (_block_range): the loop pads
             return None
         compiled = ops[0]()
         for (index, gate_up, down), expert in zip(specs, self.experts):
