@@ -37,6 +37,8 @@ LAYER_TO_GGUF = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ff
 
 
 def gguf_name(name: str) -> str:
+    if not name.startswith(("model.", "lm_head.")):  # a GGUF name already (test_gguf_arch converts first)
+        return name
     if name in TO_GGUF:
         return TO_GGUF[name]
     parts = name.split(".")  # model.layers.N.<module...>.<weight|bias>
@@ -52,8 +54,8 @@ def write_gguf(hf: Path, out: Path, types, arch: str | None = None, split_max_te
                meta: dict | None = None, replace: dict | None = None, extra_tokens: int = 0,
                merges: bool = True) -> Path:
     """The checkpoint in `hf` as a GGUF file. `types(name, array)`: the GGML type of each HF tensor (1-D stay F32).
-    `replace`: GGUF name -> (raw uint8 bytes, GGML type), written instead; `meta`: metadata to override;
-    `extra_tokens`: tokens past the embedding's rows, `merges=False`: none (bad files)."""
+    `replace`: GGUF name -> (raw uint8 bytes, GGML type), written instead; `meta`: metadata to override (None:
+    left out); `extra_tokens`: tokens past the embedding's rows, `merges=False`: none (bad files)."""
     from safetensors.numpy import load_file
     from transformers import AutoConfig
 
@@ -86,7 +88,8 @@ def write_gguf(hf: Path, out: Path, types, arch: str | None = None, split_max_te
         kv[f"{arch}.attention.key_length"] = kv[f"{arch}.attention.value_length"] = head_dim
     kv.update(meta)
     for key, value in kv.items():
-        (w.add_float32 if isinstance(value, float) else w.add_uint32)(key, value)
+        if value is not None:  # (None: a key the converter does not write for the architecture)
+            (w.add_float32 if isinstance(value, float) else w.add_uint32)(key, value)
     w.add_tokenizer_model("gpt2")
     # what llama.cpp's converter detects: Qwen2Tokenizer (qwen2, qwen3 folders) splits with Qwen2's regex
     w.add_tokenizer_pre("qwen2" if real_arch in ("qwen2", "qwen3") else "gpt-2")
@@ -111,7 +114,7 @@ def write_gguf(hf: Path, out: Path, types, arch: str | None = None, split_max_te
             raw, qtype = replace[g]
             w.add_tensor(g, raw, raw_dtype=qtype)
             continue
-        qtype = types(name, t) if t.ndim == 2 else Q.F32
+        qtype = types(name, t) if t.ndim >= 2 else Q.F32
         if qtype == Q.F32:
             w.add_tensor(g, t)
         elif qtype == Q.F16:
