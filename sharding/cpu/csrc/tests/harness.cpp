@@ -7,7 +7,8 @@
 // One line per case:   ok   <kernel> <shape> | scheme=<what the build computes> [exact] err=<max error> hash=<bits>
 // and a summary line; the exit status is 1 if any case failed. `exact` cases must equal the reference bit for bit
 // (the same float operations in the same order: the int8 / int4 linears over int8 activations, whose int32 dot
-// products are exact; the float32 linear on builds with FMA; rotary); the others are held to a tolerance (the
+// products are exact, and the GGUF block types' (kq: Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, over int8 activations on
+// every build); the float32 linear on builds with FMA; rotary); the others are held to a tolerance (the
 // kernels sum in another order, with -ffast-math). `hash` is an FNV-1a hash of the output's bits: the same exact case
 // must hash the same on every build of the same scheme, x86 or ARM (the Python driver compares them).
 //
@@ -278,9 +279,10 @@ struct KqType {
   int64_t code;
   int bits, block, block_bytes, scale_bytes;  // block: inputs per file block (and per block of scales)
 };
-constexpr KqType KQ_TYPES[] = {{"Q4_1", tpserve::KQ_Q4_1, 4, 32, 20, 64},    {"Q5_0", tpserve::KQ_Q5_0, 5, 32, 22, 32},
-                               {"Q5_1", tpserve::KQ_Q5_1, 5, 32, 24, 64},    {"Q4_K", tpserve::KQ_Q4_K, 4, 256, 144, 320},
-                               {"Q5_K", tpserve::KQ_Q5_K, 5, 256, 176, 320}, {"Q6_K", tpserve::KQ_Q6_K, 6, 256, 210, 288}};
+constexpr KqType KQ_TYPES[] = {
+    {"Q4_1", tpserve::KQ_Q4_1, 4, 32, 20, 64},   {"Q5_0", tpserve::KQ_Q5_0, 5, 32, 22, 32},
+    {"Q5_1", tpserve::KQ_Q5_1, 5, 32, 24, 64},   {"Q4_K", tpserve::KQ_Q4_K, 4, 256, 144, 320},
+    {"Q5_K", tpserve::KQ_Q5_K, 5, 256, 176, 320}, {"Q6_K", tpserve::KQ_Q6_K, 6, 256, 210, 288}};
 
 // one file block's fields: the unsigned values q (Q5_0 and Q6_K less 16 / 32 are the signed ones) and the scales
 struct KqBlock {
@@ -386,7 +388,8 @@ void check_kq(Rng& g, const KqType& t, int64_t M, int64_t N, int64_t K, bool wit
           const uint8_t v = fb[n * nfb + k / t.block].q[k % t.block];
           line[(u / 2) * 64 + 4 * row + p] |= static_cast<uint8_t>((v & 0x0F) << (4 * (u & 1)));
           if (t.bits == 5) line[256 + 4 * row + p] |= static_cast<uint8_t>(((v >> 4) & 1) << u);
-          if (t.bits == 6) line[256 + (u / 4) * 64 + 4 * row + p] |= static_cast<uint8_t>(((v >> 4) & 3) << (2 * (u % 4)));
+          if (t.bits == 6)
+            line[256 + (u / 4) * 64 + 4 * row + p] |= static_cast<uint8_t>(((v >> 4) & 3) << (2 * (u % 4)));
         }
     }
     for (int64_t f = 0; f < nfb; ++f) {
