@@ -144,17 +144,23 @@ def test_every_kernel_of_the_build_matches_the_reference(name, tmp_root):
     cases = parse(p.stdout)
     assert re.search(r": (\d+) cases, 0 failed$", summary) and len(cases) == int(summary.split()[-4]) > 400
     kernels = collections.Counter(c.split()[0] for c in cases)
-    assert set(kernels) == {"quantize_rows", "int8", "int4", "bf16", "f32", "rms_norm", "rotary", "attention", "argmax"}
-    # the int8 / int4 linears over int8 activations, and the float32 one on builds with FMAs, are exact
+    assert set(kernels) == {"quantize_rows", "int8", "int4", "bf16", "f32", "rms_norm", "rotary", "attention", "argmax",
+                            "kq"}
+    # the int8 / int4 linears over int8 activations, and the float32 one on builds with FMAs, are exact; so are the
+    # GGUF block types' (int8 activations on every build), all six of them
     exact = {c.split()[0] for c, (_, scheme, ex, _) in cases.items() if ex}
     assert ({"int8", "int4"} <= exact) == int8_act
+    kq = [c for c, (_, scheme, ex, _) in cases.items() if c.startswith("kq ")]
+    assert all(cases[c][1:3] == ("int8-act-kq", True) for c in kq)
+    assert {re.search(r"type=(\S+)", c).group(1) for c in kq} == {"Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"}
     assert ("f32" in exact) == (name != "x86-64")
 
 
 def test_exact_cases_hash_the_same_on_every_build(tmp_root):
     """Each exact case (same inputs on every build: a fixed-seed integer generator) gives the same bits on every
     build that computes it by the same scheme: ARM64's int8/int4 linears equal the VNNI and AVX2 builds', every FMA
-    build's float32 linear equals the others', and Q8_0's quantized activations are the same everywhere."""
+    build's float32 linear equals the others', Q8_0's quantized activations are the same everywhere, and so are the
+    GGUF block types' linears (VNNI, AVX2 and the portable kernel of every other build)."""
     runs = {n: parse(harness_run(n, tmp_root).stdout) for n in TARGETS if _how(n)[2] is None}
     if len(runs) < 2:
         pytest.skip("fewer than two builds run here")

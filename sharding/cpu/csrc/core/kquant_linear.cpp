@@ -39,7 +39,7 @@
 namespace {
 
 constexpr int64_t NR = tpserve::VNNI_BLOCK;  // output rows per block
-constexpr int64_t MR = 4;                    // activation rows per pass
+constexpr int64_t MR = 4;                    // activation rows per pass (the portable kernel)
 
 template <int64_t T>
 struct Traits;
@@ -162,7 +162,22 @@ void kq_block_portable(const tpserve::Int8Rows& xq, int64_t m0, const uint8_t* w
 
 }  // namespace
 
+// The inner loops of this build's ISA, where it has them (TPSERVE_KQ_DOT: kq_block, the portable kernel's operations
+// with vectors, and KQ_MR, its activation rows per pass): AVX-512 with VNNI (vpdpbusd), or AVX2 without AVX-512
+// (vpmaddubsw / vpmaddwd). A plain AVX-512 build (x86-64-v4: no VNNI), ARM64 and the rest run the portable kernel.
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#include "../arch/x86/kquant_avx512.h"
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(__AVX512F__)
+#include "../arch/x86/kquant_avx2.h"
+#endif
+
 namespace {
+
+#ifdef TPSERVE_KQ_DOT
+constexpr int64_t KQ_ROWS = KQ_MR;
+#else
+constexpr int64_t KQ_ROWS = MR;
+#endif
 
 template <int64_t T>
 void range_of(const tpserve::Int8Rows& xq, int64_t M, int64_t K, const uint8_t* w, const uint8_t* s,
@@ -170,8 +185,8 @@ void range_of(const tpserve::Int8Rows& xq, int64_t M, int64_t K, const uint8_t* 
   const int64_t wb = (K / 32) * chunk_bytes<T>(), sbytes = (K / Traits<T>::super) * Traits<T>::scale_bytes;
   for (int64_t b = b0; b < b1; ++b) {
     const int64_t n0 = b * NR, nrows = std::min<int64_t>(NR, N - n0);
-    for (int64_t m0 = 0; m0 < M; m0 += MR)
-      tpserve::with_rows<MR>(std::min<int64_t>(MR, M - m0), [&](auto r) {
+    for (int64_t m0 = 0; m0 < M; m0 += KQ_ROWS)
+      tpserve::with_rows<KQ_ROWS>(std::min<int64_t>(KQ_ROWS, M - m0), [&](auto r) {
 #ifdef TPSERVE_KQ_DOT
         kq_block<T, decltype(r)::value>(xq, m0, w + b * wb, s + b * sbytes, K, nrows, y + m0 * N + n0, N);
 #else

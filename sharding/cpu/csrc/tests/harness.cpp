@@ -7,7 +7,8 @@
 // One line per case:   ok   <kernel> <shape> | scheme=<what the build computes> [exact] err=<max error> hash=<bits>
 // and a summary line; the exit status is 1 if any case failed. `exact` cases must equal the reference bit for bit
 // (the same float operations in the same order: the int8 / int4 linears over int8 activations, whose int32 dot
-// products are exact; the float32 linear on builds with FMA; rotary); the others are held to a tolerance (the
+// products are exact, and the GGUF block types' (kq: Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, over int8 activations on
+// every build); the float32 linear on builds with FMA; rotary); the others are held to a tolerance (the
 // kernels sum in another order, with -ffast-math). `hash` is an FNV-1a hash of the output's bits: the same exact case
 // must hash the same on every build of the same scheme, x86 or ARM (the Python driver compares them).
 //
@@ -261,6 +262,197 @@ void check_int(Rng& g, bool int4, int64_t M, int64_t N, int64_t K, int64_t G, bo
          mag, 2e-5);
 }
 
+// ---- GGUF block types: Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K (core/kquant_linear.cpp) ----------------------------------
+// Random file blocks (random bytes for the values and sub-scales, normal float16 d / m / dmin of either sign), read
+// here as ggml's dequantize_row_* reads them (ggml-quants.c); the reference is the kernels' scheme step by step, from
+// those fields: per block of 32 inputs the exact int32 dot product of the signed GGUF values with the int8 activations
+// (Q4_1, Q5_1, Q4_K, Q5_K: the unsigned q, whose offset is the m / dmin term), then
+//   Q4_1, Q5_1   t = fma(m, float(sum x), float(dot) * d)
+//   Q5_0         t = float(dot of q - 16) * d
+//   Q4_K, Q5_K   t = fma(-(dmin * mn), float(sum x), float(dot) * (d * sc))
+//   Q6_K         t = fma(float(dot of q - 32, inputs 16..31), d * sc_b, float(dot, inputs 0..15) * (d * sc_a))
+//   acc = fma(t, x_scale, acc), then + bias
+// exact on every build (the products of halves and 6-bit / int8 scales are exact in float32). The weights are packed
+// here from the layout kquant_linear.cpp's top describes (sharding/layers/gguf_quant.py's pack).
+struct KqType {
+  const char* name;
+  int64_t code;
+  int bits, block, block_bytes, scale_bytes;  // block: inputs per file block (and per block of scales)
+};
+constexpr KqType KQ_TYPES[] = {
+    {"Q4_1", tpserve::KQ_Q4_1, 4, 32, 20, 64},   {"Q5_0", tpserve::KQ_Q5_0, 5, 32, 22, 32},
+    {"Q5_1", tpserve::KQ_Q5_1, 5, 32, 24, 64},   {"Q4_K", tpserve::KQ_Q4_K, 4, 256, 144, 320},
+    {"Q5_K", tpserve::KQ_Q5_K, 5, 256, 176, 320}, {"Q6_K", tpserve::KQ_Q6_K, 6, 256, 210, 288}};
+
+// one file block's fields: the unsigned values q (Q5_0 and Q6_K less 16 / 32 are the signed ones) and the scales
+struct KqBlock {
+  uint8_t q[256];
+  fp16_t d = 0, m = 0;          // m: Q4_1 / Q5_1's m, Q4_K / Q5_K's dmin
+  uint8_t sc[16] = {}, mn[8] = {};  // Q4_K / Q5_K: 6-bit sc, mn per 32 inputs; Q6_K: int8 sc per 16 inputs
+};
+
+uint16_t le16(const uint8_t* p) { return static_cast<uint16_t>(p[0] | (p[1] << 8)); }
+
+void scale_min_k4(int j, const uint8_t* q, uint8_t& d, uint8_t& m) {  // ggml's get_scale_min_k4
+  if (j < 4) {
+    d = q[j] & 63;
+    m = q[j + 4] & 63;
+  } else {
+    d = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
+    m = (q[j + 4] >> 4) | ((q[j - 0] >> 6) << 4);
+  }
+}
+
+KqBlock read_block(const KqType& t, const uint8_t* b) {
+  KqBlock k;
+  const std::string n = t.name;
+  if (n == "Q4_1" || n == "Q5_0" || n == "Q5_1") {
+    k.d = le16(b);
+    if (n != "Q5_0") k.m = le16(b + 2);
+    const int o = n == "Q5_0" ? 2 : 4;
+    const uint32_t qh = n == "Q4_1" ? 0 : static_cast<uint32_t>(b[o] | (b[o + 1] << 8) | (b[o + 2] << 16)) |
+                                              (static_cast<uint32_t>(b[o + 3]) << 24);
+    const uint8_t* qs = b + (n == "Q4_1" ? 4 : o + 4);
+    for (int j = 0; j < 16; ++j) {
+      k.q[j] = static_cast<uint8_t>((qs[j] & 0x0F) | (((qh >> j) << 4) & 0x10));
+      k.q[j + 16] = static_cast<uint8_t>((qs[j] >> 4) | ((qh >> (j + 12)) & 0x10));
+    }
+  } else if (n == "Q4_K" || n == "Q5_K") {
+    k.d = le16(b);
+    k.m = le16(b + 2);
+    for (int j = 0; j < 8; ++j) scale_min_k4(j, b + 4, k.sc[j], k.mn[j]);
+    const uint8_t* qh = b + 16;  // Q5_K
+    const uint8_t* ql = b + (n == "Q5_K" ? 48 : 16);
+    uint8_t u1 = 1, u2 = 2;
+    for (int j = 0; j < 256; j += 64, ql += 32, u1 <<= 2, u2 <<= 2)
+      for (int l = 0; l < 32; ++l) {
+        k.q[j + l] = static_cast<uint8_t>((ql[l] & 0xF) + (n == "Q5_K" && (qh[l] & u1) ? 16 : 0));
+        k.q[j + 32 + l] = static_cast<uint8_t>((ql[l] >> 4) + (n == "Q5_K" && (qh[l] & u2) ? 16 : 0));
+      }
+  } else {  // Q6_K: ql[128], qh[64], scales[16], d
+    const uint8_t *ql = b, *qh = b + 128;
+    for (int j = 0; j < 16; ++j) k.sc[j] = b[192 + j];
+    k.d = le16(b + 208);
+    for (int j = 0; j < 256; j += 128, ql += 64, qh += 32)
+      for (int l = 0; l < 32; ++l) {
+        k.q[j + l] = static_cast<uint8_t>((ql[l] & 0xF) | (((qh[l] >> 0) & 3) << 4));
+        k.q[j + l + 32] = static_cast<uint8_t>((ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4));
+        k.q[j + l + 64] = static_cast<uint8_t>((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4));
+        k.q[j + l + 96] = static_cast<uint8_t>((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4));
+      }
+  }
+  return k;
+}
+
+void check_kq(Rng& g, const KqType& t, int64_t M, int64_t N, int64_t K, bool with_bias, bool extreme = false) {
+  const int64_t nfb = K / t.block, nb = K / 32, blocks = (N + 15) / 16;
+  const bool q6 = t.code == tpserve::KQ_Q6_K, q50 = t.code == tpserve::KQ_Q5_0;
+  const bool kq = t.code == tpserve::KQ_Q4_K || t.code == tpserve::KQ_Q5_K;
+  // the file's blocks, [N, nfb, block_bytes]
+  std::vector<uint8_t> file(N * nfb * t.block_bytes);
+  for (auto& v : file) v = extreme ? 0xFF : static_cast<uint8_t>(g.next() >> 56);
+  auto sane_half = [&](uint8_t* p) {
+    const fp16_t h = static_cast<fp16_t>(random_scale(g) | (g.below(2) << 15));
+    p[0] = static_cast<uint8_t>(h & 0xFF), p[1] = static_cast<uint8_t>(h >> 8);
+  };
+  for (int64_t i = 0; i < N * nfb; ++i) {
+    uint8_t* b = file.data() + i * t.block_bytes;
+    if (q6) {
+      sane_half(b + 208);
+    } else {
+      sane_half(b);
+      if (t.code != tpserve::KQ_Q5_0) sane_half(b + 2);
+    }
+  }
+  std::vector<KqBlock> fb(N * nfb);
+  for (int64_t i = 0; i < N * nfb; ++i) fb[i] = read_block(t, file.data() + i * t.block_bytes);
+  std::vector<float> x = floats(g, M * K, 2.f);
+  if (extreme)  // every value its type's largest, every activation +-127 (by row): the SIMD kernels' integer bounds
+    for (int64_t i = 0; i < M * K; ++i) x[i] = (i / K) % 2 ? -2.f : 2.f;
+  std::vector<float> bias;
+  if (with_bias) bias = floats(g, N, 1.f);
+
+  // the layout: per 16-row block, per 32 inputs 4 nibble lines (byte 4 row + p of line i: input 8i + p low, 8i + 4 + p
+  // high), then Q5's line of bit 4 (bit t: input 4t + p) or Q6's two lines of bits 4-5 (line h, bits 2u: input
+  // 4 (4h + u) + p); the scales per block of `t.block` inputs: d [16 rows] f16, m / dmin [16], then sc [8][16] and
+  // mn [8][16] (Q4_K, Q5_K) or sc [16][16] (Q6_K)
+  const int64_t cb = 256 + 64 * (t.bits - 4);
+  std::vector<uint8_t> w(blocks * nb * cb, 0), s(blocks * nfb * t.scale_bytes, 0);
+  for (int64_t n = 0; n < N; ++n) {
+    const int64_t blk = n / 16, row = n % 16;
+    for (int64_t c = 0; c < nb; ++c) {
+      uint8_t* line = w.data() + (blk * nb + c) * cb;
+      for (int u = 0; u < 8; ++u)
+        for (int p = 0; p < 4; ++p) {
+          const int64_t k = c * 32 + 4 * u + p;
+          const uint8_t v = fb[n * nfb + k / t.block].q[k % t.block];
+          line[(u / 2) * 64 + 4 * row + p] |= static_cast<uint8_t>((v & 0x0F) << (4 * (u & 1)));
+          if (t.bits == 5) line[256 + 4 * row + p] |= static_cast<uint8_t>(((v >> 4) & 1) << u);
+          if (t.bits == 6)
+            line[256 + (u / 4) * 64 + 4 * row + p] |= static_cast<uint8_t>(((v >> 4) & 3) << (2 * (u % 4)));
+        }
+    }
+    for (int64_t f = 0; f < nfb; ++f) {
+      const KqBlock& k = fb[n * nfb + f];
+      uint8_t* sp = s.data() + (blk * nfb + f) * t.scale_bytes;
+      std::memcpy(sp + 2 * row, &k.d, 2);
+      if (!q6 && !q50) std::memcpy(sp + 32 + 2 * row, &k.m, 2);
+      if (kq)
+        for (int j = 0; j < 8; ++j) sp[64 + j * 16 + row] = k.sc[j], sp[192 + j * 16 + row] = k.mn[j];
+      if (q6)
+        for (int j = 0; j < 16; ++j) sp[32 + j * 16 + row] = k.sc[j];
+    }
+  }
+  const bool sizes = tpserve::kq_valid(t.code) && tpserve::kq_chunk_bytes(t.code) == cb &&
+                     tpserve::kq_super(t.code) == t.block && tpserve::kq_scale_bytes(t.code) == t.scale_bytes;
+
+  tpserve::Int8Rows xq;
+  tpserve::resize_rows(xq, M, K);
+  tpserve::quantize_rows(x.data(), xq, 0, M, 0, nb);
+  std::vector<float> y(M * N, -1.f);
+  two_ranges(blocks, [&](int64_t b0, int64_t b1) {
+    tpserve::kq_range(t.code, &xq, M, K, w.data(), s.data(), with_bias ? bias.data() : nullptr, N, y.data(), b0, b1);
+  });
+
+  std::vector<double> ref(M * N), mag(M * N, 0.);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t n = 0; n < N; ++n) {
+      float acc = 0.f;
+      for (int64_t b = 0; b < nb; ++b) {
+        const KqBlock& k = fb[n * nfb + b * 32 / t.block];
+        const int64_t j = (b * 32 % t.block) / 32;  // the 32 inputs within the file block
+        const int8_t* xb = xq.q.data() + m * K + b * 32;
+        const uint8_t* q = k.q + j * 32;
+        int32_t sum = 0, dot = 0, dot_a = 0, dot_b = 0;
+        for (int i = 0; i < 32; ++i) {
+          sum += xb[i];
+          dot += (q50 ? q[i] - 16 : q6 ? 0 : q[i]) * xb[i];
+          (i < 16 ? dot_a : dot_b) += (q[i] - 32) * xb[i];
+        }
+        const float d = half_value(k.d);
+        float tv;
+        if (q6) {
+          const float sa = d * static_cast<float>(static_cast<int8_t>(k.sc[2 * j]));
+          const float sb = d * static_cast<float>(static_cast<int8_t>(k.sc[2 * j + 1]));
+          tv = std::fma(static_cast<float>(dot_b), sb, static_cast<float>(dot_a) * sa);
+        } else if (kq) {
+          const float nm = -(half_value(k.m) * static_cast<float>(k.mn[j]));
+          tv = std::fma(nm, static_cast<float>(sum), static_cast<float>(dot) * (d * static_cast<float>(k.sc[j])));
+        } else if (q50) {
+          tv = static_cast<float>(dot) * d;
+        } else {
+          tv = std::fma(half_value(k.m), static_cast<float>(sum), static_cast<float>(dot) * d);
+        }
+        acc = std::fma(tv, xq.scale[m * nb + b], acc);
+      }
+      ref[m * N + n] = with_bias ? acc + bias[n] : acc;
+    }
+  if (!sizes) ref[0] = NAN;  // the library's idea of the layout's sizes is not this one: fail the case
+  char more[64];
+  std::snprintf(more, sizeof more, " type=%s bias=%d%s", t.name, with_bias ? 1 : 0, extreme ? " extreme=1" : "");
+  report(shape("kq", M, N, K, more), "int8-act-kq", true, y, ref, mag, 0.);
+}
+
 // ---- bf16 linear ----------------------------------------------------------------------------------------------------
 void check_bf16(Rng& g, int64_t M, int64_t N, int64_t K, bool with_bias) {
   const int64_t rows = tpserve::bf16_rows();
@@ -478,6 +670,15 @@ int main(int argc, char** argv) {
   for (int64_t V : {1, 2, 7, 16, 17, 1000, 1001})
     for (int where : {0, 1, 2})
       for (bool nan : {false, true}) check_argmax(g, V, where, nan);
+  // GGUF block types (last: the cases above keep their inputs): K of 1 and 3 blocks of 256, and 3 blocks of 32 for
+  // the types of 32
+  for (const KqType& t : KQ_TYPES)
+    for (int64_t M : Ms)
+      for (int64_t N : {16, 37, 100})
+        for (int64_t K : {96, 256, 768})
+          if (K % t.block == 0) check_kq(g, t, M, N, K, (bias++ % 2) == 1);
+  for (const KqType& t : KQ_TYPES)
+    for (int64_t M : {1, 2, 5}) check_kq(g, t, M, 37, 256, false, true);
 
   std::printf("harness: %s: %d cases, %d failed\n", tpserve::kernels_isa(), cases, failures);
   return failures ? 1 : 0;
