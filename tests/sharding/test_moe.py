@@ -83,7 +83,7 @@ MATRIX = {
 
 
 # the fast tier: TP 1 with and without expert parallelism, TP 2 with it; the rest of TP 2, 3 and 4 is the slow tier's
-FAST_MOE = {(1, False), (1, True), (2, True)}
+FAST_MOE = {(1, False), (1, True)}  # TP 2 with expert parallelism: test_serving_features_with_experts (fast)
 
 
 @pytest.mark.parametrize("tp,ep", [pytest.param(*k, marks=[] if k in FAST_MOE else pytest.mark.slow) for k in MATRIX])
