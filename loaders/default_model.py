@@ -57,6 +57,9 @@ def ensure_default_model() -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=target.parent))
     try:
         tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        from loaders.gguf_file import match_pre_tokenizer, read_metadata
+
+        match_pre_tokenizer(tok, read_metadata(gguf).get("tokenizer.ggml.pre"))  # split as llama.cpp does
         model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
         model.hf_quantizer = None
         if hasattr(model.config, "quantization_config"):

@@ -479,14 +479,30 @@ class GGUFCheckpoint(Checkpoint):
         return self._rows(raw, dim, ranges)
 
 
+TOKENIZER_VERSION = 2  # 2: llama.cpp's digit split for `smollm` (match_pre_tokenizer)
+
+
+def match_pre_tokenizer(tok, pre: str | None) -> None:
+    """Make the converted tokenizer split text as llama.cpp's pre-tokenizer `pre` (tokenizer.ggml.pre) does, where
+    transformers' GGUF converter does not: `smollm` (SmolLM, SmolLM2) splits every digit out before the byte-level
+    regex (llama.cpp's regex list starts with \\p{N}; the original Hugging Face tokenizer: Digits(individual) then
+    ByteLevel), so a newline, three spaces and a digit are "\\n   " + "2", not "\\n  " + " " + "2"."""
+    if pre == "smollm":
+        from tokenizers import pre_tokenizers
+
+        tok.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True)])
+
+
 def tokenizer_cache(first: Path) -> Path:
     """Where load_tokenizer keeps the tokenizer converted from GGUF file `first` (a Hugging Face tokenizer folder)."""
     import hashlib
 
     from loaders import envs
 
-    st = first.stat()
-    key = hashlib.sha256(f"{first.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:20]
+    st = first.stat()  # (TOKENIZER_VERSION: a fix of the conversion invalidates earlier conversions)
+    key = hashlib.sha256(f"{TOKENIZER_VERSION}|{first.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:20]
     return envs.HOME.get() / "gguf-tokenizers" / key
 
 
@@ -520,6 +536,7 @@ def load_tokenizer(path: str | os.PathLike):
     except Exception as e:  # noqa: BLE001 - a one-line message for the user
         msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ValueError(f"cannot build a tokenizer from {first}: {msg}") from None
+    match_pre_tokenizer(tok, read_metadata(first).get("tokenizer.ggml.pre"))
     tmp = None
     try:
         cache.parent.mkdir(parents=True, exist_ok=True)

@@ -185,16 +185,10 @@ class RowParallelLinear(_Linear):
 
     def load(self, ckpt: Checkpoint) -> None:
         p = self.piece
-        start, stop = p.start, p.stop
-        block = quant.block_inputs(ckpt.quant_type(p.name + ".weight"))
-        if start % block or stop % block:
-            # the split cuts a block (GGUF K-quants: 256 inputs): this rank reads the whole blocks its inputs fall in
-            # and multiplies them by its inputs with zeros on either side, so the other ranks' weights add nothing
-            a, z = start // block * block, -(-stop // block) * block
-            self.pad = (start - a, z - stop)
-            logger.info("%s: the tensor-parallel split cuts its %d-input blocks; this rank reads inputs [%d, %d) for "
-                        "its [%d, %d) and zero-pads the rest", p.name, block, a, z, start, stop)
-            start, stop = a, z
+        start, stop, self.pad = quant.whole_blocks(ckpt, p.name + ".weight", p.start, p.stop)
+        if self.pad is not None:
+            logger.info("%s: the tensor-parallel split cuts its blocks; this rank reads inputs [%d, %d) for its [%d, %d) "
+                        "and zero-pads the rest", p.name, start, stop, p.start, p.stop)
         self.qweight = quant.read_blocks(ckpt, [(p.name + ".weight", 1, [(start, stop)])])
         if self.qweight is not None:  # stored quantized (GGUF): this rank's blocks of every row
             self.weight = None

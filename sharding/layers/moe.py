@@ -96,14 +96,11 @@ class ExpertLinear(_Linear):
             self.bias.data.copy_(torch.cat(bs) if len(bs) > 1 else bs[0])
 
     def _block_range(self, ckpt: Checkpoint, b: Block) -> list[tuple[int, int]]:
-        """The inputs to read of a block split by inputs (the down projection under tensor parallelism): where the
-        split cuts a GGUF block (K-quants' 256 inputs), the whole blocks, and zeros around this rank's inputs
-        (`pad`, as RowParallelLinear does), so the other ranks' weights add nothing."""
-        block = quant.block_inputs(ckpt.quant_type(b.tensor)) if b.dim == 1 else 1
-        if b.start % block == 0 and b.stop % block == 0:
+        """The inputs to read of a block split by inputs (the down projection under tensor parallelism): the whole
+        GGUF blocks where the split cuts one, with zeros around this rank's inputs (quant.whole_blocks, `pad`)."""
+        if b.dim != 1:
             return [(b.start, b.stop)]
-        a, z = b.start // block * block, -(-b.stop // block) * block
-        self.pad = (b.start - a, z - b.stop)
+        a, z, self.pad = quant.whole_blocks(ckpt, b.tensor, b.start, b.stop)
         return [(a, z)]
 
 

@@ -204,10 +204,12 @@ def from_blocks(mode: str, values: torch.Tensor, scale: torch.Tensor, rows: int 
                                 in_features, out_features, 32, rows))
 
 
-def q4_0_as_int8(values: torch.Tensor) -> torch.Tensor:
-    """Q4_0 blocks ([out, blocks, 16] uint8) as int8 values [out, blocks * 32] with the same scales: exact (a Q4_0
-    value is (nibble - 8) * d, an int8 one q * d), for a fused linear whose parts mix Q8_0 and Q4_0."""
-    return (torch.cat([values & 0x0F, values >> 4], dim=-1).to(torch.int8) - 8).reshape(values.shape[0], -1)
+def q4_0_as_q8_0(raw: torch.Tensor) -> torch.Tensor:
+    """Q4_0 blocks (uint8 [rows, blocks, 18]) as Q8_0 blocks ([rows, blocks, 34]) of the same values and scales:
+    exact (a Q4_0 value is (nibble - 8) * d, a Q8_0 one q * d), for a fused linear whose parts mix the two."""
+    qs = raw[..., 2:]
+    values = (torch.cat([qs & 0x0F, qs >> 4], dim=-1).to(torch.int8) - 8).view(torch.uint8)
+    return torch.cat([raw[..., :2], values], dim=-1)
 
 
 def read_blocks(ckpt, parts: list[tuple[str, int, list[tuple[int, int]]]]) -> QuantizedWeight | None:
@@ -224,13 +226,9 @@ def read_blocks(ckpt, parts: list[tuple[str, int, list[tuple[int, int]]]]) -> Qu
         raise CheckpointError(f"{', '.join(name for name, _, _ in parts)}: one linear mixing float and quantized "
                               "tensors is not served yet")
     raws = [ckpt.read_blocks(name, dim, ranges) for name, dim, ranges in parts]
-    if set(types) <= {"Q8_0", "Q4_0"}:
-        blocks = [legacy_blocks(t, raw) for t, raw in zip(types, raws)]
-        mode = "int4" if set(types) == {"Q4_0"} else "int8"
-        values = [v if m == mode else q4_0_as_int8(v) for m, v, _ in blocks]
-        values = torch.cat(values) if len(values) > 1 else values[0]
-        scale = torch.cat([s for _, _, s in blocks]) if len(blocks) > 1 else blocks[0][2]
-        return from_blocks(mode, values, scale)
+    if set(types) == {"Q8_0", "Q4_0"}:  # one int8 weight: exact (a Q4_0 value is an int8 value with its scale)
+        raws = [q4_0_as_q8_0(raw) if t == "Q4_0" else raw for t, raw in zip(types, raws)]
+        types = ["Q8_0"] * len(types)
     if len(set(types)) > 1:  # runs of one type, side by side
         runs: list[tuple[str, list[torch.Tensor]]] = []
         for t, raw in zip(types, raws):
@@ -276,6 +274,18 @@ def block_inputs(type_name: str | None) -> int:
     if type_name is None:
         return 1
     return gguf_quant.TYPES[type_name].block if type_name in gguf_quant.TYPES else 32
+
+
+def whole_blocks(ckpt, name: str, start: int, stop: int) -> tuple[int, int, tuple[int, int] | None]:
+    """The inputs [a, z) to read of tensor `name` for a rank's inputs [start, stop) (a row-parallel split), and the
+    zeros to pad its inputs with on each side (None: none). Where the split cuts a block (GGUF K-quants: 256 inputs,
+    TP 3 over 4096), the rank reads the whole blocks its inputs fall in and multiplies them by its inputs with zeros
+    around them, so the other ranks' weights add nothing."""
+    block = block_inputs(ckpt.quant_type(name))
+    if start % block == 0 and stop % block == 0:
+        return start, stop, None
+    a, z = start // block * block, -(-stop // block) * block
+    return a, z, (start - a, z - stop)
 
 
 def dequantize_blocks(type_name: str, raw: torch.Tensor) -> torch.Tensor:

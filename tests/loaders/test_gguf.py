@@ -418,3 +418,14 @@ def test_the_default_model_served_from_its_own_gguf_file():
     for tp in (1, 2):
         [result] = run_llm(tp, [{"model": "default.gguf", "prompts": [prompt], "max_tokens": 16}], timeout=400)
         assert result["outputs"][0]["token_ids"] == reference(find_gguf(), True, tp, prompt, 16), tp
+
+
+def test_smollm_pre_tokenizer_splits_digits_as_llama_cpp():
+    """SmolLM2's file (tokenizer.ggml.pre = smollm): llama.cpp splits every digit out before the byte-level regex, so a
+    newline and three spaces before a digit stay one token (llama-server's /tokenize, checked on a 28k-token text:
+    the same ids); transformers' converter alone gave newline + two spaces, a space, the digit."""
+    from loaders.default_model import find_gguf
+    from loaders.gguf_file import load_tokenizer
+
+    tok = load_tokenizer(find_gguf())
+    assert tok.convert_ids_to_tokens(tok.encode("x\n   2 12")) == ["x", "ĊĠĠĠ", "2", "Ġ", "1", "2"]
