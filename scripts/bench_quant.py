@@ -289,8 +289,8 @@ def main(argv: list[str] | None = None) -> int:
         served = {kind: Served(files[kind], "float32", None, args.threads) for _, _, kind in pairs} if args.served else {}
         ggufs = {kind: Path(files[kind]) for _, _, kind in pairs}
         for kind in files:
-            print(f"{kind}: {files[kind]}, {weight_bytes(engines[kind].llm) / 1e6:.0f} MB streamed per token "
-                  "(tpserve's weights less the embedding table)", flush=True)
+            print(f"{kind}: {files[kind]}, {weight_bytes(engines[kind].llm) / 1e6:.0f} MB of linear weights (less the "
+                  "embedding table: what a dense model streams per token; an MoE's counts every expert)", flush=True)
     else:
         f32 = None if templated else f32_gguf(Path(args.gguf))
         pairs = [p for p in PAIRS if not args.only or precision(p[0], p[1]) in args.only]

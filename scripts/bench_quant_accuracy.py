@@ -96,11 +96,15 @@ def tpserve_scores(model: str, quantization: str | None, group: int, threads: in
     return logprobs, top1
 
 
-def llama_perplexity(gguf: Path, base_kld: Path, threads: int, write_base: bool) -> dict:
+def llama_perplexity(gguf: Path, base_kld: Path | None, threads: int, write_base: bool) -> dict:
+    """llama-perplexity's figures; `base_kld` None: perplexity only (no logits file: 1.35 GB for SmolLM2 and this
+    text)."""
     cmd = [str(llama_bin("llama-perplexity")), "-m", str(gguf), "-f", str(TEXT), "-c", str(CTX), "-t", str(threads),
-           "-b", str(CTX), "--kl-divergence-base", str(base_kld)]
-    if not write_base:
-        cmd.append("--kl-divergence")
+           "-b", str(CTX)]
+    if base_kld is not None:
+        cmd += ["--kl-divergence-base", str(base_kld)]
+        if not write_base:
+            cmd.append("--kl-divergence")
     out = subprocess.run(cmd, capture_output=True, text=True, check=True)
     text = out.stdout + out.stderr
     res = {}
@@ -192,7 +196,7 @@ def same_file(args) -> int:
         path = Path(args.same_file.format(kind=kind))
         lp, _ = tpserve_scores(str(path), None, 32, args.threads)
         ours = math.exp(-sum(lp) / len(lp))
-        theirs = llama_perplexity(path, path.with_suffix(".kld"), args.threads, write_base=True)["ppl"]
+        theirs = llama_perplexity(path, None, args.threads, write_base=False)["ppl"]
         rows.append(dict(kind=kind, file=str(path), tpserve_ppl=ours, llama_ppl=theirs, scored=len(lp),
                          relative=ours / theirs - 1))
         print(f"{kind:<8} tpserve {ours:9.4f}  llama-perplexity {theirs:9.4f}  ({(ours / theirs - 1) * 100:+.2f} %, "

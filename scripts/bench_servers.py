@@ -62,8 +62,9 @@ def tree_rss(pid: int) -> int:
         try:
             with open(f"/proc/{p}/status") as f:
                 total += next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
-            with open(f"/proc/{p}/task/{p}/children") as f:
-                todo += [int(c) for c in f.read().split()]
+            for task in os.listdir(f"/proc/{p}/task"):  # children of every thread (the ranks' launcher's too)
+                with open(f"/proc/{p}/task/{task}/children") as f:
+                    todo += [int(c) for c in f.read().split()]
         except (OSError, StopIteration):
             pass
     return total
