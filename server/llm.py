@@ -6,11 +6,12 @@ The calling process becomes rank 0; the other ranks are spawned on this host (or
 from __future__ import annotations
 
 import json
+import os
 import logging
 from dataclasses import dataclass
 
 from server.engine.core import Engine
-from server.cli.launcher import launch, resolve_model, torchrun_worker_signals
+from server.cli.launcher import launch, resolve_model, torchrun_worker_signals, under_torchrun
 from server.engine.detokenizer import IncrementalDetokenizer
 from server.engine.sampler import SamplingParams
 from server.engine.request import Sequence
@@ -66,7 +67,8 @@ class LLM:
                  enable_prefix_caching: bool = True, max_prefill_tokens_while_decoding: int | None = None,
                  pipeline_parallel_size: int = 1, data_parallel_size: int = 1, sequence_parallel: bool = False,
                  quantization: str | None = None, quantization_group_size: int = 32,
-                 speculative_config: dict | str | None = None, enable_expert_parallel: bool = False):
+                 speculative_config: dict | str | None = None, enable_expert_parallel: bool = False,
+                 tokenizer: str | None = None):
         self.cfg = EngineConfig(resolve_model(model), dtype, max_num_seqs, max_model_len, block_size=block_size,
                                 kv_cache_memory=kv_cache_memory, gpu_memory_utilization=gpu_memory_utilization,
                                 pipeline_parallel_size=pipeline_parallel_size, data_parallel_size=data_parallel_size,
@@ -76,9 +78,12 @@ class LLM:
         # the same --speculative-config as the server: a dict or its JSON (server/engine/spec_decode/proposers.py)
         speculative = parse_speculative_config(
             json.dumps(speculative_config) if isinstance(speculative_config, dict) else speculative_config)
+        # (tokenizer: a replacement's path, checked against the model before any rank starts; ranks > 0 under
+        # torchrun never return from launch)
+        if not under_torchrun() or os.environ.get("RANK", "0") == "0":
+            self.tokenizer = load_tokenizer(self.cfg.model, tokenizer)
         torchrun_worker_signals()
         self.executor, self.dist, self.workers = launch(self.cfg, tensor_parallel_size)
-        self.tokenizer = load_tokenizer(self.cfg.model)
         self.engine = Engine(self.executor, self.tokenizer, max_num_batched_tokens, enable_prefix_caching,
                              max_prefill_tokens_while_decoding=max_prefill_tokens_while_decoding,
                              speculative=speculative)

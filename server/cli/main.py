@@ -28,6 +28,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "the embedded SmolLM2-135M-Instruct converted to float32; `default.gguf`: its own Q4_1 "
                         "GGUF file, served as it ships")
     p.add_argument("--model", dest="model_flag", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--tokenizer", default=None, metavar="PATH",
+                   help="use this tokenizer instead of the model's own: a Hugging Face tokenizer folder or a GGUF "
+                        "file; its vocabulary, special tokens and chat template (its ids must fit the model's "
+                        "embedding; EOS ids: the model's and the tokenizer's)")
     p.add_argument("-tp", "--tensor-parallel-size", type=int, default=1,
                    help="ranks each layer is split over (default 1)")
     p.add_argument("-pp", "--pipeline-parallel-size", type=int, default=1,
@@ -166,7 +170,7 @@ def serve(args) -> int:
     from server.engine.supervisor import Supervisor, watch_steps
     from server.engine.core import Engine
     from server.engine.thread import EngineThread
-    from server.cli.launcher import kill_workers, launch, torchrun_worker_signals
+    from server.cli.launcher import kill_workers, launch, torchrun_worker_signals, under_torchrun
     from server.engine.tokenizer import load_tokenizer
     from sharding.cpu import kernels
 
@@ -177,10 +181,14 @@ def serve(args) -> int:
     from transformers import AutoConfig
 
     speculative = parse_speculative_config(args.speculative_config)  # refused before any rank starts
-    if speculative is not None and speculative.method == "draft_model" and os.path.isdir(cfg.model):
+    tokenizer = None  # rank 0's (a --tokenizer that does not fit is refused before any rank starts)
+    if not under_torchrun() or os.environ.get("RANK", "0") == "0":
+        tokenizer = load_tokenizer(cfg.model, args.tokenizer)
+    if (speculative is not None and speculative.method == "draft_model" and os.path.isdir(cfg.model)
+            and tokenizer is not None):
         from server.engine.spec_decode.draft_model import check_draft  # (the draft's vocabulary, before any rank starts)
 
-        check_draft(speculative.model, AutoConfig.from_pretrained(cfg.model), load_tokenizer(cfg.model))
+        check_draft(speculative.model, AutoConfig.from_pretrained(cfg.model), tokenizer)
     name = args.served_model_name or os.path.basename(os.path.normpath(cfg.model))
     loras = None
     if cfg.enable_lora:  # every adapter checked against the base checkpoint before any rank starts
@@ -205,7 +213,6 @@ def serve(args) -> int:
     torchrun_worker_signals()
     compute = EngineThread()  # every torch call of this process runs there: loading now, the engine loop later
     runner, dist, workers = compute.call(launch, cfg, args.tensor_parallel_size, args.numa)
-    tokenizer = load_tokenizer(cfg.model)
     if pooling is None:
         pooling = pooling_config(cfg.model, runner.config, args.pooling, args.normalize_embeddings)
     exit_code = {"code": 0}
@@ -329,7 +336,7 @@ def generate(args) -> int:
               pipeline_parallel_size=cfg.pipeline_parallel_size, data_parallel_size=cfg.data_parallel_size,
               sequence_parallel=cfg.sequence_parallel, quantization=cfg.quantization,
               quantization_group_size=cfg.quantization_group_size, speculative_config=args.speculative_config,
-              enable_expert_parallel=cfg.enable_expert_parallel)
+              enable_expert_parallel=cfg.enable_expert_parallel, tokenizer=args.tokenizer)
     try:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
         if args.chat:

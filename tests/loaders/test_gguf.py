@@ -429,3 +429,43 @@ def test_smollm_pre_tokenizer_splits_digits_as_llama_cpp():
 
     tok = load_tokenizer(find_gguf())
     assert tok.convert_ids_to_tokens(tok.encode("x\n   2 12")) == ["x", "ĊĠĠĠ", "2", "Ġ", "1", "2"]
+
+
+def test_tokenizer_flag_replaces_the_file_s(files, tmp_path):
+    """--tokenizer: a Hugging Face folder replaces the GGUF's own tokenizer (its chat template renders the chat, its
+    generation_config's EOS ids join the model's); one with more ids than the embedding has rows, or a path that
+    holds none, is refused before any rank starts."""
+    from transformers import AutoTokenizer
+
+    from server.engine.tokenizer import eos_token_ids, load_tokenizer
+
+    _, hf, out = files
+    model = out["llama", "f16"]
+    folder = tmp_path / "tok"
+    tok = AutoTokenizer.from_pretrained(str(hf["llama"]))
+    tok.chat_template = "{% for m in messages %}<<{{ m['content'] }}>>{% endfor %}"
+    tok.save_pretrained(str(folder))
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [tok.eos_token_id, 7]}))
+    ours = load_tokenizer(str(model), str(folder))
+    assert ours.chat_template == tok.chat_template != load_tokenizer(str(model)).chat_template
+    assert eos_token_ids(str(model), ours) == {tok.eos_token_id, 7}
+
+    r = subprocess.run([sys.executable, "-m", "server.cli.main", "generate", str(model), "--tokenizer", str(folder),
+                        "--chat", "--json", "--prompt", "hello there", "--max-tokens", "6"], capture_output=True,
+                       text=True, timeout=300, stdin=subprocess.DEVNULL)
+    assert r.returncode == 0, r.stderr[-2000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])["token_ids"]
+    ids = tok.apply_chat_template([{"role": "user", "content": "hello there"}], add_generation_prompt=True,
+                                  tokenize=True, return_dict=False)
+    expected = reference(model, False, 1, list(ids), 6)
+    assert got and got == expected[:len(got)], (got, expected)  # (shorter only if it met an EOS id)
+
+    big = tmp_path / "big"
+    tok.add_tokens([f"<extra{i}>" for i in range(600)])
+    tok.save_pretrained(str(big))
+    with pytest.raises(ValueError, match=r"its vocabulary has \d+ tokens but the model's embedding has \d+ rows"):
+        load_tokenizer(str(model), str(big))
+    r = subprocess.run([sys.executable, "-m", "server.cli.main", "serve", str(model), "--tokenizer", "/nonexistent"],
+                       capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
+    assert r.returncode == 2 and "cannot load a tokenizer from /nonexistent: no such file or folder" in r.stderr
+    assert "Traceback" not in r.stderr and "rank" not in r.stderr, r.stderr[-2000:]
