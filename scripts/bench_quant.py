@@ -7,6 +7,8 @@
     python scripts/bench_quant.py --linears         # the GEMVs alone: SmolLM2's linear shapes at M=1
     python scripts/bench_quant.py --same-file '/data/llama3-8b-{kind}.gguf' --kinds Q4_K_M,Q6_K,Q8_0
                                                     # one GGUF file per kind, served as it is by both engines
+    python scripts/bench_quant.py --same-file ... --prefill 512   # a 512-token prompt in one step against
+                                                    # `llama-bench -p 512 -n 0` (random ids for both)
 
 Pairs: tpserve float32 / bfloat16 (--dtype) / bf16 (weights only, --quantization) / int8 / int4 (group 32) against
 llama.cpp F32 / F16 / F16 / Q8_0 / Q4_0, all made from the same float32 weights (llama.cpp's with its own
@@ -117,14 +119,31 @@ class Served:
 
 
 class Tpserve:
-    def __init__(self, model: str, dtype: str, quantization: str | None):
+    def __init__(self, model: str, dtype: str, quantization: str | None, prefill: int = 0):
         from server.llm import LLM
         from server.engine.sampler import SamplingParams
 
-        self.llm = LLM(model, dtype=dtype, quantization=quantization, max_num_seqs=1, kv_cache_memory=256 << 20)
+        # prefill: prompts of that many tokens go in one step, and nothing is cached between runs
+        extra = dict(max_num_batched_tokens=max(512, prefill), max_model_len=max(2048, prefill + 16),
+                     enable_prefix_caching=False) if prefill else {}
+        self.llm = LLM(model, dtype=dtype, quantization=quantization, max_num_seqs=1, kv_cache_memory=256 << 20,
+                       **extra)
         self.ids = self.llm.tokenizer.encode(PROMPT)
         self.params = SamplingParams
         self.generate(4)  # warm-up
+        if prefill:  # random ids as llama-bench's prompt test uses, fixed per run
+            import random
+
+            rng = random.Random(0)
+            vocab = min(len(self.llm.tokenizer), getattr(self.llm.executor, "vocab_size", len(self.llm.tokenizer)))
+            self.prompt = [rng.randrange(100, vocab) for _ in range(prefill)]
+            self.prefill_ms()  # warm-up at this shape
+
+    def prefill_ms(self) -> float:
+        """One step over the whole prompt (and its one sampled token): ms."""
+        t0 = time.perf_counter()
+        self.llm.generate([self.prompt], self.params(max_tokens=1, temperature=0, ignore_eos=True))
+        return (time.perf_counter() - t0) * 1e3
 
     def generate(self, n: int):
         return self.llm.generate([self.ids], self.params(max_tokens=n, temperature=0, ignore_eos=True))
@@ -189,12 +208,13 @@ def llama_gguf(f32: Path, kind: str, threads: int) -> Path:
     return out
 
 
-def llama_bench(gguf: Path, threads: int) -> float:
-    """Decode ms per token from llama-bench."""
-    out = subprocess.run([str(llama_bin("llama-bench")), "-m", str(gguf), "-p", "0", "-n", str(MAX_TOKENS), "-d", "22",
-                          "-t", str(threads), "-r", "1", "-o", "json"], capture_output=True, text=True, check=True)
+def llama_bench(gguf: Path, threads: int, prefill: int = 0) -> float:
+    """Decode ms per token from llama-bench; with prefill, ms for a prompt of that many tokens (`-p N -n 0`)."""
+    shape = ["-p", str(prefill), "-n", "0"] if prefill else ["-p", "0", "-n", str(MAX_TOKENS), "-d", "22"]
+    out = subprocess.run([str(llama_bin("llama-bench")), "-m", str(gguf), *shape, "-t", str(threads), "-r", "1",
+                          "-o", "json"], capture_output=True, text=True, check=True)
     (row,) = json.loads(out.stdout)
-    return 1e3 / row["avg_ts"]
+    return 1e3 / row["avg_ts"] * (prefill or 1)
 
 
 def bench_linears(threads: int, iters: int, row_counts: list[int]) -> list[dict]:
@@ -264,6 +284,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="GGUF files both engines serve as they are, a template over --kinds, e.g. "
                          "/data/llama3-8b-{kind}.gguf: tpserve loads the file itself (its block types' own kernels)")
     ap.add_argument("--kinds", default="Q4_K_M,Q6_K,Q8_0", help="--same-file: the {kind}s")
+    ap.add_argument("--prefill", type=int, default=0, metavar="N",
+                    help="time a prompt of N tokens in one step instead of decode (llama-bench -p N -n 0)")
     ap.add_argument("--output", default=None)
     args = ap.parse_args(argv)
     print(f"CPU: {cpu_name()}, {args.threads} threads, load {load_avg()}", flush=True)
@@ -285,7 +307,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.same_file:  # one file per kind, served by both: the case's name (precision()) is the kind
         pairs = [("float32", kind, kind) for kind in args.kinds.split(",")]
         files = {kind: args.same_file.format(kind=kind) for _, _, kind in pairs}
-        engines = {kind: Tpserve(files[kind], "float32", None) for _, _, kind in pairs}
+        engines = {kind: Tpserve(files[kind], "float32", None, args.prefill) for _, _, kind in pairs}
         served = {kind: Served(files[kind], "float32", None, args.threads) for _, _, kind in pairs} if args.served else {}
         ggufs = {kind: Path(files[kind]) for _, _, kind in pairs}
         for kind in files:
@@ -294,7 +316,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         f32 = None if templated else f32_gguf(Path(args.gguf))
         pairs = [p for p in PAIRS if not args.only or precision(p[0], p[1]) in args.only]
-        engines = {precision(d, q): Tpserve(model, d, q) for d, q, _ in pairs}
+        engines = {precision(d, q): Tpserve(model, d, q, args.prefill) for d, q, _ in pairs}
         served = {precision(d, q): Served(model, d, q, args.threads) for d, q, _ in pairs} if args.served else {}
         ggufs = {kind: Path(args.gguf.format(kind=kind)) if templated else llama_gguf(f32, kind, args.threads)
                  for _, _, kind in pairs} if have_llama else {}
@@ -306,19 +328,23 @@ def main(argv: list[str] | None = None) -> int:
                 row = dict(round=r, precision=name, **interleaved(engines[name], served[name], args.pairs),
                            load=load_avg())
             else:
-                row = dict(round=r, precision=name, tpserve_ms=engines[name].measure(), load=load_avg())
+                e = engines[name]
+                row = dict(round=r, precision=name, tpserve_ms=e.prefill_ms() if args.prefill else e.measure(),
+                           load=load_avg())
             if have_llama:
-                row.update(llama=kind, llama_ms=llama_bench(ggufs[kind], args.threads))
+                row.update(llama=kind, llama_ms=llama_bench(ggufs[kind], args.threads, args.prefill))
                 row["ratio"] = row["llama_ms"] / row["tpserve_ms"]  # > 1: tpserve is faster
             rows.append(row)
-            print(f"[round {r}] {name:<8} tpserve {row['tpserve_ms']:6.2f} ms/token"
+            unit = f"ms/{args.prefill}-token prompt" if args.prefill else "ms/token"
+            print(f"[round {r}] {name:<8} tpserve {row['tpserve_ms']:6.2f} {unit}"
                   + (f" (served {row['served_ms']:6.2f}, {row['served_overhead'] * 100:+.1f} %; CPU per token: event "
                      f"loop {row['event_loop_cpu_ms']:.3f} ms, client {row['client_cpu_ms']:.3f} ms)" if served else "")
-                  + (f" | llama.cpp {kind:<5} {row['llama_ms']:6.2f} ms/token | tpserve speed / llama.cpp "
+                  + (f" | llama.cpp {kind:<5} {row['llama_ms']:6.2f} {unit} | tpserve speed / llama.cpp "
                      f"{row['ratio']:.2f}x" if have_llama else "") + f"  (load {row['load']})", flush=True)
     for e in [*engines.values(), *served.values()]:
         e.close()
-    print("\nmedians (ms/token; speed ratio > 1: tpserve faster):")
+    per = args.prefill or 1  # tokens per timed unit
+    print(f"\nmedians (ms per {f'{per}-token prompt' if args.prefill else 'token'}; speed ratio > 1: tpserve faster):")
     summary = []
     for dtype, q, kind in pairs:
         name = precision(dtype, q)
@@ -333,14 +359,15 @@ def main(argv: list[str] | None = None) -> int:
             s.update(llama=kind, llama_ms=statistics.median(r["llama_ms"] for r in mine),
                      ratio=statistics.median(r["ratio"] for r in mine), ratios=[r["ratio"] for r in mine])
         summary.append(s)
-        print(f"  {name:<8} tpserve {s['tpserve_ms']:6.2f} ({1e3 / s['tpserve_ms']:5.1f} tok/s)"
+        print(f"  {name:<8} tpserve {s['tpserve_ms']:6.2f} ({per * 1e3 / s['tpserve_ms']:5.1f} tok/s)"
               + (f" served {s['served_ms']:6.2f} ({s['served_overhead'] * 100:+.1f} %, rounds "
                  + " ".join(f"{o * 100:+.1f}" for o in s["served_overheads"]) + ")" if served else "")
-              + (f" | llama.cpp {kind:<5} {s['llama_ms']:6.2f} ({1e3 / s['llama_ms']:5.1f} tok/s) | "
+              + (f" | llama.cpp {kind:<5} {s['llama_ms']:6.2f} ({per * 1e3 / s['llama_ms']:5.1f} tok/s) | "
                  f"{s['ratio']:.2f}x" if have_llama else ""))
     out = Path(args.output or "results/quant.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(dict(cpu=cpu_name(), **builds(), threads=args.threads, prompt=PROMPT, max_tokens=MAX_TOKENS,
+                                   prefill=args.prefill,
                                    rows=rows, summary=summary), indent=2))
     print(f"saved {out}")
     return 0

@@ -6,6 +6,7 @@
     python scripts/bench_servers.py --levels 1:6 --rounds 5
     python scripts/bench_servers.py --same-file model-Q4_K_M.gguf --levels 8:16   # one GGUF file served by both
     python scripts/bench_servers.py --same-file model-Q4_K_M.gguf --start --rounds 3   # launch to first token, RSS
+    python scripts/bench_servers.py --same-file model-Q8_0.gguf --answers   # greedy chat answers, word for word
 
 The servers run at once on this machine, idle between runs, with the same threads:
 - tpserve: TP=1, the default SmolLM2 checkpoint (--dtype bfloat16 / --quantization bf16|int8|int4 for the other
@@ -106,6 +107,45 @@ def measure_starts(commands: dict, rounds: int, env: dict) -> list[dict]:
     return rows
 
 
+QUESTIONS = ["What is the capital of France?", "Write a haiku about the sea.", "How many legs does a spider have?",
+             "Explain what a prime number is in one sentence.", "Give me three tips for sleeping better.",
+             "What is 17 times 23?", "Translate 'good morning' into Spanish.", "Who wrote Romeo and Juliet?",
+             "Name the planets of the solar system.", "What does a CPU do?", "Write a Python function that reverses "
+             "a string.", "Why is the sky blue?"]
+
+
+def chat_answer(port: int, question: str, max_tokens: int) -> str:
+    body = dict(messages=[{"role": "user", "content": question}], max_tokens=max_tokens, temperature=0)
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=300) as r:
+        return json.loads(r.read())["choices"][0]["message"]["content"]
+
+
+def compare_answers(commands: dict, env: dict, max_tokens: int) -> dict:
+    """Each server alone: greedy chat answers to QUESTIONS (the chat template each takes from the file); which are
+    equal word for word, and where the others part."""
+    answers = {}
+    for name, (cmd, port, _extra, health) in commands.items():
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            wait_ready(f"http://127.0.0.1:{port}{health}", proc)
+            answers[name] = [chat_answer(port, q, max_tokens) for q in QUESTIONS]
+        finally:
+            stop_servers({name: proc})
+    (a, theirs), (b, ours) = list(answers.items())[1], list(answers.items())[0]
+    rows = []
+    for q, x, y in zip(QUESTIONS, ours, theirs):
+        same = x == y
+        part = next((i for i, (c, d) in enumerate(zip(x, y)) if c != d), min(len(x), len(y)))
+        rows.append(dict(question=q, equal=same, tpserve=x, llama=y, common_chars=part))
+        print(f"{'EQUAL ' if same else 'DIFFER'} {q!r}" + ("" if same else f" (first {part} characters equal)\n"
+              f"    {b}: {x!r}\n    {a}: {y!r}"), flush=True)
+    equal = sum(r["equal"] for r in rows)
+    print(f"\n{equal} of {len(rows)} greedy answers equal ({max_tokens} tokens at most)")
+    return dict(equal=equal, questions=len(rows), max_tokens=max_tokens, rows=rows)
+
+
 def stop_servers(procs: dict) -> None:
     """SIGTERM every server, then wait up to a minute for each (SIGKILL what is left)."""
     for p in procs.values():
@@ -161,6 +201,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tpserve-args", default="", help="more `tpserve serve` flags, e.g. '-tp 2 --kv-cache-memory 2GiB'")
     ap.add_argument("--start", action="store_true",
                     help="instead: each server alone, --rounds times: launch to first streamed token, and RSS then")
+    ap.add_argument("--answers", action="store_true",
+                    help="instead: each server alone, greedy chat answers to a dozen questions, compared word for word")
+    ap.add_argument("--answer-tokens", type=int, default=64)
     ap.add_argument("--outdir", default="results/serving")
     ap.add_argument("--output", default=None)
     args = ap.parse_args(argv)
@@ -223,6 +266,16 @@ def main(argv: list[str] | None = None) -> int:
                           "/v1/models")
     else:
         print("llama-cpp-python's server not installed: its row is skipped", flush=True)
+    if args.answers:
+        llama = [n for n in commands if n.startswith("llama-server")][0]
+        llama_cmd = commands[llama][0] + ["--jinja"]  # the file's chat template through llama.cpp's Jinja engine
+        result = compare_answers({"tpserve": commands["tpserve"], llama: (llama_cmd, *commands[llama][1:])}, env,
+                                 args.answer_tokens)
+        out = Path(args.output or "results/servers_answers.json")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(dict(**builds(), gguf=str(gguf), model=model, **result), indent=1))
+        print(f"wrote {out}")
+        return 0
     if args.start:
         rows = measure_starts({n: c[:3] for n, c in commands.items()}, args.rounds, env)
         summary = [dict(server=name, start_to_first_token_s=statistics.median(

@@ -78,12 +78,14 @@ class LLM:
         # the same --speculative-config as the server: a dict or its JSON (server/engine/spec_decode/proposers.py)
         speculative = parse_speculative_config(
             json.dumps(speculative_config) if isinstance(speculative_config, dict) else speculative_config)
-        # (tokenizer: a replacement's path, checked against the model before any rank starts; ranks > 0 under
-        # torchrun never return from launch)
-        if not under_torchrun() or os.environ.get("RANK", "0") == "0":
+        # tokenizer: a replacement's path, checked against the model before any rank starts (on rank 0)
+        self.tokenizer = None
+        if tokenizer is not None and (not under_torchrun() or os.environ.get("RANK", "0") == "0"):
             self.tokenizer = load_tokenizer(self.cfg.model, tokenizer)
         torchrun_worker_signals()
         self.executor, self.dist, self.workers = launch(self.cfg, tensor_parallel_size)
+        if self.tokenizer is None:
+            self.tokenizer = load_tokenizer(self.cfg.model)
         self.engine = Engine(self.executor, self.tokenizer, max_num_batched_tokens, enable_prefix_caching,
                              max_prefill_tokens_while_decoding=max_prefill_tokens_while_decoding,
                              speculative=speculative)

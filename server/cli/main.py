@@ -181,14 +181,13 @@ def serve(args) -> int:
     from transformers import AutoConfig
 
     speculative = parse_speculative_config(args.speculative_config)  # refused before any rank starts
-    tokenizer = None  # rank 0's (a --tokenizer that does not fit is refused before any rank starts)
-    if not under_torchrun() or os.environ.get("RANK", "0") == "0":
+    tokenizer = None  # a --tokenizer that does not fit is refused before any rank starts (on rank 0)
+    if args.tokenizer is not None and (not under_torchrun() or os.environ.get("RANK", "0") == "0"):
         tokenizer = load_tokenizer(cfg.model, args.tokenizer)
-    if (speculative is not None and speculative.method == "draft_model" and os.path.isdir(cfg.model)
-            and tokenizer is not None):
+    if speculative is not None and speculative.method == "draft_model" and os.path.isdir(cfg.model):
         from server.engine.spec_decode.draft_model import check_draft  # (the draft's vocabulary, before any rank starts)
 
-        check_draft(speculative.model, AutoConfig.from_pretrained(cfg.model), tokenizer)
+        check_draft(speculative.model, AutoConfig.from_pretrained(cfg.model), tokenizer or load_tokenizer(cfg.model))
     name = args.served_model_name or os.path.basename(os.path.normpath(cfg.model))
     loras = None
     if cfg.enable_lora:  # every adapter checked against the base checkpoint before any rank starts
@@ -213,6 +212,8 @@ def serve(args) -> int:
     torchrun_worker_signals()
     compute = EngineThread()  # every torch call of this process runs there: loading now, the engine loop later
     runner, dist, workers = compute.call(launch, cfg, args.tensor_parallel_size, args.numa)
+    if tokenizer is None:
+        tokenizer = load_tokenizer(cfg.model)
     if pooling is None:
         pooling = pooling_config(cfg.model, runner.config, args.pooling, args.normalize_embeddings)
     exit_code = {"code": 0}

@@ -23,7 +23,7 @@
 
 #include <immintrin.h>
 
-#include <cstring>
+#include "avx2_rows16.h"
 
 #define TPSERVE_KQ_DOT 1
 
@@ -165,17 +165,7 @@ __attribute__((noinline)) void kq_block(const tpserve::Int8Rows& xq, int64_t m0,
       }
     }
   }
-  for (int r = 0; r < R; ++r) {
-    if (nrows >= 16) {
-      _mm256_storeu_ps(y + r * ldy, acc[r][0]);
-      _mm256_storeu_ps(y + r * ldy + 8, acc[r][1]);
-    } else {
-      alignas(32) float tmp[16];
-      _mm256_store_ps(tmp, acc[r][0]);
-      _mm256_store_ps(tmp + 8, acc[r][1]);
-      std::memcpy(y + r * ldy, tmp, nrows * sizeof(float));
-    }
-  }
+  store_rows16<R>(acc, y, ldy, nrows);
 }
 
 }  // namespace

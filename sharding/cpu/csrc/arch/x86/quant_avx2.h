@@ -7,6 +7,8 @@
 
 #include <cstring>
 
+#include "avx2_rows16.h"
+
 namespace {
 
 #define TPSERVE_AVX2_DOT 1
@@ -25,21 +27,6 @@ constexpr int64_t MB_VNNI = 4;  // activation rows per pass
 inline void row_scales16(const tpserve::fp16_t* s, __m256 (&sw)[2]) {  // the block's 16 float16 scales of one group
   sw[0] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s)));
   sw[1] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + 8)));
-}
-
-template <int R>
-inline void store_rows16(const __m256 (&acc)[R][2], float* y, int64_t ldy, int64_t nrows) {
-  for (int r = 0; r < R; ++r) {
-    if (nrows >= 16) {
-      _mm256_storeu_ps(y + r * ldy, acc[r][0]);
-      _mm256_storeu_ps(y + r * ldy + 8, acc[r][1]);
-    } else {
-      alignas(32) float tmp[16];
-      _mm256_store_ps(tmp, acc[r][0]);
-      _mm256_store_ps(tmp + 8, acc[r][1]);
-      std::memcpy(y + r * ldy, tmp, nrows * sizeof(float));
-    }
-  }
 }
 
 template <int R>
