@@ -35,7 +35,10 @@ from dataclasses import dataclass
 
 from loaders import envs
 
-CSRC = os.path.join(os.path.dirname(__file__), "csrc")
+# (the real path: the build's key holds the sources' paths, and a package imported through "a/../sharding" would
+# otherwise key, and compile, a build of its own)
+HERE = os.path.dirname(os.path.realpath(__file__))
+CSRC = os.path.join(HERE, "csrc")
 # core/: the kernels without torch (what tests/harness.cpp compiles alone, for every variant); the rest: the torch ops
 CORE_SOURCES = ("core/quant_linear.cpp", "core/f32_linear.cpp", "core/rms_norm.cpp", "core/rotary.cpp",
                 "core/paged_attention.cpp", "core/argmax.cpp", "core/amx_linear.cpp", "core/kquant_linear.cpp",
@@ -50,7 +53,7 @@ HEADERS = ("tpserve_kernels.h", "core/kernels.h", "core/portable_quant.h", "core
            "arch/x86/f32.h", "arch/x86/argmax.h", "arch/x86/amx_tiles.h",
            "arch/arm/quant_neon.h", "arch/arm/f32.h")
 HARNESS = "tests/harness.cpp"  # the kernels' own correctness harness (no torch; not part of a build)
-PREBUILT = os.path.join(os.path.dirname(__file__), "prebuilt")  # manifest.json + <variant>/tpserve_kernels.so
+PREBUILT = os.path.join(HERE, "prebuilt")  # manifest.json + <variant>/tpserve_kernels.so
 LIBRARY = "tpserve_kernels.so"
 # -fopenmp: at::parallel_for is OpenMP in torch's CPU builds; without it the loop runs on one thread (the libgomp.so.1
 # it links is the one torch has loaded already, matched by its soname: the runtime needs no libgomp of its own)

@@ -18,7 +18,7 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.realpath(__file__)))))
 
 from loaders.checkpoint import Checkpoint  # noqa: E402
 from sharding.dist import init_dist  # noqa: E402

@@ -84,6 +84,17 @@ def run_py(code: str, env: dict, python: str = sys.executable, cwd=ROOT) -> subp
     return subprocess.run([python, "-c", code], capture_output=True, text=True, env=env, cwd=cwd, timeout=600)
 
 
+def test_the_build_key_does_not_depend_on_how_the_package_path_is_spelled():
+    """A process that imports the package through "tests/helpers/../../sharding" (as a helper script's sys.path
+    may) must find the build this one uses, not key and compile one of its own (80 s of a fresh clone's suite)."""
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); from sharding.cpu import variants as cv; "
+            "print(cv.cache_dir('native', ('-march=native',)))")
+    spelled = str(ROOT / "tests" / "helpers" / ".." / "..")
+    p = subprocess.run([sys.executable, "-c", code, spelled], capture_output=True, text=True, timeout=120, cwd="/")
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert p.stdout.strip() == cv.cache_dir("native", ("-march=native",))
+
+
 @pytest.mark.parametrize("value, rc, says", [
     ("none", 0, "torch paths, no compiled kernels: TPSERVE_KERNELS=none"),
     ("avx9", 1, "TPSERVE_KERNELS=avx9: not a kernel variant"),
