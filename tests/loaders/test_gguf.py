@@ -206,7 +206,18 @@ def files(tmp_path_factory):
     split = write_gguf(hf["qwen2"], root / "split" / "qwen2.gguf", q8, split_max_tensors=8)
     out["split"] = next(split.parent.glob("*-00001-of-*.gguf"))
     assert len(list(split.parent.glob("*.gguf"))) > 1
+    # a --tokenizer folder for the llama files: the original tokenizer with a chat template of its own
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(hf["llama"]))
+    tok.chat_template = OVERRIDE_TEMPLATE
+    tok.save_pretrained(str(root / "tokenizer-override"))
+    out["tokenizer"] = root / "tokenizer-override"
     return root, hf, out
+
+
+OVERRIDE_TEMPLATE = "{% for m in messages %}<<{{ m['content'] }}>>{% endfor %}"
+CHAT = [{"role": "user", "content": "hello there"}]
 
 
 def int8_rounded(x: torch.Tensor) -> torch.Tensor:
@@ -275,7 +286,19 @@ def test_greedy_tokens_equal_transformers_on_the_same_gguf(files, tp):
     flips: dict = {}
     jobs = [{"model": str(out[key].parent if key == ("llama", "q8") else out[key]), "prompts": PROMPTS,
              "max_tokens": 12} for key in keys]  # (one given as its folder)
+    if tp == 1:  # the F16 file chatting through a --tokenizer folder's template (test_tokenizer_flag_...)
+        jobs.append({"model": str(out["llama", "f16"]), "messages": CHAT, "max_tokens": 6,
+                     "llm": {"tokenizer": str(out["tokenizer"])}})
     results = run_llm(tp, jobs, timeout=400)
+    if tp == 1:
+        override = results.pop()
+        assert "error" not in override, override
+        from transformers import AutoTokenizer
+
+        ids = AutoTokenizer.from_pretrained(str(out["tokenizer"])).apply_chat_template(
+            CHAT, add_generation_prompt=True, tokenize=True, return_dict=False)
+        got, expected = override["outputs"][0]["token_ids"], reference(out["llama", "f16"], False, 1, list(ids), 6)
+        assert got and got == expected[:len(got)], (got, expected)  # (shorter only where it met an EOS id)
     for key, result in zip(keys, results):
         assert "error" not in result, (key, result)
         path = out[key] if key != "split" else out["qwen2", "q8"]  # transformers reads no split set: the same, whole
@@ -432,33 +455,23 @@ def test_smollm_pre_tokenizer_splits_digits_as_llama_cpp():
 
 
 def test_tokenizer_flag_replaces_the_file_s(files, tmp_path):
-    """--tokenizer: a Hugging Face folder replaces the GGUF's own tokenizer (its chat template renders the chat, its
-    generation_config's EOS ids join the model's); one with more ids than the embedding has rows, or a path that
-    holds none, is refused before any rank starts."""
+    """--tokenizer: a Hugging Face folder replaces the GGUF's own tokenizer (its chat template renders the chat: served
+    at TP 1 in test_greedy_tokens_equal_transformers_on_the_same_gguf; its generation_config's EOS ids join the
+    model's); one with more ids than the embedding has rows, or a path that holds none, is refused before any rank
+    starts."""
     from transformers import AutoTokenizer
 
     from server.engine.tokenizer import eos_token_ids, load_tokenizer
 
-    _, hf, out = files
+    _, _, out = files
     model = out["llama", "f16"]
     folder = tmp_path / "tok"
-    tok = AutoTokenizer.from_pretrained(str(hf["llama"]))
-    tok.chat_template = "{% for m in messages %}<<{{ m['content'] }}>>{% endfor %}"
+    tok = AutoTokenizer.from_pretrained(str(out["tokenizer"]))
     tok.save_pretrained(str(folder))
     (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [tok.eos_token_id, 7]}))
     ours = load_tokenizer(str(model), str(folder))
-    assert ours.chat_template == tok.chat_template != load_tokenizer(str(model)).chat_template
+    assert ours.chat_template == OVERRIDE_TEMPLATE != load_tokenizer(str(model)).chat_template
     assert eos_token_ids(str(model), ours) == {tok.eos_token_id, 7}
-
-    r = subprocess.run([sys.executable, "-m", "server.cli.main", "generate", str(model), "--tokenizer", str(folder),
-                        "--chat", "--json", "--prompt", "hello there", "--max-tokens", "6"], capture_output=True,
-                       text=True, timeout=300, stdin=subprocess.DEVNULL)
-    assert r.returncode == 0, r.stderr[-2000:]
-    got = json.loads(r.stdout.strip().splitlines()[-1])["token_ids"]
-    ids = tok.apply_chat_template([{"role": "user", "content": "hello there"}], add_generation_prompt=True,
-                                  tokenize=True, return_dict=False)
-    expected = reference(model, False, 1, list(ids), 6)
-    assert got and got == expected[:len(got)], (got, expected)  # (shorter only if it met an EOS id)
 
     big = tmp_path / "big"
     tok.add_tokens([f"<extra{i}>" for i in range(600)])
