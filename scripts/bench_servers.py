@@ -57,18 +57,23 @@ def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 300) -> None:
 
 def tree_rss(pid: int) -> int:
     """Resident bytes of process `pid` and its descendants (tpserve's ranks), from /proc."""
-    total, todo = 0, [pid]
+    return sum(tree_rss_parts(pid).values())
+
+
+def tree_rss_parts(pid: int) -> dict[int, int]:
+    """Resident bytes of process `pid` and of each of its descendants, by pid."""
+    parts, todo = {}, [pid]
     while todo:
         p = todo.pop()
         try:
             with open(f"/proc/{p}/status") as f:
-                total += next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+                parts[p] = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
             for task in os.listdir(f"/proc/{p}/task"):  # children of every thread (the ranks' launcher's too)
                 with open(f"/proc/{p}/task/{task}/children") as f:
                     todo += [int(c) for c in f.read().split()]
         except (OSError, StopIteration):
             pass
-    return total
+    return parts
 
 
 def first_token(port: int, extra: dict | None, deadline: float) -> None:
@@ -98,12 +103,15 @@ def measure_starts(commands: dict, rounds: int, env: dict) -> list[dict]:
             proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             try:
                 first_token(port, extra, t0 + 600)
-                row = dict(server=name, round=r, start_to_first_token_s=time.monotonic() - t0, rss_bytes=tree_rss(proc.pid))
+                parts = tree_rss_parts(proc.pid)
+                row = dict(server=name, round=r, start_to_first_token_s=time.monotonic() - t0,
+                           rss_bytes=sum(parts.values()), rss_by_process=sorted(parts.values(), reverse=True))
             finally:
                 stop_servers({name: proc})
             rows.append(row)
             print(f"[round {r}] {name:22s} start to first token {row['start_to_first_token_s']:6.1f} s, RSS "
-                  f"{row['rss_bytes'] / 2**30:.2f} GiB", flush=True)
+                  f"{row['rss_bytes'] / 2**30:.2f} GiB (by process: "
+                  + ", ".join(f"{b / 2**30:.2f}" for b in row["rss_by_process"]) + ")", flush=True)
     return rows
 
 
@@ -114,12 +122,32 @@ QUESTIONS = ["What is the capital of France?", "Write a haiku about the sea.", "
              "a string.", "Why is the sky blue?"]
 
 
-def chat_answer(port: int, question: str, max_tokens: int) -> str:
+def chat_answer(port: int, question: str, max_tokens: int, logprobs: bool = False) -> tuple[str, list]:
+    """The greedy answer, and (logprobs) each token's text with its two most likely alternatives' log-probabilities."""
     body = dict(messages=[{"role": "user", "content": question}], max_tokens=max_tokens, temperature=0)
+    if logprobs:
+        body.update(logprobs=True, top_logprobs=2)
     req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", json.dumps(body).encode(),
                                  {"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=300) as r:
-        return json.loads(r.read())["choices"][0]["message"]["content"]
+        choice = json.loads(r.read())["choices"][0]
+    tokens = [(t["token"], [x["logprob"] for x in t["top_logprobs"]]) for t in
+              (choice.get("logprobs") or {}).get("content") or []]
+    return choice["message"]["content"], tokens
+
+
+def fmt(x: float | None) -> str:
+    return "-" if x is None else f"{x:.4f}"
+
+
+def margin_at(tokens: list, chars: int) -> float | None:
+    """The top-1 minus top-2 log-probability of the token holding character `chars` of the answer."""
+    seen = 0
+    for text, top in tokens:
+        seen += len(text)
+        if seen > chars:
+            return top[0] - top[1] if len(top) > 1 else None
+    return None
 
 
 def compare_answers(commands: dict, env: dict, max_tokens: int) -> dict:
@@ -130,20 +158,37 @@ def compare_answers(commands: dict, env: dict, max_tokens: int) -> dict:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
             wait_ready(f"http://127.0.0.1:{port}{health}", proc)
-            answers[name] = [chat_answer(port, q, max_tokens) for q in QUESTIONS]
+            answers[name] = [chat_answer(port, q, max_tokens, logprobs=True) for q in QUESTIONS]
         finally:
             stop_servers({name: proc})
     (a, theirs), (b, ours) = list(answers.items())[1], list(answers.items())[0]
     rows = []
-    for q, x, y in zip(QUESTIONS, ours, theirs):
+    for q, (x, tokens), (y, their_tokens) in zip(QUESTIONS, ours, theirs):
         same = x == y
         part = next((i for i, (c, d) in enumerate(zip(x, y)) if c != d), min(len(x), len(y)))
-        rows.append(dict(question=q, equal=same, tpserve=x, llama=y, common_chars=part))
-        print(f"{'EQUAL ' if same else 'DIFFER'} {q!r}" + ("" if same else f" (first {part} characters equal)\n"
-              f"    {b}: {x!r}\n    {a}: {y!r}"), flush=True)
+        # how close each engine's own choice was at the first token where they part (by the tokens both return;
+        # by the first differing character if llama-server gave none): a near tie flips on rounding alone
+        margin = theirs_margin = None
+        if not same and their_tokens:
+            k = next((i for i, (t, u) in enumerate(zip(tokens, their_tokens)) if t[0] != u[0]), None)
+            if k is not None:
+                margin = tokens[k][1][0] - tokens[k][1][1] if len(tokens[k][1]) > 1 else None
+                top = their_tokens[k][1]
+                theirs_margin = top[0] - top[1] if len(top) > 1 else None
+        elif not same:
+            margin = margin_at(tokens, part)
+        rows.append(dict(question=q, equal=same, tpserve=x, llama=y, common_chars=part, tpserve_margin=margin,
+                         llama_margin=theirs_margin))
+        print(f"{'EQUAL ' if same else 'DIFFER'} {q!r}" + ("" if same else f" (first {part} characters equal; top-2 "
+              f"log-probability margin at the first differing token: tpserve {fmt(margin)}, {a} {fmt(theirs_margin)})"
+              f"\n    {b}: {x!r}\n    {a}: {y!r}"), flush=True)
     equal = sum(r["equal"] for r in rows)
-    print(f"\n{equal} of {len(rows)} greedy answers equal ({max_tokens} tokens at most)")
-    return dict(equal=equal, questions=len(rows), max_tokens=max_tokens, rows=rows)
+    margins = sorted(r["tpserve_margin"] for r in rows if r["tpserve_margin"] is not None)
+    theirs_m = sorted(r["llama_margin"] for r in rows if r["llama_margin"] is not None)
+    print(f"\n{equal} of {len(rows)} greedy answers equal ({max_tokens} tokens at most); top-2 margins where they "
+          f"part: tpserve {', '.join(f'{m:.3f}' for m in margins)}; {a} {', '.join(f'{m:.3f}' for m in theirs_m)}")
+    return dict(equal=equal, questions=len(rows), max_tokens=max_tokens, rows=rows, margins=margins,
+                llama_margins=theirs_m)
 
 
 def stop_servers(procs: dict) -> None:

@@ -200,29 +200,30 @@ def test_expert_token_counts(reference):
     assert by_layer == {"0": 2 * tokens, "2": 2 * tokens}
 
 
-def test_serving_features_with_experts(reference):
-    """At TP 2 with expert parallelism: two pipeline stages of MoE layers, two data-parallel replicas (each its own
-    expert group), and one replica with prefix caching, 8-token prefill chunks and a pool so small that sequences
-    are preempted and recomputed: every output equals transformers', in the first round and when the same prompts
-    come again (from the prefix cache)."""
+@pytest.mark.parametrize("layouts", ["pp 2", pytest.param("dp 2", marks=pytest.mark.slow)])
+def test_serving_features_with_experts(reference, layouts):
+    """At TP 2 with expert parallelism: two pipeline stages of MoE layers (fast tier) or two data-parallel replicas,
+    each its own expert group (slow tier); and one replica with prefix caching, 8-token prefill chunks and a pool so
+    small that sequences are preempted and recomputed: every output equals transformers', in the first round and
+    when the same prompts come again (from the prefix cache)."""
     folder, expected = reference["qwen3_moe"]
     prompts = PROMPTS * 2
     want = [t for t, _ in expected] * 2
     # bytes of one block per rank: 3 layers x K,V x 2 of 4 KV heads x 16 tokens x head_dim 16 x 4 bytes
     per_block = 3 * 2 * 2 * 16 * 16 * 4
     base = {"model": str(folder), "prompts": prompts, "max_tokens": MAX_TOKENS, "max_num_seqs": 4}
-    jobs = [
-        dict(base, llm={"enable_expert_parallel": True, "pipeline_parallel_size": 2}),
-        dict(base, llm={"enable_expert_parallel": True, "data_parallel_size": 2}),
-        dict(base, repeat=2, llm={"enable_expert_parallel": True, "max_num_batched_tokens": 8,
-                                  "kv_cache_memory": 8 * per_block}),
-    ]
+    layout = {"pipeline_parallel_size": 2} if layouts == "pp 2" else {"data_parallel_size": 2}
+    jobs = [dict(base, llm={"enable_expert_parallel": True, **layout})]
+    if layouts == "pp 2":
+        jobs.append(dict(base, repeat=2, llm={"enable_expert_parallel": True, "max_num_batched_tokens": 8,
+                                              "kv_cache_memory": 8 * per_block}))
     results = run_llm(2, jobs, timeout=600)
-    for name, res in zip(("pp 2", "dp 2", "chunked, tiny pool, cached"), results):
+    for name, res in zip((layouts, "chunked, tiny pool, cached"), results):
         assert "error" not in res, (name, res)
         assert [o["token_ids"] for o in res["outputs"]] == want, name
-    assert results[2]["repeats"][0] == want
-    assert results[2]["preemptions"] > 0 and results[2]["prefix_hit_tokens"] > 0
+    if layouts == "pp 2":
+        assert results[1]["repeats"][0] == want
+        assert results[1]["preemptions"] > 0 and results[1]["prefix_hit_tokens"] > 0
 
 
 def test_structured_output_with_experts(reference):

@@ -71,13 +71,13 @@ def test_batched_equals_alone_with_steps_in_flight(five_layers):
 
 @pytest.mark.parametrize("tp", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_sequence_parallel_equals_transformers(five_layers, tp):
-    """Prefill steps of 11 and 7 tokens (TP divides neither) run sequence parallel; decode steps stay plain TP."""
+    """Prefill steps run sequence parallel, decode steps plain TP: both prompts in one prefill step of 18 tokens,
+    then each alone, 11 and 7 tokens (TP divides neither), in one server."""
     folder, _ = five_layers
     prompts = [list(range(30, 41)), list(range(50, 57))]
     expected = [hf_greedy(folder, p, MAX_TOKENS) for p in prompts]
-    jobs = [{"model": str(folder), "prompts": [p], "max_tokens": MAX_TOKENS, "logprobs": 5,
-             "llm": {"sequence_parallel": True}} for p in prompts]
-    results = run_llm(tp, jobs, timeout=300)
-    for result, exp in zip(results, expected):
-        check(result, [exp])
-        assert result["seq_parallel_steps"] == 1  # the prefill; the 31 decode steps are plain TP
+    (result,) = run_llm(tp, [{"model": str(folder), "prompts": prompts, "max_tokens": MAX_TOKENS, "logprobs": 5,
+                              "alone": True, "llm": {"sequence_parallel": True}}], timeout=300)
+    check(result, expected)
+    assert result["alone"] == [tokens for tokens, _ in expected]
+    assert result["seq_parallel_steps"] == 3  # the three prefills; the decode steps are plain TP
