@@ -91,8 +91,7 @@ def build_app(state: ServerState) -> FastAPI:
         if not path.startswith(KEYED_PATHS):
             return None
         headers = Headers(scope=scope)
-        auth = headers.get("authorization", "")
-        if state.api_keys and not (auth.startswith("Bearer ") and auth[7:] in state.api_keys):
+        if not state.key_ok(headers.get("authorization", "")):
             return APIError(401, "invalid or missing API key (send Authorization: Bearer <key>)",
                             "authentication_error", code="invalid_api_key")
         length = headers.get("content-length")
@@ -117,7 +116,41 @@ def build_app(state: ServerState) -> FastAPI:
                 if err is not None:
                     await error_response(err)(scope, receive, send)
                     return
+                if scope.get("method") in ("POST", "PUT", "PATCH") and scope.get("path", "").startswith(KEYED_PATHS):
+                    receive = await self.bounded_body(scope, receive, send)
+                    if receive is None:
+                        return
             await self.app(scope, receive, send)
+
+        @staticmethod
+        async def bounded_body(scope, receive, send):
+            """Read the request body here, counting bytes as they arrive: past --max-body-bytes the request gets a
+            413 and nothing more is read, whether or not Content-Length announced the size (a chunked body never
+            does). Returns a receive that hands the app the body, then the client's later messages (disconnects);
+            None if the request was answered or the client left."""
+            chunks, size = [], 0
+            while True:
+                message = await receive()
+                if message["type"] != "http.request":  # the client went away mid-body
+                    return None
+                body = message.get("body", b"")
+                size += len(body)
+                if size > state.max_body_bytes:
+                    await error_response(APIError(413, f"request body larger than {state.max_body_bytes} bytes"))(
+                        scope, receive, send)
+                    return None
+                chunks.append(body)
+                if not message.get("more_body", False):
+                    break
+            whole = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+
+            async def replay():
+                nonlocal whole
+                if whole is not None:
+                    message, whole = whole, None
+                    return message
+                return await receive()
+            return replay
 
     app.add_middleware(Guard)
 

@@ -38,6 +38,7 @@ from server.api.bodies import EventStream, chat_logprobs, forced_tools, truncate
 from server.engine.request import Sequence
 from server.api.tool_calls import ToolCallParser, parse_tool_calls
 
+MAX_METADATA_PAIRS, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512
 DEFAULT_STORE_MAX_BYTES = 64 * 1024 * 1024
 DEFAULT_STORE_MAX_COUNT = 10_000
 BUILTIN_TOOLS = ("web_search", "web_search_preview", "file_search", "code_interpreter", "mcp", "computer_use_preview",
@@ -108,6 +109,15 @@ def _check_unsupported(body: ResponsesRequest) -> None:
         raise _refuse("top_logprobs", "must be between 0 and 20")
     if body.max_output_tokens is not None and body.max_output_tokens < 1:
         raise _refuse("max_output_tokens", "must be at least 1")
+    if body.metadata is not None:  # OpenAI's limits: 16 pairs, keys up to 64 characters, values up to 512
+        if len(body.metadata) > MAX_METADATA_PAIRS:
+            raise _refuse("metadata", f"at most {MAX_METADATA_PAIRS} key-value pairs (got {len(body.metadata)})")
+        for k, v in body.metadata.items():
+            if len(k) > MAX_METADATA_KEY:
+                raise _refuse("metadata", f"keys are at most {MAX_METADATA_KEY} characters (one has {len(k)})")
+            if len(v) > MAX_METADATA_VALUE:
+                raise _refuse("metadata", f"values are at most {MAX_METADATA_VALUE} characters (the one of {k!r} "
+                                          f"has {len(v)})")
     for inc in body.include or []:
         if inc not in ("message.output_text.logprobs", "reasoning.encrypted_content"):
             raise _refuse("include", f"{inc!r} is not supported (supported: message.output_text.logprobs, and "
@@ -263,8 +273,10 @@ def to_chat(body: ResponsesRequest, history: list[dict]) -> tuple[ChatCompletion
 # ---- the store ----------------------------------------------------------------------------------------------------
 def owner_of(request: Request) -> str | None:
     """Who made a request: a hash of its API key (None on a server without keys)."""
-    auth = request.headers.get("authorization", "")
-    return hashlib.sha256(auth.encode()).hexdigest()[:32] if auth.startswith("Bearer ") else None
+    from server.api.state import bearer_token
+
+    token = bearer_token(request.headers.get("authorization", ""))
+    return hashlib.sha256(token.encode()).hexdigest()[:32] if token is not None else None
 
 
 @dataclass

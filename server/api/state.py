@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import sys
+import hmac
 import threading
 import time
 import weakref
@@ -56,6 +57,24 @@ class ServerState:
     @property
     def max_model_len(self) -> int:
         return self.engine.max_model_len
+
+    def key_ok(self, authorization: str) -> bool:
+        """Whether an Authorization header carries one of the keys (any server without keys: yes). Each key is
+        compared in constant time, so a response's timing says nothing about how much of a guess was right."""
+        if not self.api_keys:
+            return True
+        token = bearer_token(authorization)
+        if token is None:
+            return False
+        given = token.encode()
+        return any([hmac.compare_digest(given, k.encode()) for k in self.api_keys])  # (every key, no early exit)
+
+
+def bearer_token(authorization: str) -> str | None:
+    """The credentials of an `Authorization: Bearer <token>` header (the scheme is case-insensitive, RFC 7235)."""
+    scheme, _, token = authorization.strip().partition(" ")
+    token = token.strip()
+    return token if scheme.lower() == "bearer" and token else None
 
 
 class Outbox:

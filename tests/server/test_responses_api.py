@@ -129,6 +129,11 @@ def test_store_false_delete_and_per_key_isolation(client, srv):
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(unstored.id)
     assert httpx.get(f"{srv.v1}/responses/{unstored.id}").status_code == 401  # no key at all
+    # the scheme is case-insensitive (RFC 7235), and the owner is the key, however the scheme was spelled
+    kept = client.responses.create(model=srv.model_name, input="Hello", max_output_tokens=2,
+                                   metadata={f"k{i}": "v" * 512 for i in range(16)})  # (at OpenAI's limits)
+    r = httpx.get(f"{srv.v1}/responses/{kept.id}", headers={"Authorization": f"bearer {KEY}"})
+    assert r.status_code == 200 and len(r.json()["metadata"]) == 16
 
 
 def test_the_store_evicts_the_least_recently_used(client, srv):
@@ -171,6 +176,10 @@ def test_cancel_a_streaming_response(client, srv):
     ({"previous_response_id": "resp_never"}, "response_id"),
     ({"text": {"format": {"type": "yaml"}}}, "text.format.type"),
     ({"truncation": "auto"}, "truncation"),
+    # OpenAI's metadata limits: 16 pairs, keys up to 64 characters, values up to 512
+    ({"metadata": {f"k{i}": "v" for i in range(17)}}, "metadata"),
+    ({"metadata": {"k" * 65: "v"}}, "metadata"),
+    ({"metadata": {"k": "v" * 513}}, "metadata"),
 ])
 def test_unsupported_and_bad_fields_get_4xx(srv, extra, param):
     body = {"model": srv.model_name, "input": "Hello", "max_output_tokens": 2, **extra}
