@@ -6,8 +6,8 @@ The calling process becomes rank 0; the other ranks are spawned on this host (or
 from __future__ import annotations
 
 import json
-import os
 import logging
+import os
 from dataclasses import dataclass
 
 from server.engine.core import Engine

@@ -12,8 +12,8 @@ queue with no timer (its response watches for the client going away instead; ser
 from __future__ import annotations
 
 import asyncio
-import sys
 import hmac
+import sys
 import threading
 import time
 import weakref
