@@ -170,7 +170,12 @@ class PendingRequest:
 
 
 def admit(state: ServerState, req: PendingRequest) -> None:
-    """Queue the request's sequences, or answer 429 when the queue is full."""
+    """Queue the request's sequences, or answer 429 when the queue is full; a request that could never fit the queue,
+    even an empty one, is a 400 that names the limit (a 429 would have its client retry it for ever)."""
+    if len(req.seqs) > state.max_queued_requests:
+        raise APIError(400, f"this request makes {len(req.seqs)} sequences (prompts x n, or embedding inputs), more "
+                            f"than the {state.max_queued_requests} this server queues at once "
+                            "(--max-queued-requests): send it in parts", code="too_many_sequences")
     if state.engine.num_waiting + len(req.seqs) > state.max_queued_requests:
         raise APIError(429, f"the server is at capacity ({state.max_queued_requests} queued sequences); retry "
                             "shortly", "rate_limit_error", code="queue_full", headers={"Retry-After": "1"})

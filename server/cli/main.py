@@ -302,6 +302,9 @@ def serve(args) -> int:
     if placements:
         print(f"tpserve: {placements}", flush=True)
     print(f"tpserve: serving {name} on http://{args.host}:{args.port} ({layout})", flush=True)
+    exposed = open_without_key(args.host, bool(state.api_keys))
+    if exposed:
+        logger.warning("%s", exposed)
     try:
         server.run()
     finally:
@@ -353,6 +356,23 @@ def generate(args) -> int:
     finally:
         llm.close()
     return 0
+
+
+def open_without_key(host: str, keyed: bool) -> str | None:
+    """The start's warning when the HTTP port listens beyond this host's loopback with no API key, else None."""
+    import ipaddress
+
+    if keyed:
+        return None
+    try:
+        if ipaddress.ip_address(host).is_loopback:
+            return None
+    except ValueError:  # a name
+        if host == "localhost":
+            return None
+    where = "every interface" if host in ("0.0.0.0", "::", "") else host
+    return (f"listening on {where} without --api-key: anyone who can reach this port can use the server; set "
+            "--api-key (or TPSERVE_API_KEY), or --host 127.0.0.1 to serve this host only")
 
 
 def describe_placements(placements: dict[int, dict[str, str]]) -> str | None:

@@ -40,3 +40,14 @@ def test_generate_json_equals_transformers(checkpoints):
     expected, _ = hf_greedy(folder, ids, 8)
     assert out["token_ids"][: len(expected)] == expected[: len(out["token_ids"])]
     assert out["finish_reason"] in ("length", "stop")
+
+
+@pytest.mark.parametrize("host, keyed, warned", [
+    ("0.0.0.0", False, "every interface"), ("::", False, "every interface"), ("10.1.2.3", False, "10.1.2.3"),
+    ("0.0.0.0", True, None), ("127.0.0.1", False, None), ("::1", False, None), ("localhost", False, None),
+])
+def test_the_start_warns_when_the_port_is_open_beyond_this_host_without_a_key(host, keyed, warned):
+    from server.cli.main import open_without_key
+
+    got = open_without_key(host, keyed)
+    assert (got is None) if warned is None else (warned in got and "--api-key" in got), got

@@ -76,6 +76,19 @@ def test_hostile_requests_get_openai_errors_and_the_server_keeps_serving(srv):
     assert httpx.get(srv.url + "/health").status_code == 200
 
 
+def test_a_request_that_could_never_be_queued_is_a_400_that_names_the_limit(srv):
+    """More sequences than --max-queued-requests (256 here) in one request: not a 429 that a client retries for ever."""
+    for path, body in (("/v1/completions", {"prompt": ["hi"] * 64, "n": 16, "max_tokens": 2}),
+                       ("/v1/embeddings", {"input": ["hi"] * 300})):
+        r = post(srv, path, body)
+        assert r.status_code == 400, (path, r.status_code, r.text[:300])
+        err = r.json()["error"]
+        assert err["code"] == "too_many_sequences" and "256" in err["message"] and "--max-queued-requests" in \
+            err["message"], err
+    r = post(srv, "/v1/embeddings", {"input": ["hi"] * 200})
+    assert r.status_code == 200 and len(r.json()["data"]) == 200
+
+
 def test_a_chunked_body_is_limited_as_it_streams_in(srv):
     """--max-body-bytes holds for a body without Content-Length (Transfer-Encoding: chunked): past the limit a 413 in
     OpenAI's shape, with the rest unread; a chunked body within it is served."""
