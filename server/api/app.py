@@ -37,9 +37,10 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["ServerState", "build_app"]
 
-# the paths behind the API key (and the body-size and draining guards): the OpenAI API and vLLM's /tokenize and
-# /detokenize, which reveal as much about the served model as /v1/models does
-KEYED_PATHS = ("/v1/", "/tokenize", "/detokenize")
+# the paths behind the API key (and the body-size and draining guards): the OpenAI API, vLLM's /tokenize and
+# /detokenize, which reveal as much about the served model as /v1/models does, and the API's own description
+# (/docs, /redoc, /openapi.json); /health and /metrics stay open for probes and scrapers
+KEYED_PATHS = ("/v1/", "/tokenize", "/detokenize", "/docs", "/redoc", "/openapi.json")
 
 
 def error_response(err: APIError) -> JSONResponse:

@@ -177,7 +177,8 @@ def test_overload_answers_429_and_completes_every_accepted_request(server_factor
 def test_api_key_on_every_v1_endpoint(server_factory, checkpoints):
     s = server_factory(checkpoints("llama"), 1, "--max-model-len", "64", "--api-key", "sekrit")
     for method, path, body in [("GET", "/v1/models", None), ("POST", "/v1/completions", {"prompt": "hi"}),
-                               ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]})]:
+                               ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]}),
+                               ("GET", "/openapi.json", None), ("GET", "/docs", None)]:
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "sekrit"}):
             r = httpx.request(method, s.url + path, json=body, headers=headers)
             assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error", (path, headers)
