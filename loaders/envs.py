@@ -111,6 +111,15 @@ PP_LAYER_PARTITION = _var("TPSERVE_PP_LAYER_PARTITION", "str", None, "as even as
                           "checks it before spawning, every rank reads it when it joins", str)
 COLLECTIVE_TIMEOUT = _var("TPSERVE_COLLECTIVE_TIMEOUT", "float (s)", "600", None, USER,
                           "seconds the rendezvous and each collective between ranks may take", float)
+STORE_SECRET = _var("TPSERVE_STORE_SECRET", "str", None, "made per server", USER,
+                    "the secret every rank proves to the ranks' store on rank 0; `tpserve serve` makes one for the "
+                    "ranks it spawns, under torchrun set the same on every node (docs/deployment.md)", str)
+STORE_SECRET_FILE = _var("TPSERVE_STORE_SECRET_FILE", "path", None, "none", USER,
+                         "a file holding that secret, read when `TPSERVE_STORE_SECRET` is not set",
+                         lambda raw: Path(raw).expanduser())
+STORE_PORT = _var("TPSERVE_STORE_PORT", "int", None, "`MASTER_PORT` + 1 under torchrun", USER,
+                  "the port of the ranks' store on rank 0's host (torchrun's own store holds `MASTER_PORT`); "
+                  "`tpserve serve` picks a free one for the ranks it spawns", int)
 SHM_ALLREDUCE = _var("TPSERVE_SHM_ALLREDUCE", "0/1", None, "auto", USER,
                      "`0` forces gloo for the TP all-reduce, `1` forces shared memory (auto: gloo ranks all on one "
                      "x86-64 host, no more of them than its cores)", _shm)

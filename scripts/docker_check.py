@@ -12,6 +12,7 @@ import json
 import os
 import platform
 import re
+import secrets
 import statistics
 import subprocess
 import sys
@@ -264,7 +265,8 @@ def main() -> int:
 
         # two compose "nodes", torchrun across them, one pipeline stage each
         env = dict(os.environ, TPSERVE_IMAGE=args.image, TPSERVE_PORT=str(p_dock), TPSERVE_THREADS="1",
-                   MASTER_PORT=str(args.port + 50), COMPOSE_PROJECT_NAME="tpservecheck")
+                   MASTER_PORT=str(args.port + 50), COMPOSE_PROJECT_NAME="tpservecheck",
+                   TPSERVE_STORE_SECRET=secrets.token_hex(32))  # the ranks' store's, the same on both nodes
         compose = args.compose.split() + ["-f", args.compose_file]
         sh(*compose, "up", "-d", env=env)
         try:

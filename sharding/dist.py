@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from loaders import envs
 from sharding import numa, shm_allreduce
+from sharding import store as rank_store
 
 logger = logging.getLogger(__name__)
 
@@ -77,12 +78,15 @@ class Group:
     place in `members` (global ranks, in order); the methods take and return that group's own ranks."""
 
     def __init__(self, store, name: str, members: list[int], global_rank: int, timeout: datetime.timedelta,
-                 backend: str = "gloo"):
+                 backend: str = "gloo", device=None):
         self.name, self.members = name, list(members)
         self.rank, self.size = self.members.index(global_rank), len(self.members)
         prefixed = dist.PrefixStore(name, store)
-        if backend == "gloo":
-            self.pg = dist.ProcessGroupGloo(prefixed, self.rank, self.size, timeout)
+        if backend == "gloo":  # its sockets on `device`'s address (sharding/store.py: gloo_device), not the wildcard
+            opts = dist.ProcessGroupGloo._Options()
+            opts._timeout = timeout
+            opts._devices = [device if device is not None else dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+            self.pg = dist.ProcessGroupGloo(prefixed, self.rank, self.size, opts)
         else:  # a CUDA build's NCCL group (not exercised on this project's CPU-only CI)
             self.pg = dist.ProcessGroupNCCL(prefixed, self.rank, self.size)
 
@@ -145,7 +149,8 @@ class Dist:
     links: dict[int, Group] = field(default_factory=dict)  # replica -> its link group (rank 0 has one per replica)
     layer_partition: str | None = None  # TPSERVE_PP_LAYER_PARTITION
     expert_parallel: bool = False  # MoE layers: the TP group's ranks own whole experts (sharding/layers/moe.py)
-    store: dist.Store | None = None  # the rendezvous store every group is made over
+    store: dist.Store | None = None  # the rendezvous store every group is made over (sharding/store.py)
+    gloo_device: object = None  # where this rank's gloo sockets listen (sharding/store.py: gloo_device)
     timeout: datetime.timedelta = datetime.timedelta(seconds=600)
     generation: int = 0  # of this rank's replica: 0 at start, +1 each time the replica is respawned
     shm_ok: bool = False  # the shared-memory collectives may be used for this rank's TP group
@@ -309,6 +314,8 @@ class Dist:
         if self.fast_all_reduce is not None:
             self.fast_all_reduce.close()
             self.fast_all_reduce = None
+        if self.is_driver and isinstance(self.store, rank_store.StoreClient):
+            rank_store.close_store(self.store.port)  # rank 0's: no replica will be started again
         # the groups go with the process (a gloo group waits for nothing when it is dropped at exit)
 
 
@@ -353,14 +360,16 @@ def make_replica_groups(d: Dist, replica: int, generation: int) -> ReplicaGroups
     until all have arrived. Rank 0 calls it for each replica at start, and again for a respawned one."""
     layout, me = d.layout, d.global_rank
     backend = "nccl" if d.device.type == "cuda" else "gloo"
-    link = Group(d.store, _group_name("link", replica, generation), link_members(layout, replica), me, d.timeout)
+    link = Group(d.store, _group_name("link", replica, generation), link_members(layout, replica), me, d.timeout,
+                 device=d.gloo_device)
     out = ReplicaGroups(replica, generation, link)
     dp_rank, pp_rank, tp_rank = layout.coords(me)
     if dp_rank != replica or layout.tp == 1:
         return out
     members = tp_members(layout, replica, pp_rank)
     name = _group_name(f"tp{pp_rank}", replica, generation)
-    out.cpu_group = link if members == link.members else Group(d.store, name, members, me, d.timeout)
+    out.cpu_group = link if members == link.members else Group(d.store, name, members, me, d.timeout,
+                                                               device=d.gloo_device)
     out.device_group = out.cpu_group if backend == "gloo" else Group(d.store, name + "/device", members, me,
                                                                      d.timeout, backend)
     if d.shm_ok and _same_host(d.store, name, members, me):
@@ -402,9 +411,10 @@ def init_dist(layout: Layout | None = None, timeout_s: float | None = None) -> D
     torchrun and tpserve's own launcher both set these. Without them this process is a single rank. Before anything
     is allocated, a CPU rank is placed on a NUMA node as TPSERVE_NUMA says (sharding/numa.py, with LOCAL_RANK and
     LOCAL_WORLD_SIZE), and `placements` records where it runs (on rank 0: every rank). `layout` splits
-    the world (default: all of it tensor parallel). There is no world-wide group: rank 0 hosts (or under torchrun,
-    joins) the rendezvous store, and every group is made over it by name (make_replica_groups): each replica's link
-    to rank 0 and each stage's TP group, so that one replica's failure leaves the others' groups intact.
+    the world (default: all of it tensor parallel). There is no world-wide group: rank 0 hosts the rendezvous store
+    (sharding/store.py: the launcher starts it before spawning the ranks; under torchrun rank 0 does, here), and
+    every group is made over it by name (make_replica_groups): each replica's link to rank 0 and each stage's TP
+    group, so that one replica's failure leaves the others' groups intact.
     """
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
@@ -431,13 +441,16 @@ def init_dist(layout: Layout | None = None, timeout_s: float | None = None) -> D
     timeout = datetime.timedelta(seconds=timeout_s or envs.COLLECTIVE_TIMEOUT.get())
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    store, _, _ = next(dist.rendezvous("env://", rank, world_size, timeout=timeout))
+    # the store (on rank 0, proving a secret) and gloo's sockets listen on loopback, or across hosts on the address
+    # MASTER_ADDR names: never on the wildcard (sharding/store.py)
+    store = rank_store.join_store(rank, timeout)
+    gloo_device = rank_store.gloo_device(os.environ.get("MASTER_ADDR", "127.0.0.1"))
     store.set(_placement_key(rank), json.dumps(record))  # for rank 0 (a respawned rank writes its own again)
     generation = envs.GENERATION.get()
     dp_rank, pp_rank, tp_rank = layout.coords(rank)
     d = Dist(tp_rank, layout.tp, local_world_size, device, layout=layout, global_rank=rank,
-             layer_partition=partition, store=store, timeout=timeout, generation=generation, shm_ok=shm_ok,
-             placements={rank: record})
+             layer_partition=partition, store=store, gloo_device=gloo_device, timeout=timeout, generation=generation,
+             shm_ok=shm_ok, placements={rank: record})
     for replica in range(layout.dp) if rank == 0 else [dp_rank]:
         install_groups(d, make_replica_groups(d, replica, generation if replica == dp_rank else 0))
     if rank == 0:  # every rank wrote its record before joining its groups, which rank 0 has now made with all

@@ -3,6 +3,7 @@ transformers' greedy output."""
 
 import json
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -28,7 +29,7 @@ def free_port() -> int:
 
 def start_nodes(folders, http, tmp_path, layout=("--tensor-parallel-size", "2")):
     master = free_port()
-    env = dict(os.environ, TPSERVE_THREADS="1")
+    env = dict(os.environ, TPSERVE_THREADS="1", TPSERVE_STORE_SECRET=secrets.token_hex(32))  # the same on both nodes
     nodes = []
     for node, folder in enumerate(folders):
         cmd = [str(BIN / "torchrun"), "--nnodes", "2", "--node-rank", str(node), "--nproc-per-node", "1",

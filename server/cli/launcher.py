@@ -11,7 +11,6 @@ import contextlib
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -20,8 +19,9 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from loaders import envs
-from loaders.gguf_file import open_checkpoint
 from loaders.default_model import ensure_default_model
+from loaders.gguf_file import open_checkpoint
+from sharding import store
 from sharding.dist import Dist, init_dist
 from sharding.executor import start_executor
 from sharding.numa import MODES
@@ -49,12 +49,6 @@ def environment(values: dict[str, str]):
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 DEFAULT_GGUF = "default.gguf"  # the model name that serves the embedded default model's GGUF file (Q4_1) directly
@@ -195,8 +189,11 @@ def spawn_workers(cfg: EngineConfig, tp: int, settings: dict[str, str] | None = 
     """Ranks 1..world-1 as `python -m sharding.worker`; returns them and rank 0's rendezvous environment.
     `settings`: more environment variables for every rank (and for ranks spawned again later)."""
     world = world_size(cfg, tp)
-    rdzv = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(world),
-                LOCAL_WORLD_SIZE=str(world), **(settings or {}))
+    # the ranks' store, on loopback with a secret of this server's own (sharding/store.py), before any rank starts
+    secret = store.new_secret()
+    port = store.serve_store("127.0.0.1", 0, secret.encode()).port
+    rdzv = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
+                **{envs.STORE_PORT.name: str(port), envs.STORE_SECRET.name: secret}, **(settings or {}))
     workers = Workers(argv=cfg.to_argv(), env=rdzv)
     for rank in range(1, world):
         workers.spawn(rank)

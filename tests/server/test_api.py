@@ -47,6 +47,19 @@ def test_models_and_health(srv, client):
     assert httpx.get(srv.url + "/health").status_code == 200
 
 
+def test_nothing_listens_beyond_loopback(srv):
+    """Every socket the server's processes listen on (HTTP here on 127.0.0.1, the ranks' store on rank 0, gloo's
+    sockets on every rank) is on loopback: nothing is open to the network that the user did not ask for."""
+    import psutil
+
+    root = psutil.Process(srv.proc.pid)
+    procs = [root, *root.children(recursive=True)]
+    assert len(procs) >= srv.tp
+    listening = [(p.pid, c.laddr) for p in procs for c in p.net_connections("inet") if c.status == psutil.CONN_LISTEN]
+    assert len(listening) >= 1 + 2 * (srv.tp > 1), listening  # HTTP, and with ranks: the store and gloo's
+    assert all(addr.ip in ("127.0.0.1", "::1") for _, addr in listening), listening
+
+
 def test_greedy_completion_equals_transformers(srv, client):
     ids = srv.tok.encode(PROMPT)
     ref_tokens, _ = hf_greedy(srv.folder, ids, 16)
