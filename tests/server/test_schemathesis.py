@@ -7,7 +7,8 @@
   json_schema, as a tool's parameters (tool_choice "required", so it is compiled) and as guided_json text.
 
 After every request the server must still be healthy: an input that fails the engine step (a 503 for every later
-request) is as bad as a 500.
+request) is as bad as a 500. The server runs with an API key, as an exposed one would: every request carries it,
+and none may be turned away as unauthenticated.
 """
 
 from __future__ import annotations
@@ -25,12 +26,14 @@ from hypothesis.errors import Unsatisfiable  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 BODIES = ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize")  # at least these are fuzzed
+KEY = "fuzz-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
 SETTINGS = dict(deadline=None, suppress_health_check=list(HealthCheck), derandomize=True, database=None)
 
 
 @pytest.fixture(scope="module")
 def srv(server_factory, checkpoints):
-    return server_factory(checkpoints("llama"), 1, "--max-model-len", "64", "--max-num-seqs", "4")
+    return server_factory(checkpoints("llama"), 1, "--max-model-len", "64", "--max-num-seqs", "4", "--api-key", KEY)
 
 
 def healthy(srv) -> bool:
@@ -40,13 +43,14 @@ def healthy(srv) -> bool:
 # examples per operation: the slow tier goes deeper over the same (derandomized) start
 @pytest.mark.parametrize("examples", [6, pytest.param(20, marks=pytest.mark.slow)])
 def test_no_5xx_from_generated_requests(srv, examples):
-    schema = schemathesis.openapi.from_url(srv.url + "/openapi.json")
+    assert httpx.get(srv.url + "/openapi.json").status_code == 401  # the schema itself is behind the key
+    schema = schemathesis.openapi.from_url(srv.url + "/openapi.json", headers=AUTH)
     failures, fuzzed = [], set()
 
     @settings(max_examples=examples, **SETTINGS)
     def check(case):
-        response = case.call(base_url=srv.url, timeout=60)
-        if response.status_code >= 500 or not healthy(srv):
+        response = case.call(base_url=srv.url, headers=AUTH, timeout=60)
+        if response.status_code >= 500 or response.status_code == 401 or not healthy(srv):
             failures.append((case.method, case.path, case.body, response.status_code, response.text[:200]))
 
     for op in schema.get_all_operations():
@@ -164,7 +168,8 @@ def test_generated_json_schemas_never_get_a_5xx(srv):
     @given(schema=SCHEMAS, strict=st.booleans())
     def check(schema, strict):
         for path, body in bodies(schema, strict):
-            r = httpx.post(srv.url + path, json={"model": srv.model_name, "max_tokens": 3, **body}, timeout=120)
+            r = httpx.post(srv.url + path, json={"model": srv.model_name, "max_tokens": 3, **body}, timeout=120,
+                           headers=AUTH)
             statuses[r.status_code] = statuses.get(r.status_code, 0) + 1
             ok = r.status_code == 200 or (400 <= r.status_code < 500 and set(r.json()["error"]) == {
                 "message", "type", "param", "code"})
@@ -176,7 +181,7 @@ def test_generated_json_schemas_never_get_a_5xx(srv):
     assert not failures, failures[:5]
     assert statuses.get(200) and statuses.get(400), statuses  # both outcomes were reached
     assert set(statuses) <= {200, 400}, statuses
-    r = httpx.post(srv.v1 + "/chat/completions", timeout=60, json={
+    r = httpx.post(srv.v1 + "/chat/completions", timeout=60, headers=AUTH, json={
         "model": srv.model_name, "messages": msgs, "max_tokens": 40, "response_format": {
             "type": "json_schema", "json_schema": {"name": "s", "schema": {"enum": ["yes", "no"]}}}})
     assert r.status_code == 200 and json.loads(r.json()["choices"][0]["message"]["content"]) in ("yes", "no")
