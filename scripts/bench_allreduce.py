@@ -43,6 +43,7 @@ def rank_main(rank: int, world: int, port: int, args, queue) -> None:
 
     try:
         os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                          TPSERVE_STORE_PORT=str(port), TPSERVE_STORE_SECRET="hand-made-ranks-" + str(port),
                           TPSERVE_THREADS="1", TPSERVE_SHM_ALLREDUCE="1")
         d = init_dist()
         shm, group = d.fast_all_reduce, d.cpu_group

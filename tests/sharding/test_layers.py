@@ -31,6 +31,7 @@ def weights():
 def rank_main(rank, world, port, folder, queue):
     try:
         os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                          TPSERVE_STORE_PORT=str(port), TPSERVE_STORE_SECRET="hand-made-ranks-" + str(port),
                           TPSERVE_THREADS="1", TPSERVE_COLLECTIVE_TIMEOUT="60")
         d = init_dist()
         w = weights()

@@ -267,7 +267,8 @@ def test_bind_this_host_node_0_in_a_child():
 def _rank(rank: int, port: int, queue) -> None:
     try:
         os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
-                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TPSERVE_COLLECTIVE_TIMEOUT="60",
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TPSERVE_STORE_PORT=str(port),
+                          TPSERVE_STORE_SECRET="hand-made-ranks-" + str(port), TPSERVE_COLLECTIVE_TIMEOUT="60",
                           TPSERVE_SHM_ALLREDUCE="0", TPSERVE_NUMA="distribute")
         os.environ.pop("TPSERVE_THREADS", None)
         import torch

@@ -31,6 +31,7 @@ def digest(t: torch.Tensor) -> str:
 
 def join(rank: int, world: int, port: int) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                      TPSERVE_STORE_PORT=str(port), TPSERVE_STORE_SECRET="hand-made-ranks-" + str(port),
                       TPSERVE_THREADS="1", TPSERVE_COLLECTIVE_TIMEOUT="30", TPSERVE_SHM_ALLREDUCE="1")
 
 
