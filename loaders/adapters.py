@@ -91,8 +91,10 @@ def read_adapter(folder: str | Path) -> AdapterInfo:
         raise LoraError(f"{str(folder)!r} is not a PEFT adapter folder: it has no {ADAPTER_CONFIG}")
     try:
         cfg = json.loads(config_path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
         raise LoraError(f"{config_path} is not valid JSON: {e}") from None
+    except OSError as e:
+        raise LoraError(f"{config_path} cannot be read: {e.strerror or e}") from None
     if not isinstance(cfg, dict):
         raise LoraError(f"{config_path} is not a JSON object")
     weights = folder / ADAPTER_WEIGHTS
@@ -121,13 +123,18 @@ def read_adapter(folder: str | Path) -> AdapterInfo:
     try:
         r = int(cfg["r"])
         alpha = float(cfg.get("lora_alpha", r))
-    except (KeyError, TypeError, ValueError):
+    except (KeyError, TypeError, ValueError, OverflowError):
         raise LoraError(f"{config_path} has no valid 'r' / 'lora_alpha'") from None
     rslora = bool(cfg.get("use_rslora", False))
+    for key in ("rank_pattern", "alpha_pattern"):
+        if not isinstance(cfg.get(key) or {}, dict):
+            raise LoraError(f"{config_path}: {key} is not a JSON object")
     try:
         header = read_safetensors_header(weights)
     except CheckpointError as e:
         raise LoraError(str(e)) from None
+    except OSError as e:
+        raise LoraError(f"{weights} cannot be read: {e.strerror or e}") from None
 
     pairs: dict[str, dict[str, str]] = {}
     for key in header:
@@ -152,11 +159,17 @@ def read_adapter(folder: str | Path) -> AdapterInfo:
         if not a.dtype.is_floating_point or not b.dtype.is_floating_point:
             raise LoraError(f"{str(folder)!r}: module {name!r} has non-float LoRA weights ({a.dtype}, {b.dtype})")
         rank = a.shape[0]
-        want = int(_pattern_value(cfg.get("rank_pattern"), name, r))
+        try:
+            want = int(_pattern_value(cfg.get("rank_pattern"), name, r))
+            mod_alpha = float(_pattern_value(cfg.get("alpha_pattern"), name, alpha))
+        except (TypeError, ValueError, OverflowError):
+            raise LoraError(f"{config_path}: rank_pattern / alpha_pattern give module {name!r} a value that is not "
+                            "a number") from None
+        if rank < 1:
+            raise LoraError(f"{str(folder)!r}: module {name!r} has rank {rank}; a LoRA rank is 1 or more")
         if rank != want:
             raise LoraError(f"{str(folder)!r}: module {name!r} has rank {rank} in {ADAPTER_WEIGHTS} but {want} in "
                             f"{ADAPTER_CONFIG} (r / rank_pattern)")
-        mod_alpha = float(_pattern_value(cfg.get("alpha_pattern"), name, alpha))
         scale = mod_alpha / math.sqrt(rank) if rslora else mod_alpha / rank
         modules[name] = ModuleAdapter(name, rank, scale, ab["A"], ab["B"])
     base = cfg.get("base_model_name_or_path") or None

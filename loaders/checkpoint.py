@@ -64,34 +64,58 @@ class TensorInfo:
 
 
 def read_safetensors_header(path: Path) -> dict[str, TensorInfo]:
-    """Parse one safetensors file's header into TensorInfo records (no tensor data is read)."""
+    """Parse one safetensors file's header into TensorInfo records (no tensor data is read). Every malformed header
+    raises CheckpointError naming the problem: a length beyond the file, JSON that is not an object of objects, an
+    entry without a known dtype, a shape of non-negative integers or data offsets inside the file that match it."""
+    size = path.stat().st_size
     with open(path, "rb") as f:
         raw = f.read(8)
         if len(raw) != 8:
             raise CheckpointError(f"{path} is not a safetensors file (shorter than 8 bytes)")
         header_len = int.from_bytes(raw, "little")
-        if header_len > MAX_HEADER_BYTES:
-            raise CheckpointError(f"{path} is not a safetensors file (header length {header_len} is implausible)")
+        if header_len > MAX_HEADER_BYTES or 8 + header_len > size:
+            raise CheckpointError(f"{path} is not a safetensors file (header length {header_len} is implausible for "
+                                  f"a file of {size} bytes)")
         try:
             header = json.loads(f.read(header_len))
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise CheckpointError(f"{path} has a corrupt safetensors header: {e}") from None
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+            raise CheckpointError(f"{path} has a corrupt safetensors header: {type(e).__name__}: {e}") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path} has a corrupt safetensors header: a JSON {type(header).__name__}, not an "
+                              "object")
     data_start = 8 + header_len
-    size = path.stat().st_size
     infos: dict[str, TensorInfo] = {}
     for name, meta in header.items():
         if name == "__metadata__":
             continue
-        dtype = SAFETENSORS_DTYPES.get(meta.get("dtype"))
+        if not isinstance(meta, dict):
+            raise CheckpointError(f"{path}: tensor {name!r} has a header entry that is a JSON {type(meta).__name__}, "
+                                  "not an object")
+        dtype_name = meta.get("dtype")
+        dtype = SAFETENSORS_DTYPES.get(dtype_name) if isinstance(dtype_name, str) else None
         if dtype is None:
-            raise CheckpointError(f"{path}: tensor {name!r} has unsupported dtype {meta.get('dtype')!r}")
-        begin, end = meta["data_offsets"]
-        shape = tuple(int(s) for s in meta["shape"])
+            raise CheckpointError(f"{path}: tensor {name!r} has unsupported dtype {dtype_name!r}")
+        shape, offsets = meta.get("shape"), meta.get("data_offsets")
+        if not isinstance(shape, list) or not all(_natural(s) for s in shape):
+            raise CheckpointError(f"{path}: tensor {name!r} has a shape that is not a list of non-negative integers: "
+                                  f"{str(shape)[:100]}")
+        if (not isinstance(offsets, list) or len(offsets) != 2 or not all(_natural(o) for o in offsets)
+                or offsets[0] > offsets[1]):
+            raise CheckpointError(f"{path}: tensor {name!r} has data_offsets that are not [begin, end] with "
+                                  f"0 <= begin <= end: {str(offsets)[:100]}")
+        begin, end = offsets
         nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
         if end - begin != nbytes or data_start + end > size:
-            raise CheckpointError(f"{path}: tensor {name!r} has inconsistent offsets (file truncated?)")
-        infos[name] = TensorInfo(name, path, dtype, shape, data_start + begin, nbytes)
+            raise CheckpointError(f"{path}: tensor {name!r} has inconsistent offsets (file truncated?): "
+                                  f"[{begin}, {end}) for {nbytes} bytes of {dtype_name} {shape}, "
+                                  f"{size - data_start} bytes of data in the file")
+        infos[name] = TensorInfo(name, path, dtype, tuple(shape), data_start + begin, nbytes)
     return infos
+
+
+def _natural(x) -> bool:
+    """A JSON integer >= 0 (not a bool, not a float)."""
+    return type(x) is int and x >= 0
 
 
 class Checkpoint:

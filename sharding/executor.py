@@ -10,8 +10,12 @@ replica's new processes (`rejoin`). The other ranks' side is sharding/worker.py.
 
 from __future__ import annotations
 
+import datetime
+import itertools
+import secrets
+import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
@@ -19,6 +23,8 @@ from sharding.dist import Dist, ReplicaGroups, make_replica_groups
 from sharding.runner import EngineConfig, ModelRunner, start_rank
 from sharding.wire import (CMD_LORA_LOAD, CMD_LORA_UNLOAD, CMD_NOOP, CMD_SHUTDOWN, Step, pack_command,
                            send_step)
+
+REPORT_POLL_S = 0.5  # a wait for the ranks' LoRA load reports looks this often whether their replica is going down
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -44,6 +50,9 @@ class Executor:
         self._message = torch.zeros(Step.message_size(runner.cfg.max_num_seqs), dtype=torch.int64)  # sharding/wire.py
         self._order = 0  # launches and no-wait commands, numbered (Launched.order)
         self._unwaited: dict[int, list] = {}  # replica -> [(order, send work, tensor)] of commands not waited for yet
+        # LoRA load tickets: from a random start, so that no report left in a store that outlives this process (a
+        # torchrun agent's) answers for a load of this one
+        self._tickets = itertools.count(secrets.randbits(40) << 16 | 1)
 
     # ---- what the server reads of rank 0's model and cache: rank 0's own ModelRunner's ---------------------------
     cfg: EngineConfig = _of_runner("cfg")
@@ -146,16 +155,54 @@ class Executor:
             w.wait()
 
     # LoRA adapters (server/engine/lora_registry.py decides which adapter is in which slot; rank 0 validated the folder first)
-    def lora_load(self, slot: int, path: str, replicas: list[int], local: bool = True) -> None:
+    def lora_load(self, slot: int, path: str, replicas: list[int], local: bool = True) -> LoadTicket | None:
         """Rank 0 reads its own blocks of the adapter into `slot` (`local`; raising, with nothing sent, if it
-        cannot), then tells `replicas`' ranks to read theirs. A rank that then fails to read exits (its replica is
-        restarted and given every loaded adapter again: server/engine/core.py)."""
+        cannot), then tells `replicas`' ranks to read theirs. Each of them reports how it fared under the ticket
+        returned (None: no other rank was asked), which `lora_reports` reads: a rank that cannot read its part
+        fails that load, not its replica."""
         from sharding.layers.lora import encode_load
 
         if local:
             self.runner.lora.load(slot, path)
         if self.dist.global_world_size > 1 and replicas:
-            self._command(CMD_LORA_LOAD, replicas, encode_load(slot, path), wait=False)
+            layout = self.dist.layout
+            ranks = [r for replica in replicas for p in range(layout.pp) for t in range(layout.tp)
+                     if (r := layout.rank_of(replica, p, t)) != 0]
+            ticket = LoadTicket(next(self._tickets), ranks) if ranks else None
+            self._command(CMD_LORA_LOAD, replicas, encode_load(slot, path, ticket.id if ticket else 0), wait=False)
+            return ticket
+        return None
+
+    def lora_reports(self, ticket: LoadTicket, wait: bool, gone: Callable[[], bool] = lambda: False
+                     ) -> dict[int, str] | None:
+        """The ranks' reports of a load (sharding/layers/lora.py: report_load): None while some rank has not
+        reported, else {rank: why} of the ranks that could not read their part (empty: every rank did). `wait`:
+        wait for them (only while none of those replicas' steps is in flight: a rank blocked handing rank 0 an
+        earlier step's logits would never report), until `gone()` says the replica is being taken down, or the
+        collective timeout (RuntimeError either way)."""
+        from sharding.layers.lora import LOAD_OK, load_report_key
+
+        store = self.dist.store
+        keys = [load_report_key(ticket.id, r) for r in ticket.ranks]
+        if wait:
+            deadline = time.monotonic() + self.dist.timeout.total_seconds()
+            while not store.check(keys):
+                if gone() or time.monotonic() > deadline:
+                    raise RuntimeError(f"rank(s) {', '.join(map(str, ticket.ranks))} did not report reading a LoRA "
+                                       "adapter")
+                try:
+                    store.wait(keys, datetime.timedelta(seconds=REPORT_POLL_S))
+                except RuntimeError:  # DistStoreError: not yet (a store gone fails the next check)
+                    pass
+        elif not store.check(keys):
+            return None
+        failed = {}
+        for rank, key in zip(ticket.ranks, keys):
+            value = store.get(key).decode(errors="replace")
+            store.delete_key(key)
+            if value != LOAD_OK:
+                failed[rank] = value
+        return failed
 
     def lora_unload(self, slot: int, replicas: list[int]) -> None:
         if not replicas:
@@ -188,6 +235,15 @@ class Executor:
             if failed:
                 raise RuntimeError(f"rank(s) {', '.join(map(str, failed))} of replica {replica} failed to {what}")
         return groups, count
+
+
+@dataclass(slots=True)
+class LoadTicket:
+    """A LoRA load sent to other ranks: its id (in the command and the keys the ranks report under) and the ranks
+    that report."""
+
+    id: int
+    ranks: list[int]
 
 
 @dataclass(slots=True)

@@ -38,7 +38,8 @@ CMD_STEP = 1
 CMD_SHUTDOWN = 2
 CMD_NOOP = 3  # a heartbeat while idle, so waiting ranks can tell a quiet server from a dead one
 # commands with a payload of their own between steps (header [cmd, payload size, 0, 0]): a LoRA adapter into a slot
-# (the payload: sharding/layers/lora.py encode_load, a slot and a local path each rank reads its own byte ranges from) or out
+# (the payload: sharding/layers/lora.py encode_load, a slot, a ticket the ranks report under, and a local path each rank
+# reads its own byte ranges from) or out
 CMD_LORA_LOAD = 4
 CMD_LORA_UNLOAD = 5
 PAYLOAD_COMMANDS = (CMD_LORA_LOAD, CMD_LORA_UNLOAD)

@@ -101,19 +101,24 @@ class Worker:
                     d.send(pooled.cpu(), 0)  # embedding sequences' pooled rows
 
     def _apply_command(self, cmd: int, payload: torch.Tensor) -> None:
-        """A LoRA load or unload on this rank. A rank that cannot read its part of an adapter rank 0 could read
-        leaves: its replica is restarted (server/engine/supervisor.py) rather than serve without the adapter."""
-        from sharding.layers.lora import decode_load
+        """A LoRA load or unload on this rank. A load this rank cannot read (its files changed since rank 0 checked
+        them, or are missing on this host) leaves the slot empty here and is reported to rank 0 like a success
+        (report_load): rank 0 fails that load and unloads the slot on this replica. The rank keeps serving."""
+        from sharding.layers.lora import decode_load, report_load
 
+        if cmd != CMD_LORA_LOAD:
+            self.runner.lora.unload(int(payload[0]))
+            return
+        slot, path, ticket = decode_load(payload)
+        error = None
         try:
-            if cmd == CMD_LORA_LOAD:
-                slot, path = decode_load(payload)
-                self.runner.lora.load(slot, path)
-            else:
-                self.runner.lora.unload(int(payload[0]))
-        except Exception as e:  # noqa: BLE001 - fatal for this rank, see above
-            logger.error("rank %d could not apply LoRA command %d: %s; leaving", self.dist.global_rank, cmd, e)
-            os._exit(1)
+            self.runner.lora.load(slot, path)
+        except Exception as e:  # noqa: BLE001 - reported to rank 0, which fails the load
+            error = str(e) if isinstance(e, (ValueError, OSError)) else f"{type(e).__name__}: {e}"
+            logger.error("rank %d could not read LoRA adapter %s into slot %d: %s", self.dist.global_rank, path, slot,
+                         error)
+            self.runner.lora.unload(slot)  # not the slot's previous adapter either
+        report_load(self.dist.store, ticket, self.dist.global_rank, error)
 
 
 def worker_loop(runner: ModelRunner) -> None:

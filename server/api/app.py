@@ -9,6 +9,7 @@ Every error is answered in OpenAI's JSON shape.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 import time
 import uuid
@@ -23,11 +24,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from server.api import embeddings, responses as responses_api, tokenize as tokenize_api
 from server.api.embeddings import pooling_config
-from server.engine.structured.grammar import Grammars
-from server.api.state import PendingRequest, ServerState, admit, gather
-from server.api.preprocess import (check_length, check_model, decode_prompt, logit_bias, output_constraint, render_chat,
-                            sampling_params, tokenize_prompts, with_seed)
-from server.engine.lora_registry import RUNTIME_UPDATES_ENV, runtime_updates_allowed
+from server.engine.structured.grammar import Grammars, request_owner
+from server.api.state import PendingRequest, ServerState, admit, bearer_token, gather
+from server.api.preprocess import (check_length, check_model, decode_prompt, logit_bias, output_constraint,
+                            prompt_chars, refuse_long_prompts, render_chat, render_cost, sampling_params,
+                            tokenize_prompts, with_seed)
+from server.engine.lora_registry import RUNTIME_UPDATES_ENV, LoraRefused, key_owner, runtime_updates_allowed
 from server.api.protocol import (APIError, ChatCompletionRequest, CompletionRequest, LoadLoraAdapterRequest,
                              UnloadLoraAdapterRequest)
 from server.api.bodies import EventStream, chat_response, completion_response, stream_chat, stream_completion
@@ -39,7 +41,7 @@ __all__ = ["ServerState", "build_app"]
 
 # the paths behind the API key (and the body-size and draining guards): the OpenAI API, vLLM's /tokenize and
 # /detokenize, which reveal as much about the served model as /v1/models does, and the API's own description
-# (/docs, /redoc, /openapi.json); /health and /metrics stay open for probes and scrapers
+# (/docs, /redoc, /openapi.json); /health stays open for probes, and /metrics for scrapers unless --metrics-key is set
 KEYED_PATHS = ("/v1/", "/tokenize", "/detokenize", "/docs", "/redoc", "/openapi.json")
 
 
@@ -87,8 +89,15 @@ def build_app(state: ServerState) -> FastAPI:
         return error_response(APIError(500, "internal server error", "internal_error"))
 
     def refusal(scope) -> APIError | None:
-        """Why a /v1/ request is turned away before its route runs (key, body size, draining), or None."""
+        """Why a /v1/ request is turned away before its route runs (key, body size, draining), or None; /metrics
+        wants --metrics-key when one is set (open by default, as vLLM's)."""
         path = scope.get("path", "")
+        if state.metrics_key and (path == "/metrics" or path.startswith("/metrics/")):
+            token = bearer_token(Headers(scope=scope).get("authorization", "")) or ""
+            if not hmac.compare_digest(token.encode(), state.metrics_key.encode()):
+                return APIError(401, "invalid or missing metrics key (send Authorization: Bearer <key>)",
+                                "authentication_error", code="invalid_api_key")
+            return None
         if not path.startswith(KEYED_PATHS):
             return None
         headers = Headers(scope=scope)
@@ -234,25 +243,44 @@ def build_app(state: ServerState) -> FastAPI:
         if state.loras is None:
             raise APIError(400, "this server was started without --enable-lora", code="lora_disabled")
 
+    def lora_caller(request: Request) -> tuple[str | None, bool]:
+        """Who asks (key_owner of its API key; None without --api-key) and whether it may unload any adapter (the
+        --lora-admin-key; everyone on a server without keys)."""
+        if not state.api_keys:
+            return None, True
+        token = bearer_token(request.headers.get("authorization", ""))
+        return key_owner(token), state.loras.is_admin(token)
+
+    def lora_refusal(e: LoraRefused) -> APIError:
+        kind = "permission_error" if e.status == 403 else "invalid_request_error"
+        return APIError(e.status, str(e), kind, param=e.param, code=e.code)
+
     @app.post("/v1/load_lora_adapter")
-    async def load_lora_adapter(body: LoadLoraAdapterRequest):
+    async def load_lora_adapter(body: LoadLoraAdapterRequest, request: Request):
         runtime_lora()
-        try:  # rank 0's check of the folder (headers only), off the event loop
+        owner, _ = lora_caller(request)
+        try:  # rank 0's check of the folder (inside --lora-root; headers only), off the event loop
+            state.loras.room_for(owner)
             adapter = await run_in_threadpool(state.loras.check, body.lora_name, body.lora_path,
-                                              body.base_model_name)
-            state.loras.register(adapter)
-        except ValueError as e:
-            raise APIError(400, str(e), param="lora_path" if "already" not in str(e) else "lora_name") from None
+                                              body.base_model_name, True)
+            state.loras.register(adapter, owner, runtime=True)
+        except LoraRefused as e:
+            raise lora_refusal(e) from None
+        except (ValueError, OSError) as e:  # LoraError, CheckpointError: the folder, named
+            raise APIError(400, str(e), param="lora_path") from None
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
 
     @app.post("/v1/unload_lora_adapter")
-    async def unload_lora_adapter(body: UnloadLoraAdapterRequest):
+    async def unload_lora_adapter(body: UnloadLoraAdapterRequest, request: Request):
         runtime_lora()
+        owner, admin = lora_caller(request)
         try:
-            adapter = state.loras.retire(body.lora_name)
+            adapter = state.loras.retire(body.lora_name, owner, admin)
         except KeyError:
             raise APIError(404, f"The LoRA adapter '{body.lora_name}' is not loaded", "not_found_error",
                            param="lora_name", code="lora_not_found") from None
+        except LoraRefused as e:
+            raise lora_refusal(e) from None
         await asyncio.wrap_future(state.engine.call_soon(lambda: state.engine.loras.retire(adapter)))
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
 
@@ -262,7 +290,13 @@ def build_app(state: ServerState) -> FastAPI:
         lora = check_model(state, body.model)
         if body.suffix:
             raise APIError(400, "suffix (text insertion) is not supported by this server", param="suffix")
-        prompts = tokenize_prompts(state, body.prompt)
+        refuse_long_prompts(state, body.prompt)  # (a prompt whose length proves it too long: before tokenizing)
+
+        def prepare() -> tuple[list[list[int]], list[str]]:  # in the CpuPool, off the event loop
+            ids = tokenize_prompts(state, body.prompt)
+            return ids, [decode_prompt(state, p) if body.echo else "" for p in ids]
+
+        prompts, echo_text = await state.cpu.run(prompt_chars(body.prompt), prepare)
         max_tokens = body.max_tokens if body.max_tokens is not None else 16
         params = sampling_params(body, max_tokens, body.logprobs, logit_bias(state, body))
         if body.echo and body.logprobs is not None:  # the prompt's tokens get logprobs too, as OpenAI's legacy API
@@ -270,7 +304,8 @@ def build_app(state: ServerState) -> FastAPI:
         for ids in prompts:
             check_length(state, ids, max_tokens)
         constraint, _ = output_constraint(state, body)
-        compiled = await state.engine.grammars.compile(constraint) if constraint else None
+        compiled = await state.engine.grammars.compile(constraint, request_owner(request, state.api_keys),
+                                                       request.is_disconnected) if constraint else None
         req = PendingRequest(state, asyncio.get_running_loop(), body.stream)
         req.lora = lora
         for p_i, ids in enumerate(prompts):
@@ -278,7 +313,6 @@ def build_app(state: ServerState) -> FastAPI:
                 req.add(ids, with_seed(params, c), p_i * body.n + c, Grammars.state(compiled) if compiled else None)
         admit(state, req)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-        echo_text = [decode_prompt(state, ids) if body.echo else "" for ids in prompts]
         if body.stream:
             return EventStream(req, stream_completion(req, body, rid, created, echo_text, prompts))
         await gather(req, request)
@@ -289,14 +323,15 @@ def build_app(state: ServerState) -> FastAPI:
     async def chat(body: ChatCompletionRequest, request: Request):
         lora = check_model(state, body.model)
         constraint, parse_tools = output_constraint(state, body)
-        ids = render_chat(state, body)
+        ids = await state.cpu.run(render_cost(state, body), render_chat, state, body)  # off the event loop
         max_tokens = body.max_completion_tokens or body.max_tokens or (state.max_model_len - len(ids))
         top = body.top_logprobs if body.logprobs else None
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError(400, "top_logprobs requires logprobs=true", param="top_logprobs")
         params = sampling_params(body, max_tokens, (top or 0) if body.logprobs else None, logit_bias(state, body))
         check_length(state, ids, max_tokens)
-        compiled = await state.engine.grammars.compile(constraint) if constraint else None
+        compiled = await state.engine.grammars.compile(constraint, request_owner(request, state.api_keys),
+                                                       request.is_disconnected) if constraint else None
         req = PendingRequest(state, asyncio.get_running_loop(), body.stream)
         req.lora = lora
         for c in range(body.n):
@@ -318,6 +353,7 @@ def build_app(state: ServerState) -> FastAPI:
         state.responses = ResponseStore(metrics=state.metrics)
     elif state.responses.metrics is None:
         state.responses.metrics = state.metrics
+    state.responses.shared_by(len(state.api_keys))  # (each key held to its share once there are several)
     responses_api.add_routes(app, state)
     tokenize_api.add_routes(app, state)
     return app

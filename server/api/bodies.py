@@ -14,8 +14,8 @@ from typing import AsyncIterator
 
 from fastapi.responses import Response
 
-from server.api.state import PendingRequest, ServerState, stream_events
-from server.api.protocol import APIError, ChatCompletionRequest, CompletionRequest
+from server.api.state import PendingRequest, ServerState, failure, stream_events
+from server.api.protocol import ChatCompletionRequest, CompletionRequest
 from server.engine.request import Sequence
 from server.api.tool_calls import ToolCallParser, new_call_id, parse_tool_calls
 
@@ -161,9 +161,8 @@ class EventStream(Response):
             await self.background()
 
 
-def error_chunk(state: ServerState) -> dict:
-    return APIError(503, f"the engine failed while serving this request: {state.engine.dead}",
-                    "service_unavailable", code="engine_failed").body()
+def error_chunk(state: ServerState, seq=None) -> dict:
+    return failure(state, seq).body()
 
 
 async def stream_completion(req: PendingRequest, body: CompletionRequest, rid: str, created: int, echo_text: list[str],
@@ -183,7 +182,7 @@ async def stream_completion(req: PendingRequest, body: CompletionRequest, rid: s
                 echo_later.add(i)
     async for seq, text, finished, a, b in stream_events(req):
         if seq.finish_reason == "error":
-            yield error_chunk(state)
+            yield error_chunk(state, seq)
             return
         i = req.index[seq.seq_id]
         if i in echo_later:
@@ -255,7 +254,7 @@ async def stream_chat(req: PendingRequest, body: ChatCompletionRequest, rid: str
         yield chunk(i, {"role": "assistant", "content": ""}, None)
     async for seq, text, finished, a, b in stream_events(req):
         if seq.finish_reason == "error":
-            yield error_chunk(state)
+            yield error_chunk(state, seq)
             return
         i = req.index[seq.seq_id]
         lp = chat_logprobs(state, seq, a, b) if body.logprobs and b > a else None

@@ -32,7 +32,7 @@ from pydantic import ConfigDict, Field, field_validator
 
 from server.engine.detokenizer import IncrementalDetokenizer
 from server.api.state import PendingRequest, ServerState, admit, gather
-from server.api.preprocess import check_model, tokenize_prompts
+from server.api.preprocess import check_model, prompt_chars, refuse_long_prompts, tokenize_prompts
 from server.api.protocol import APIError, RequestBody, check_prompts
 from server.engine.sampler import SamplingParams
 from server.engine.request import Sequence
@@ -115,16 +115,22 @@ class EmbeddingRequest(RequestBody):
         return check_prompts(v, "input", MAX_INPUTS)
 
 
+TRUNCATE_HINT = " (send truncate_prompt_tokens to keep the last tokens)"
+
+
 def input_ids(state: ServerState, body: EmbeddingRequest) -> list[list[int]]:
+    """The inputs' token ids, each at most the max model length (after truncate_prompt_tokens). Runs in the
+    CpuPool (server/api/state.py); `refuse_long_prompts` has already turned away, on the event loop, an input whose
+    length in characters proves it too long (unless truncate_prompt_tokens asks for its last tokens: then it is
+    tokenized whole)."""
     out = tokenize_prompts(state, body.input, "input", body.add_special_tokens)
     limit = state.max_model_len
     for i, ids in enumerate(out):
         if body.truncate_prompt_tokens is not None:
             out[i] = ids = ids[-body.truncate_prompt_tokens:]
         if len(ids) > limit:
-            raise APIError(400, f"input[{i}] has {len(ids)} tokens; this server's max model length is {limit} "
-                                "(send truncate_prompt_tokens to keep the last tokens)", param="input",
-                           code="context_length_exceeded")
+            raise APIError(400, f"input[{i}] has {len(ids)} tokens; this server's max model length is {limit}"
+                                f"{TRUNCATE_HINT}", param="input", code="context_length_exceeded")
     return out
 
 
@@ -153,7 +159,9 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
                                     "(matryoshka_dimensions in config.json); this model does not", param="dimensions")
             if body.dimensions not in cfg.dimensions:
                 raise APIError(400, f"dimensions must be one of {list(cfg.dimensions)[:32]}", param="dimensions")
-        prompts = input_ids(state, body)
+        if body.truncate_prompt_tokens is None:  # (an input whose length proves it too long: before tokenizing)
+            refuse_long_prompts(state, body.input, "input", state.max_model_len + 1, TRUNCATE_HINT)
+        prompts = await state.cpu.run(prompt_chars(body.input), input_ids, state, body)  # off the event loop
         req = PendingRequest(state, asyncio.get_running_loop())
         params = SamplingParams(max_tokens=1)
         for i, ids in enumerate(prompts):

@@ -5,6 +5,11 @@ template (with tools, when the request has them), lengths checked against the ma
 built, and the output constraint resolved: from response_format / guided_* / structured_outputs
 (server/engine/structured/constraint.py) or from tool_choice (server/api/tool_calls.py), then compiled (server/engine/structured/grammar.py). Anything
 wrong is a 400 here, so a bad request never reaches the other ranks.
+
+Tokenizing and rendering run in the server's CpuPool (server/api/state.py), never on the event loop: the routes
+call `tokenize_prompts` and `render_chat` through `state.cpu.run`. A prompt whose length in characters already
+proves it longer than the max model length (server/engine/tokenizer.py, length_bound) is refused before it is
+tokenized: on the event loop for a prompt (`refuse_long_prompts`), after rendering for a conversation.
 """
 
 from __future__ import annotations
@@ -33,11 +38,45 @@ def check_model(state: ServerState, name: str | None):
     return adapter
 
 
+def _prompt_list(prompt) -> list:
+    return [prompt] if isinstance(prompt, str) or all(isinstance(x, int) for x in prompt) else list(prompt)
+
+
+def prompt_chars(prompt) -> int:
+    """The size of a prompt field (characters, or token ids): what its tokenizing costs the CpuPool."""
+    return sum(len(p) for p in _prompt_list(prompt))
+
+
+def too_long(state: ServerState, n: int, param: str, where: str, at_least: bool, hint: str = "") -> APIError:
+    """The 400 of a prompt longer than the max model length (`at_least`: counted from its length in characters)."""
+    limit = state.max_model_len
+    why = f"this server's max model length is {limit}"
+    if state.engine.replicas.pool_tokens <= limit:
+        why += f" (its whole KV cache holds {state.engine.replicas.pool_tokens} tokens)"
+    count = f"at least {n} tokens (counted from its length in characters)" if at_least else f"{n} tokens"
+    return APIError(400, f"{where} has {count}; {why}{hint}", param=param, code="context_length_exceeded")
+
+
+def refuse_long_prompts(state: ServerState, prompt, param: str = "prompt", refuse_at: int | None = None,
+                        hint: str = "") -> None:
+    """On the event loop, before any tokenizing: a prompt of `refuse_at` tokens or more (default the max model
+    length, which leaves no room for an answer) is refused when its token ids say so, or when its length in
+    characters proves it (ServerState.min_tokens: a bound, never an estimate). A 4 MB prompt costs a length, or a
+    few str.count calls."""
+    refuse_at = state.max_model_len if refuse_at is None else refuse_at
+    raw = _prompt_list(prompt)
+    for i, p in enumerate(raw):
+        n = len(p) if not isinstance(p, str) else state.min_tokens(p)
+        if n >= refuse_at:
+            where = param if len(raw) == 1 else f"{param}[{i}]"
+            raise too_long(state, n, param, where, at_least=isinstance(p, str), hint=hint)
+
+
 def tokenize_prompts(state: ServerState, prompt, param: str = "prompt",
                      add_special_tokens: bool = True) -> list[list[int]]:
     """Token ids of each prompt in one of OpenAI's four shapes (server/api/protocol.py, check_prompts): strings
-    tokenized, token ids checked against the vocabulary."""
-    raw = [prompt] if isinstance(prompt, str) or all(isinstance(x, int) for x in prompt) else list(prompt)
+    tokenized, token ids checked against the vocabulary. Runs in the CpuPool (state.cpu.run)."""
+    raw = _prompt_list(prompt)
     out = []
     for i, p in enumerate(raw):
         where = param if len(raw) == 1 else f"{param}[{i}]"
@@ -55,8 +94,29 @@ def tokenize_prompts(state: ServerState, prompt, param: str = "prompt",
     return out
 
 
-def render_chat(state: ServerState, body: ChatCompletionRequest) -> list[int]:
-    """The conversation's prompt tokens, through the model's chat template (what /tokenize counts, too)."""
+def chat_chars(body: ChatCompletionRequest) -> int:
+    """The size of a conversation (its messages' text and earlier calls' arguments), in characters."""
+    n = 0
+    for m in body.messages:
+        n += len(m.content) if isinstance(m.content, str) else sum(len(p.text) for p in m.content or ())
+        n += sum(len(c.function.arguments) for c in m.tool_calls or ())
+    return n
+
+
+def render_cost(state: ServerState, body: ChatCompletionRequest) -> int:
+    """What rendering and tokenizing a conversation costs the CpuPool, in characters: a rendering too long for the
+    model is refused before it is tokenized (render_chat), so no more than the characters that can fit."""
+    n = chat_chars(body)
+    if state.length_bound is not None:
+        n = min(n, state.max_model_len * state.length_bound.chars_per_token)
+    return n
+
+
+def render_chat(state: ServerState, body: ChatCompletionRequest, refuse_long: bool = True) -> list[int]:
+    """The conversation's prompt tokens, through the model's chat template (what /tokenize counts, too, with
+    refuse_long=False). The template is rendered to text, then tokenized without special tokens, as transformers'
+    apply_chat_template(tokenize=True) does; between the two, a rendering whose length in characters proves it longer
+    than the max model length is refused untokenized. Runs in the CpuPool (state.cpu.run)."""
     in_template = template_supports_tools(state.tokenizer)
     messages = render_messages(body.messages, in_template)
     extra = dict(body.chat_template_kwargs or {})  # no key the server sets itself (protocol.CHAT_TEMPLATE_RESERVED)
@@ -65,11 +125,15 @@ def render_chat(state: ServerState, body: ChatCompletionRequest) -> list[int]:
     if body.tools and in_template and tool_choice(body) != "none":
         extra["tools"] = [t.model_dump(exclude_none=True) for t in body.tools]
     try:
-        ids = state.tokenizer.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt,
-                                                  tokenize=True, return_dict=False, **extra)
+        text = state.tokenizer.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt,
+                                                   tokenize=False, **extra)
     except Exception as e:  # noqa: BLE001 - a template that rejects the conversation (e.g. role order)
         raise APIError(400, f"cannot render the chat template for these messages: {e}", param="messages") from None
-    ids = list(ids)
+    if refuse_long:
+        n = state.min_tokens(text)
+        if n >= state.max_model_len:
+            raise too_long(state, n, "messages", "the conversation", at_least=True)
+    ids = list(state.tokenizer(text, add_special_tokens=False)["input_ids"])
     if not ids:
         raise APIError(400, "the conversation renders to zero tokens", param="messages")
     return ids
@@ -83,7 +147,7 @@ def check_length(state: ServerState, ids: list[int], max_tokens: int) -> None:
     if state.engine.replicas.pool_tokens <= limit:
         why += f" (its whole KV cache holds {state.engine.replicas.pool_tokens} tokens)"
     if len(ids) >= limit:
-        raise APIError(400, f"the prompt has {len(ids)} tokens; {why}", param="prompt", code="context_length_exceeded")
+        raise too_long(state, len(ids), "prompt", "the prompt", at_least=False)
     if len(ids) + max_tokens > limit:
         raise APIError(400, f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds {limit} tokens: {why}; "
                             f"lower max_tokens to at most {limit - len(ids)}", param="max_tokens",

@@ -365,12 +365,16 @@ class ChatCompletionRequest(ChatTemplateFields, SamplingFields):
     function_call: Any = None
 
 
-class LoadLoraAdapterRequest(RequestBody):
-    """POST /v1/load_lora_adapter (vLLM's shape): a name for the adapter and its local PEFT folder."""
+LORA_NAME = r"^[^\x00-\x1f\x7f]+$"  # an adapter's name: no control characters (it lands in logs and metric labels)
 
-    lora_name: str = Field(min_length=1, max_length=256)
+
+class LoadLoraAdapterRequest(RequestBody):
+    """POST /v1/load_lora_adapter (vLLM's shape): a name for the adapter and its local PEFT folder, inside the
+    server's --lora-root (server/engine/lora_registry.py: LoraRegistry.runtime_path)."""
+
+    lora_name: str = Field(min_length=1, max_length=256, pattern=LORA_NAME)
     lora_path: str = Field(min_length=1, max_length=4096)
-    base_model_name: str | None = None
+    base_model_name: str | None = Field(default=None, max_length=4096)
 
 
 class UnloadLoraAdapterRequest(RequestBody):

@@ -8,8 +8,11 @@ and forced tool calls, the Hermes parser for tool_choice "auto". What comes back
 OpenAI's order, each with its `sequence_number`.
 
 Stored responses (`store`, default true as OpenAI) keep the conversation they end, so `previous_response_id` continues
-it. The store is bounded in bytes and in count, least recently used first out (ResponseStore); a response is visible
-only to the API key that made it (a response of another key is "not found", never "forbidden": ids do not leak).
+it. The store is bounded in bytes and in count, least recently used first out, and each API key to its share of both
+(ResponseStore); a response is visible only to the API key that made it (a response of another key is "not found",
+never "forbidden": ids do not leak). It is in memory only: a restart forgets it. A `previous_response_id` with no
+conversation to continue is OpenAI's 400 previous_response_not_found; a response that did not finish (its client gone,
+cancelled, failed) keeps its input; a DELETE while the response runs is not undone when the run ends.
 
 What is not implemented is refused with a 400 naming the field: background, built-in tools, reasoning effort,
 conversation, prompt templates, truncation "auto", item references, images and files.
@@ -30,9 +33,10 @@ from typing import Any
 from fastapi import FastAPI, Request
 from pydantic import ConfigDict, ValidationError
 
-from server.engine.structured.grammar import Grammars
+from server.engine.structured.grammar import Grammars, request_owner
 from server.api.state import PendingRequest, ServerState, admit, gather, stream_events
-from server.api.preprocess import check_length, check_model, output_constraint, render_chat, sampling_params
+from server.api.preprocess import (check_length, check_model, output_constraint, render_chat, render_cost,
+                                   sampling_params)
 from server.api.protocol import APIError, ChatCompletionRequest, RequestBody
 from server.api.bodies import EventStream, chat_logprobs, forced_tools, truncated_call
 from server.engine.request import Sequence
@@ -41,6 +45,7 @@ from server.api.tool_calls import ToolCallParser, parse_tool_calls
 MAX_METADATA_PAIRS, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512
 DEFAULT_STORE_MAX_BYTES = 64 * 1024 * 1024
 DEFAULT_STORE_MAX_COUNT = 10_000
+DEFAULT_STORE_KEY_SHARE = 0.25  # of either bound, per API key (on a server with several keys)
 BUILTIN_TOOLS = ("web_search", "web_search_preview", "file_search", "code_interpreter", "mcp", "computer_use_preview",
                  "image_generation", "local_shell", "custom")
 
@@ -286,38 +291,70 @@ class Stored:
     owner: str | None
     size: int = 0
     pending: PendingRequest | None = None  # while in progress: what cancel aborts
+    running: bool = False  # put while its run goes on: the run stores it again when it ends
 
 
 class ResponseStore:
-    """Responses by id, bounded in bytes (their JSON) and in count; the least recently used leave first."""
+    """Responses by id, bounded in bytes (their JSON) and in count; the least recently used leave first. Each API key
+    may fill at most `key_share` of either bound (once the server has several keys, `shared_by`): past it, that key's
+    own least recently used responses leave, so one client storing a lot pushes out its own history, not everyone's.
+
+    A response deleted while its run goes on leaves a tombstone, so the run's last store does not bring it back. The
+    store is in memory only: a restart forgets every response (a client chaining from one then gets a 400,
+    previous_response_not_found)."""
 
     def __init__(self, max_bytes: int = DEFAULT_STORE_MAX_BYTES, max_count: int = DEFAULT_STORE_MAX_COUNT,
-                 metrics=None):
-        self.max_bytes, self.max_count = max_bytes, max_count
+                 metrics=None, key_share: float = DEFAULT_STORE_KEY_SHARE):
+        if not 0 < key_share <= 1:
+            raise ValueError(f"the share of the responses store one API key may fill must be in (0, 1], got "
+                             f"{key_share}")
+        self.max_bytes, self.max_count, self.key_share = max_bytes, max_count, key_share
+        self.per_key = False  # whether key_share applies (shared_by)
         self._items: OrderedDict[str, Stored] = OrderedDict()
+        self._by_owner: dict[str | None, OrderedDict[str, None]] = {}  # each owner's ids, least recently used first
+        self._owner_bytes: dict[str | None, int] = {}
+        self._deleted: OrderedDict[str, str | None] = OrderedDict()  # id -> owner: deleted while its run went on
         self.bytes = 0
         self.evicted = 0
         self._lock = threading.Lock()
         self.metrics = metrics
 
+    def shared_by(self, keys: int) -> None:
+        """The number of API keys the server takes: with two or more, each key is held to its share; with one key
+        or none every client is the same owner, and the whole store is theirs."""
+        self.per_key = keys > 1 and self.key_share < 1
+
+    @property
+    def key_max_bytes(self) -> int:
+        return int(self.max_bytes * self.key_share) if self.per_key else self.max_bytes
+
+    @property
+    def key_max_count(self) -> int:
+        return max(1, int(self.max_count * self.key_share)) if self.per_key else self.max_count
+
     def __len__(self) -> int:
         return len(self._items)
 
-    def put(self, rid: str, entry: Stored) -> None:
+    def put(self, rid: str, entry: Stored) -> bool:
+        """Store (or replace) a response; False when it was deleted while its run went on (it stays deleted)."""
         entry.size = len(json.dumps(entry.response)) + len(json.dumps(entry.messages))
         with self._lock:
-            old = self._items.pop(rid, None)
-            if old is not None:
-                self.bytes -= old.size
+            if self._deleted.get(rid, ()) == entry.owner:  # deleted while its run went on: stays deleted
+                if not entry.running:
+                    del self._deleted[rid]  # (the run's last store: nothing more comes for this id)
+                return False
+            self._remove(rid)
             self._items[rid] = entry
+            self._by_owner.setdefault(entry.owner, OrderedDict())[rid] = None
+            self._owner_bytes[entry.owner] = self._owner_bytes.get(entry.owner, 0) + entry.size
             self.bytes += entry.size
+            own = self._by_owner[entry.owner]
+            while own and (self._owner_bytes[entry.owner] > self.key_max_bytes or len(own) > self.key_max_count):
+                self._evict(next(iter(own)))  # past its key's share: that key's least recently used first
             while self._items and (self.bytes > self.max_bytes or len(self._items) > self.max_count):
-                _, gone = self._items.popitem(last=False)
-                self.bytes -= gone.size
-                self.evicted += 1
-                if self.metrics is not None:
-                    self.metrics.responses_evicted.inc()
+                self._evict(next(iter(self._items)))
             self._sync()
+            return rid in self._items
 
     def get(self, rid: str, owner: str | None) -> Stored:
         with self._lock:
@@ -327,14 +364,56 @@ class ResponseStore:
                                     "server's bounded store)", "not_found_error", param="response_id",
                                code="response_not_found")
             self._items.move_to_end(rid)
+            self._by_owner[owner].move_to_end(rid)
             return entry
 
+    def conversation(self, rid: str, owner: str | None) -> list[dict]:
+        """The messages a request with previous_response_id=rid continues; a 400 naming the field (OpenAI's
+        previous_response_not_found) when there is none to continue: never stored (store=false), deleted, evicted,
+        forgotten by a restart, another key's, still in progress, or stored without its conversation."""
+        try:
+            entry = self.get(rid, owner)
+        except APIError:
+            raise APIError(400, f"Previous response with id {rid!r} not found (never stored, deleted, evicted from "
+                                "this server's bounded store, or lost in a restart: the store is in memory only)",
+                           param="previous_response_id", code="previous_response_not_found") from None
+        if entry.response["status"] == "in_progress":
+            raise _refuse("previous_response_id", f"the response {rid!r} is still in progress")
+        if not entry.messages:
+            raise APIError(400, f"previous_response_id: the response {rid!r} has no stored conversation to continue",
+                           param="previous_response_id", code="previous_response_not_found")
+        return [dict(m) for m in entry.messages]
+
     def delete(self, rid: str, owner: str | None) -> None:
-        self.get(rid, owner)
         with self._lock:
-            entry = self._items.pop(rid)
-            self.bytes -= entry.size
+            entry = self._items.get(rid)
+            if entry is None or entry.owner != owner:
+                raise APIError(404, f"no response with id {rid!r} (never stored, deleted, or evicted from this "
+                                    "server's bounded store)", "not_found_error", param="response_id",
+                               code="response_not_found")
+            self._remove(rid)
+            if entry.running:  # its run stores it again when it ends: that store is dropped
+                self._deleted[rid] = owner
+                while len(self._deleted) > self.max_count:  # (a run that never stored again: forgotten in turn)
+                    self._deleted.popitem(last=False)
             self._sync()
+
+    def _remove(self, rid: str) -> Stored | None:
+        entry = self._items.pop(rid, None)
+        if entry is not None:
+            self.bytes -= entry.size
+            own = self._by_owner[entry.owner]
+            del own[rid]
+            self._owner_bytes[entry.owner] -= entry.size
+            if not own:
+                del self._by_owner[entry.owner], self._owner_bytes[entry.owner]
+        return entry
+
+    def _evict(self, rid: str) -> None:
+        self._remove(rid)
+        self.evicted += 1
+        if self.metrics is not None:
+            self.metrics.responses_evicted.inc()
 
     def _sync(self) -> None:
         if self.metrics is not None:
@@ -555,19 +634,17 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
         owner = owner_of(request)
         history: list[dict] = []
         if body.previous_response_id is not None:
-            prev = state.responses.get(body.previous_response_id, owner)
-            if prev.response["status"] == "in_progress":
-                raise _refuse("previous_response_id", "that response is still in progress")
-            history = [dict(m) for m in prev.messages]
+            history = state.responses.conversation(body.previous_response_id, owner)
         try:
             chat, messages = to_chat(body, history)
             constraint, parse_tools = output_constraint(state, chat)
-            ids = render_chat(state, chat)
+            ids = await state.cpu.run(render_cost(state, chat), render_chat, state, chat)  # off the event loop
             max_tokens = chat.max_tokens or (state.max_model_len - len(ids))
             top = chat.top_logprobs or 0
             params = sampling_params(chat, max_tokens, top if chat.logprobs else None)
             check_length(state, ids, max_tokens)
-            compiled = await state.engine.grammars.compile(constraint) if constraint else None
+            compiled = await state.engine.grammars.compile(constraint, request_owner(request, state.api_keys),
+                                                           request.is_disconnected) if constraint else None
         except APIError as e:
             raise responses_error(e) from None
         run = Run(state, body, chat, messages, ids, parse_tools, owner)
@@ -576,15 +653,16 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
         req.add(ids, params, 0, Grammars.state(compiled) if compiled else None)
         admit(state, req)
         if body.store:  # visible (in progress) at once: GET shows it, cancel can stop it
-            state.responses.put(run.rid, Stored(run.response("in_progress", []), [], owner, pending=req))
+            state.responses.put(run.rid, Stored(run.response("in_progress", []), [], owner, pending=req,
+                                                running=True))
         if body.stream:
             return ResponseEvents(req, ResponseStream(run, req).events())
         try:
             await gather(req, request)
-        except BaseException as e:  # the engine failed, or the client went away: the stored response says so
-            if body.store:
+        except BaseException as e:  # the engine failed, or the client went away: the stored response says so,
+            if body.store:  # and keeps its input, so a request that continues it loses no history
                 status = "failed" if isinstance(e, APIError) else "cancelled"
-                state.responses.put(run.rid, Stored(run.response(status, [], req.seqs[0]), [], owner))
+                state.responses.put(run.rid, Stored(run.response(status, [], req.seqs[0]), list(run.messages), owner))
             raise
         seq = req.seqs[0]
         response = run.response(run.status(seq), run.output(seq, _new_id("msg")), seq)

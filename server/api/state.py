@@ -7,11 +7,14 @@ Each HTTP request becomes one engine Sequence per (prompt, choice). The engine t
 The event loop shares the machine (and, through the GIL, the engine thread's Python) with the decode, so the work
 per token is kept small: a gathered request is woken only when a sequence finishes, and a streamed one waits on its
 queue with no timer (its response watches for the client going away instead; server/api/bodies.py, EventStream).
+The work per request that grows with its size (tokenizing, chat templates, token-id checks) runs in `CpuPool`, a
+thread beside the loop with a bound on what waits, so a flood of large prompts never stalls the streams.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import hmac
 import sys
 import threading
@@ -28,6 +31,7 @@ from server.api.metrics import Metrics
 from server.api.protocol import APIError
 from server.engine.sampler import SamplingParams
 from server.engine.request import Sequence
+from server.engine.tokenizer import LengthBound, length_bound
 
 DISCONNECT_POLL_S = 0.5
 
@@ -39,6 +43,7 @@ class ServerState:
     model_name: str
     vocab_size: int
     api_key: str | None = None
+    metrics_key: str | None = None  # --metrics-key: /metrics then wants `Authorization: Bearer <it>`
     max_queued_requests: int = 256
     max_body_bytes: int = 4 * 1024 * 1024
     tool_call_parser: str | None = None  # "hermes": tool_choice "auto" reads calls out of the model's text
@@ -48,11 +53,21 @@ class ServerState:
     supervisor: object = None  # server/engine/supervisor.py, when this process spawned the ranks
     loras: object = None  # server/engine/lora_registry.py LoraRegistry, with --enable-lora
     draining: bool = False
+    cpu: CpuPool | None = None  # tokenizing and chat templates off the event loop (default: one thread, see CpuPool)
     created: int = field(default_factory=lambda: int(time.time()))
 
     def __post_init__(self) -> None:
         # --api-key may name several keys, comma-separated: each client its own (stored responses are per key)
         self.api_keys = frozenset(k.strip() for k in (self.api_key or "").split(",") if k.strip())
+        if self.cpu is None:
+            self.cpu = CpuPool(max_pending_chars=4 * self.max_body_bytes, max_pending=self.max_queued_requests)
+        # what a prompt's length in characters proves about its token count (None: nothing; tokenize to know)
+        self.length_bound: LengthBound | None = length_bound(self.tokenizer)
+
+    def min_tokens(self, text: str) -> int:
+        """A number of tokens `text` encodes to at least (0 when the tokenizer gives no bound): O(1) for most
+        tokenizers, so a prompt too long for the model is refused on the event loop before any tokenizing."""
+        return self.length_bound.min_tokens(text) if self.length_bound is not None else 0
 
     @property
     def max_model_len(self) -> int:
@@ -68,6 +83,47 @@ class ServerState:
             return False
         given = token.encode()
         return any([hmac.compare_digest(given, k.encode()) for k in self.api_keys])  # (every key, no early exit)
+
+
+class CpuPool:
+    """The work of a request that grows with its size, off the event loop: tokenizing (Hugging Face's fast tokenizers
+    encode in Rust with the GIL released, so the loop keeps streaming meanwhile), chat templates, token-id checks.
+    One thread by default (vLLM's tokenizer executor has one too): a tokenizer thread per core would take the cores
+    the decode runs on. A 4 MB prompt takes seconds to tokenize, so what may wait is bounded: past `max_pending`
+    jobs or `max_pending_chars` characters waiting or running, a request gets a 429 at once (a lone job always
+    runs, whatever its size). A job whose request went away before it started is dropped."""
+
+    def __init__(self, workers: int = 1, max_pending_chars: int = 16 * 1024 * 1024, max_pending: int = 256):
+        self.workers, self.max_pending_chars, self.max_pending = workers, max_pending_chars, max_pending
+        self._pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="tpserve-cpu")
+        self._lock = threading.Lock()
+        self.jobs = 0  # waiting or running
+        self.chars = 0
+
+    async def run(self, chars: int, fn, *args):
+        """fn(*args) on the pool's thread; `chars` is the job's size (its prompts' characters)."""
+        with self._lock:
+            if self.jobs and (self.jobs >= self.max_pending or self.chars + chars > self.max_pending_chars):
+                raise APIError(429, f"the server is busy tokenizing other requests ({self.jobs} of them, "
+                                    f"{self.chars} characters); retry shortly", "rate_limit_error",
+                               code="queue_full", headers={"Retry-After": "1"})
+            self.jobs += 1
+            self.chars += chars
+        try:
+            future = self._pool.submit(fn, *args)
+        except BaseException:
+            self._release(chars)
+            raise
+        future.add_done_callback(lambda _: self._release(chars))  # (run or cancelled: either way it is done)
+        return await asyncio.wrap_future(future)
+
+    def _release(self, chars: int) -> None:
+        with self._lock:
+            self.jobs -= 1
+            self.chars -= chars
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
 
 
 def bearer_token(authorization: str) -> str | None:
@@ -217,10 +273,19 @@ async def gather(req: PendingRequest, request: Request) -> list[Sequence]:
     except BaseException:
         req.abort()
         raise
-    if any(s.finish_reason == "error" for s in req.seqs):
-        raise APIError(503, f"the engine failed while serving this request: {req.state.engine.dead}",
-                       "service_unavailable", code="engine_failed")
+    failed = next((s for s in req.seqs if s.finish_reason == "error"), None)
+    if failed is not None:
+        raise failure(req.state, failed)
     return req.seqs
+
+
+def failure(state: ServerState, seq: Sequence | None = None) -> APIError:
+    """The error a sequence finished with: its own (an adapter that could not be read), else the engine's."""
+    if seq is not None and seq.error:
+        return APIError(503, seq.error, "service_unavailable",
+                        code="lora_load_failed" if seq.lora is not None else "request_failed")
+    return APIError(503, f"the engine failed while serving this request: {state.engine.dead}", "service_unavailable",
+                    code="engine_failed")
 
 
 async def stream_events(req: PendingRequest):

@@ -13,9 +13,10 @@
 
 A prompt or a conversation longer than the max model length is still counted (that is what a client asks to know);
 the body is bounded by --max-body-bytes, a conversation by MAX_MESSAGES and MAX_TOOLS, its JSON values by
-MAX_JSON_DEPTH (server/api/protocol.py). Tokenizing runs in a worker thread (the tokenizer drops the GIL), so a large
-prompt does not stall the event loop that streams other requests' tokens. Both paths are behind the API key, like
-/v1/ (server/api/app.py, KEYED_PATHS).
+MAX_JSON_DEPTH (server/api/protocol.py). Tokenizing runs in the server's bounded CpuPool (server/api/state.py; the
+tokenizer drops the GIL), so a large prompt does not stall the event loop that streams other requests' tokens, and a
+flood of them is answered 429 instead of queueing without end. Both paths are behind the API key, like /v1/
+(server/api/app.py, KEYED_PATHS).
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ from typing import Annotated
 
 from fastapi import FastAPI
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
-from starlette.concurrency import run_in_threadpool
 
 from server.api.state import ServerState
 from server.api.preprocess import check_model, decode_prompt, render_chat
@@ -93,11 +93,19 @@ def tokenize(state: ServerState, body: TokenizeRequest) -> TokenizeResponse:
             raise APIError(400, f"invalid conversation: {e.errors()[0].get('msg')}", param="messages") from None
         if chat.tools:
             check_tools(chat.tools)
-        ids = render_chat(state, chat)
+        ids = render_chat(state, chat, refuse_long=False)  # (a conversation too long for the model is counted)
     strs = None
     if body.return_token_strs:
         strs = [t if t is not None else "" for t in state.tokenizer.convert_ids_to_tokens(ids)]
     return TokenizeResponse(count=len(ids), max_model_len=state.max_model_len, tokens=ids, token_strs=strs)
+
+
+def detokenize(state: ServerState, tokens: list[int]) -> str:
+    """The text of the ids, each checked against the vocabulary (in the CpuPool: a body holds ~800k ids)."""
+    bad = [t for t in tokens if t >= state.vocab_size]
+    if bad:
+        raise APIError(400, f"token id {bad[0]} is outside the vocabulary [0, {state.vocab_size})", param="tokens")
+    return decode_prompt(state, tokens)
 
 
 def add_routes(app: FastAPI, state: ServerState) -> None:
@@ -106,13 +114,10 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/tokenize", response_model=TokenizeResponse, response_model_exclude_none=True)
     async def tokenize_route(body: TokenizeRequest) -> TokenizeResponse:
         check_model(state, body.model)
-        return await run_in_threadpool(tokenize, state, body)
+        size = len(body.prompt) if body.prompt is not None else sum(len(m.text()) for m in body.messages)
+        return await state.cpu.run(size, tokenize, state, body)
 
     @app.post("/detokenize", response_model=DetokenizeResponse)
     async def detokenize_route(body: DetokenizeRequest) -> DetokenizeResponse:
         check_model(state, body.model)
-        bad = [t for t in body.tokens if t >= state.vocab_size]
-        if bad:
-            raise APIError(400, f"token id {bad[0]} is outside the vocabulary [0, {state.vocab_size})",
-                           param="tokens")
-        return DetokenizeResponse(prompt=await run_in_threadpool(decode_prompt, state, body.tokens))
+        return DetokenizeResponse(prompt=await state.cpu.run(len(body.tokens), detokenize, state, body.tokens))

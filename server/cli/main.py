@@ -136,10 +136,14 @@ def engine_config(args):
 def lora_config(args) -> dict:
     """The LoRA flags (serve only) as EngineConfig fields, checked."""
     if not getattr(args, "enable_lora", False):
-        if getattr(args, "lora_modules", None):
-            raise SystemExit("tpserve: error: --lora-modules needs --enable-lora")
+        for flag in ("lora_modules", "lora_root", "lora_admin_key"):
+            if getattr(args, flag, None):
+                raise SystemExit(f"tpserve: error: --{flag.replace('_', '-')} needs --enable-lora")
         return {}
     positive("--max-loras", args.max_loras)
+    positive("--max-runtime-loras", args.max_runtime_loras)
+    if args.lora_root is not None and not os.path.isdir(args.lora_root):
+        raise SystemExit(f"tpserve: error: --lora-root {args.lora_root!r} is not a folder")
     positive("--max-lora-rank", args.max_lora_rank)
     cpu = args.max_cpu_loras if args.max_cpu_loras is not None else args.max_loras
     positive("--max-cpu-loras", cpu)
@@ -176,8 +180,14 @@ def serve(args) -> int:
 
     api_key = args.api_key or envs.API_KEY.get()
     cfg = engine_config(args)
+    if not 0 < args.responses_store_key_share <= 1:
+        raise SystemExit(f"tpserve: error: --responses-store-key-share must be in (0, 1] (got "
+                         f"{args.responses_store_key_share})")
     if not args.grammar_compile_timeout > 0:
         raise SystemExit(f"tpserve: error: --grammar-compile-timeout must be above 0 (got {args.grammar_compile_timeout})")
+    for flag in ("grammar_compile_workers", "grammar_compile_queue"):
+        if getattr(args, flag) < 1:
+            raise SystemExit(f"tpserve: error: --{flag.replace('_', '-')} must be 1 or more (got {getattr(args, flag)})")
     from transformers import AutoConfig
 
     speculative = parse_speculative_config(args.speculative_config)  # refused before any rank starts
@@ -199,7 +209,11 @@ def serve(args) -> int:
         with open_checkpoint(cfg.model) as ckpt:
             if not supports_lora(model_class(ckpt.architecture)):
                 raise ValueError(f"--enable-lora: LoRA adapters are not supported for {ckpt.architecture} yet")
-        loras = LoraRegistry(cfg.model, name, args.max_loras, cfg.max_cpu_loras, cfg.max_lora_rank)
+        keys = {k.strip() for k in (api_key or "").split(",") if k.strip()}
+        if args.lora_admin_key is not None and args.lora_admin_key not in keys:
+            raise SystemExit("tpserve: error: --lora-admin-key must be one of the --api-key keys (TPSERVE_API_KEY)")
+        loras = LoraRegistry(cfg.model, name, args.max_loras, cfg.max_cpu_loras, cfg.max_lora_rank,
+                             root=args.lora_root, max_runtime=args.max_runtime_loras, admin_key=args.lora_admin_key)
         for lora_name, path, base in parse_lora_modules(args.lora_modules):
             loras.register(loras.check(lora_name, path, base))
     pooling = None
@@ -238,13 +252,15 @@ def serve(args) -> int:
                     max_prefill_tokens_while_decoding=args.max_prefill_tokens_while_decoding,
                     speculative=speculative)
     engine.grammars.compile_timeout = args.grammar_compile_timeout
+    engine.grammars.workers, engine.grammars.per_owner = args.grammar_compile_workers, args.grammar_compile_queue
     if loras is not None:
         engine.enable_lora(loras)
-    state = ServerState(engine, tokenizer, name, runner.vocab_size, api_key=api_key,
+    state = ServerState(engine, tokenizer, name, runner.vocab_size, api_key=api_key, metrics_key=args.metrics_key,
                         max_queued_requests=args.max_queued_requests, max_body_bytes=args.max_body_bytes,
                         tool_call_parser=args.tool_call_parser,
                         pooling=pooling, responses=ResponseStore(args.responses_store_max_bytes,
-                                                                 args.responses_store_max_count),
+                                                                 args.responses_store_max_count,
+                                                                 key_share=args.responses_store_key_share),
                         loras=loras)
     engine.step_listeners.append(lambda dt, _: state.metrics.step_seconds.observe(dt))
     state.metrics.show_placements(dist.placements)
@@ -255,6 +271,8 @@ def serve(args) -> int:
         state.supervisor = supervisor
     else:
         workers.on_death = lambda rank, msg: engine.fail(msg)
+    if engine.loras is not None:  # a wait for a replica's LoRA load reports ends when the replica is taken down
+        engine.loras.gone = lambda r: engine.dead is not None or (supervisor is not None and r in supervisor.handling)
     workers.watch()
     engine.start(compute)
     watch_steps(engine, args.step_timeout, supervisor.on_hang if supervisor is not None else None)
@@ -282,9 +300,7 @@ def serve(args) -> int:
 
             threading.Thread(target=wait, daemon=True).start()
 
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
-                            timeout_graceful_shutdown=5, limit_concurrency=args.max_connections)
-    server = DrainingServer(config)
+    server = DrainingServer(http_config(app, args))
     server_ref["server"] = server
     print(f"tpserve: {describe_cache(runner, engine)}", flush=True)
     layout = (f"tensor parallel size {args.tensor_parallel_size}" + (
@@ -310,6 +326,7 @@ def serve(args) -> int:
     finally:
         if supervisor is not None:
             supervisor.close()
+        state.cpu.close()  # (tokenizing that waits is dropped: its clients are gone)
         engine.stop()
         live = [r for r in range(dist.layout.dp) if r not in engine.replicas.down]
         if engine.dead is None and dist.global_world_size > 1 and live:
@@ -322,6 +339,20 @@ def serve(args) -> int:
     if engine.dead is not None:
         exit_code["code"] = 1
     return exit_code["code"]
+
+
+def http_config(app, args):
+    """uvicorn's configuration of the API server (tests/server/test_hostile_http.py serves the same): its h11 protocol
+    with the header and body deadlines and the shedding of half-open connections (server/api/connections.py); no
+    WebSocket (no route speaks it)."""
+    import uvicorn
+
+    from server.api.connections import guarded_protocol
+
+    return uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
+                          timeout_graceful_shutdown=5, limit_concurrency=args.max_connections,
+                          timeout_keep_alive=args.timeout_keep_alive, ws="none",
+                          http=guarded_protocol(args.timeout_header, args.timeout_body))
 
 
 def generate(args) -> int:
@@ -386,6 +417,13 @@ def describe_placements(placements: dict[int, dict[str, str]]) -> str | None:
         + f", CPUs {p['cpus']}, {p['threads']} threads" for r, p in sorted(placements.items()))
 
 
+def positive_seconds(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be above 0 seconds (got {text})")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="tpserve", description="A readable tensor-parallel LLM server")
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -395,6 +433,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--port", type=int, default=envs.PORT.get(),
                    help="HTTP port (default: TPSERVE_PORT, else 8000; the Docker image's healthcheck probes the same)")
     s.add_argument("--served-model-name", default=None, help="the model id clients use (default: folder name)")
+    s.add_argument("--metrics-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on /metrics (default: open)")
     s.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on /v1 (or TPSERVE_API_KEY); several keys "
                         "comma-separated, and a stored response is visible only to the key that made it")
@@ -402,6 +442,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="bound of the stored /v1/responses (their JSON), least recently used evicted (default 64M)")
     s.add_argument("--responses-store-max-count", type=int, default=10_000,
                    help="most stored /v1/responses, least recently used evicted (default 10000)")
+    s.add_argument("--responses-store-key-share", type=float, default=0.25, metavar="FRACTION",
+                   help="the share of both bounds one API key's stored responses may fill (default 0.25; with "
+                        "several --api-key keys only): past it, that key's own least recently used are evicted")
     s.add_argument("--max-queued-requests", type=int, default=256, help="waiting sequences before answering 429")
     s.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024, help="largest request body (413 above)")
     s.add_argument("--tool-call-parser", choices=["hermes"], default=None,
@@ -410,13 +453,28 @@ def build_parser() -> argparse.ArgumentParser:
                         'refused and "required" or a named function still force a call')
     s.add_argument("--grammar-compile-timeout", type=float, default=10.0, metavar="SECONDS",
                    help="longest a structured-output grammar may take to compile before the request is refused "
-                        "(default 10)")
+                        "(default 10), counted from when a compile thread takes it up")
+    s.add_argument("--grammar-compile-workers", type=int, default=2, metavar="N",
+                   help="threads compiling structured-output grammars (default 2); one API key's compiles hold at "
+                        "most N-1 of them, so another key's always finds one")
+    s.add_argument("--grammar-compile-queue", type=int, default=32, metavar="N",
+                   help="grammar compiles one API key (or, without keys, one client address) may have unfinished, "
+                        "queued or running, before its next is answered 429 (default 32)")
     s.add_argument("--pooling", choices=["last", "mean", "cls"], default=None,
                    help="/v1/embeddings pooling (default: a sentence-transformers config in the model folder, else "
                         "last token)")
     s.add_argument("--no-normalize-embeddings", dest="normalize_embeddings", action="store_false", default=None,
                    help="return /v1/embeddings vectors without L2 normalization")
-    s.add_argument("--max-connections", type=int, default=1024, help="open connections before uvicorn answers 503")
+    s.add_argument("--max-connections", type=int, default=1024,
+                   help="open connections; past it the one waiting longest for its request is closed, and when all "
+                        "are busy requests get 503 (/health excepted)")
+    s.add_argument("--timeout-header", type=positive_seconds, default=10.0, metavar="SECONDS",
+                   help="a request's line and headers must arrive within this, else the connection is closed "
+                        "(default 10)")
+    s.add_argument("--timeout-body", type=positive_seconds, default=30.0, metavar="SECONDS",
+                   help="a request's body must arrive within this after its headers, else 408 (default 30)")
+    s.add_argument("--timeout-keep-alive", type=positive_seconds, default=5.0, metavar="SECONDS",
+                   help="an idle connection is closed after this (default 5)")
     s.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds to finish requests on SIGTERM")
     s.add_argument("--step-timeout", type=float, default=120.0,
                    help="seconds without a step result before the ranks are declared hung: their replica's ranks are "
@@ -428,6 +486,15 @@ def build_parser() -> argparse.ArgumentParser:
                         "{\"name\": ..., \"path\": ..., \"base_model_name\": ...}")
     s.add_argument("--max-loras", type=int, default=1, help="distinct adapters in one step (default 1)")
     s.add_argument("--max-lora-rank", type=int, default=16, help="the largest adapter rank accepted (default 16)")
+    s.add_argument("--lora-root", default=None, metavar="DIR",
+                   help="the folder POST /v1/load_lora_adapter may load adapters from (symlinks resolved, relative "
+                        "paths taken from it); without it, runtime loading is refused (docs/lora.md)")
+    s.add_argument("--max-runtime-loras", type=int, default=16, metavar="N",
+                   help="adapters one API key (without --api-key: the server) may have loaded at runtime at once "
+                        "(default 16)")
+    s.add_argument("--lora-admin-key", default=None, metavar="KEY",
+                   help="one of the --api-key keys that may unload any adapter, including --lora-modules ones (the "
+                        "others unload only what they loaded)")
     s.add_argument("--max-cpu-loras", type=int, default=None,
                    help="adapters kept loaded on the ranks; the least recently used one is evicted and read again "
                         "when needed (default: --max-loras)")

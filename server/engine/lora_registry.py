@@ -14,11 +14,20 @@ The ranks hold `--max-cpu-loras` slots of adapter weights each (sharding/layers/
   whose adapter would exceed that, or finds no free slot, keeps its place while others go ahead.
 - **the prefix cache.** An adapter's sequences start their block-hash chain from a root of their own (`cache_root`),
   so two adapters, or an adapter and the base model, never share K/V.
+- **runtime loads** (server/api/app.py, behind TPSERVE_ALLOW_RUNTIME_LORA_UPDATING): only from folders inside
+  `--lora-root` (symlinks resolved, the adapter's files too; no root: refused), at most `--max-runtime-loras` per API
+  key, and unloaded only by the key that loaded them or `--lora-admin-key` (`--lora-modules` adapters: by the admin
+  key only). Without --api-key there is one caller, who may do everything.
+- **the ranks' reports.** Each rank reports how it read its part of a load (sharding/executor.py: lora_reports). An
+  adapter is used on a replica once all of that replica's ranks reported reading it; a rank that could not read it
+  fails that load there (the request that needed it gets the error, the slot is emptied on that replica), and the
+  replica keeps serving.
 """
 
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
 import logging
 import os
@@ -28,7 +37,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
 from loaders import envs
-from loaders.adapters import AdapterInfo, LoraError, check_against_base, read_adapter
+from loaders.adapters import ADAPTER_CONFIG, ADAPTER_WEIGHTS, AdapterInfo, LoraError, check_against_base, read_adapter
 from loaders.checkpoint import Checkpoint
 from sharding.layers.lora import supports_lora
 from sharding.models import model_class
@@ -42,8 +51,24 @@ logger = logging.getLogger(__name__)
 RUNTIME_UPDATES_ENV = envs.ALLOW_RUNTIME_LORA_UPDATING.name  # vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING
 
 
+MAX_RUNTIME_LORAS = 16  # --max-runtime-loras' default: adapters one API key may have loaded at runtime at once
+
+
 def runtime_updates_allowed() -> bool:
     return envs.ALLOW_RUNTIME_LORA_UPDATING.get()
+
+
+class LoraRefused(ValueError):
+    """A runtime load or unload turned down: its message, HTTP status, the request field it is about and a code."""
+
+    def __init__(self, message: str, status: int = 400, param: str | None = "lora_path", code: str | None = None):
+        super().__init__(message)
+        self.status, self.param, self.code = status, param, code
+
+
+def key_owner(token: str | None) -> str | None:
+    """Who loads a runtime adapter: a hash of the API key it came with (None on a server without keys)."""
+    return hashlib.sha256(token.encode()).hexdigest()[:32] if token is not None else None
 
 
 @dataclass(eq=False)
@@ -56,6 +81,8 @@ class Adapter:
     last_used: float = field(default_factory=time.monotonic)
     retired: bool = False  # unloaded by name: no new requests, the ones in flight finish
     loads: int = 0  # times it was read into a slot (an evicted adapter is read again when needed)
+    runtime: bool = False  # loaded through POST /v1/load_lora_adapter (not --lora-modules)
+    owner: str | None = None  # runtime: key_owner of the API key that loaded it
 
     @property
     def cache_root(self) -> bytes:
@@ -90,20 +117,27 @@ def parse_lora_modules(items: list[str]) -> list[tuple[str, str, str | None]]:
 
 
 class LoraRegistry:
-    def __init__(self, model_folder: str, served_name: str, max_loras: int, max_cpu_loras: int, max_rank: int):
+    def __init__(self, model_folder: str, served_name: str, max_loras: int, max_cpu_loras: int, max_rank: int,
+                 root: str | None = None, max_runtime: int = MAX_RUNTIME_LORAS, admin_key: str | None = None):
         self.model_folder, self.served_name = model_folder, served_name
         self.max_loras, self.max_cpu_loras, self.max_rank = max_loras, max_cpu_loras, max_rank
+        self.root = os.path.realpath(root) if root else None  # --lora-root: runtime loads only from inside it
+        self.max_runtime = max_runtime  # --max-runtime-loras, per API key
+        self.admin_key = admin_key  # --lora-admin-key: may unload any adapter
         self.by_name: dict[str, Adapter] = {}
         self.slots: list[Adapter | None] = [None] * (max_cpu_loras + 1)  # index 0 unused: the base model
         self._lock = threading.Lock()  # names are changed from HTTP threads, slots only on the engine thread
 
     # ---- names (any thread) ------------------------------------------------------------------------------------
-    def check(self, name: str, path: str, base_model_name: str | None = None) -> Adapter:
-        """Rank 0's check of an adapter before anything reaches the ranks; raises ValueError naming the problem."""
+    def check(self, name: str, path: str, base_model_name: str | None = None, runtime: bool = False) -> Adapter:
+        """Rank 0's check of an adapter before anything reaches the ranks; raises ValueError naming the problem.
+        `runtime` (POST /v1/load_lora_adapter): the folder must be inside --lora-root (runtime_path)."""
         from loaders.checkpoint import Checkpoint
 
         if not name or name == self.served_name:
-            raise ValueError(f"the adapter name {name!r} is empty or the base model's own name")
+            raise LoraRefused(f"the adapter name {name!r} is empty or the base model's own name", param="lora_name")
+        if runtime:
+            path = self.runtime_path(path)
         if "://" in path or not os.path.isdir(path):
             raise ValueError(f"{path!r} is not a local folder (adapters are read from local PEFT folders only)")
         with Checkpoint(self.model_folder) as base:
@@ -114,16 +148,66 @@ class LoraRegistry:
             raise ValueError(f"base_model_name {base_model_name!r} is not the served model ({self.served_name!r})")
         return Adapter(name, os.path.abspath(path), base_model_name, info)
 
-    def register(self, adapter: Adapter) -> None:
+    def runtime_path(self, path: str) -> str:
+        """A runtime lora_path as the folder to read: inside --lora-root once every symlink is resolved, and so are
+        its adapter_config.json and adapter_model.safetensors (a relative path is taken from the root). Without
+        --lora-root nothing is loaded at runtime. Raises LoraRefused."""
+        if self.root is None:
+            raise LoraRefused("runtime LoRA loading needs --lora-root: this server was started without the folder "
+                              "runtime adapters may be loaded from", code="lora_root_unset")
+        if "://" in path:
+            raise LoraRefused(f"{path!r} is not a local folder (adapters are read from local PEFT folders only)")
+        try:
+            real = os.path.realpath(os.path.join(self.root, path))
+            files = [real] + [os.path.realpath(os.path.join(real, f)) for f in (ADAPTER_CONFIG, ADAPTER_WEIGHTS)]
+        except (ValueError, OSError) as e:  # an embedded NUL byte
+            raise LoraRefused(f"lora_path {path[:200]!r} cannot be resolved: {e}") from None
+        if not all(os.path.commonpath([self.root, f]) == self.root for f in files):
+            raise LoraRefused(f"lora_path {path!r} is outside the server's --lora-root (symlinks resolved)",
+                              code="lora_path_outside_root")
+        if not os.path.isdir(real):
+            raise LoraRefused(f"{path!r} is not a local folder under --lora-root (adapters are read from local PEFT "
+                              "folders only)")
+        return real
+
+    def register(self, adapter: Adapter, owner: str | None = None, runtime: bool = False) -> None:
+        """Add the name (LoraRefused if taken); `runtime`: loaded by `owner`, within its --max-runtime-loras."""
         with self._lock:
             if adapter.name in self.by_name:
-                raise ValueError(f"the LoRA adapter {adapter.name!r} is already loaded")
+                raise LoraRefused(f"the LoRA adapter {adapter.name!r} is already loaded", param="lora_name")
+            if runtime:
+                self._room(owner)
+            adapter.runtime, adapter.owner = runtime, owner
             self.by_name[adapter.name] = adapter
 
-    def retire(self, name: str) -> Adapter:
-        """Forget the name (KeyError if unknown); sequences already holding the adapter keep it."""
+    def room_for(self, owner: str | None) -> None:
+        """LoraRefused if `owner` holds --max-runtime-loras runtime adapters already (checked again at register)."""
         with self._lock:
-            adapter = self.by_name.pop(name)
+            self._room(owner)
+
+    def _room(self, owner: str | None) -> None:
+        held = sum(1 for a in self.by_name.values() if a.runtime and a.owner == owner)
+        if held >= self.max_runtime:
+            who = "this API key has" if owner is not None else "this server has"
+            raise LoraRefused(f"{who} {held} LoRA adapters loaded at runtime, the most --max-runtime-loras allows "
+                              f"({self.max_runtime}); unload one first", param=None, code="lora_limit_reached")
+
+    def is_admin(self, token: str | None) -> bool:
+        return bool(self.admin_key) and token is not None and hmac.compare_digest(token.encode(),
+                                                                                  self.admin_key.encode())
+
+    def retire(self, name: str, owner: str | None = None, admin: bool = True) -> Adapter:
+        """Forget the name (KeyError if unknown; LoraRefused, 403, unless `admin` or `owner` loaded it at runtime);
+        sequences already holding the adapter keep it."""
+        with self._lock:
+            adapter = self.by_name.get(name)
+            if adapter is None:
+                raise KeyError(name)
+            if not admin and not (adapter.runtime and adapter.owner == owner):
+                whose = "another API key" if adapter.runtime else "the server's --lora-modules"
+                raise LoraRefused(f"the LoRA adapter {name!r} was loaded by {whose}; only that key or the "
+                                  "--lora-admin-key may unload it", 403, "lora_name", "lora_not_owner")
+            del self.by_name[name]
         adapter.retired = True
         return adapter
 
@@ -162,56 +246,126 @@ class LoraRegistry:
         return slot
 
 
+PENDING = "pending"  # LoraSlots._settle: some rank of the replica has not reported reading the adapter yet
+
+
 class LoraSlots:
     """The engine's side of the slots, on the engine thread: whether a waiting sequence may join its lane's batch
-    now (reading its adapter into a slot on rank 0 and every live replica first), freeing a retired adapter's slot,
-    and giving a respawned replica every adapter the others hold."""
+    now (reading its adapter into a slot on rank 0 and every live replica first, and waiting for the replica's ranks
+    to report they read it), freeing a retired adapter's slot, and giving a respawned replica every adapter the
+    others hold.
+
+    A load's reports (sharding/executor.py: lora_reports) are waited for when the sequence's replica has no step in
+    flight (its ranks then have nothing to do before the load); while it has, the sequence keeps its place and the
+    reports are looked at again at the next schedule, by when that step has come back. A rank that could not read
+    its part marks the (slot, replica) broken: the request is answered with the reason, the slot is emptied on that
+    replica, and freed everywhere once no running sequence uses the adapter (the next request reads it again)."""
 
     def __init__(self, registry: LoraRegistry, replicas: Replicas, finish: Callable[[Sequence, str], None],
                  down_later: Callable[[int, str], None]):
         self.registry, self.replicas, self.executor = registry, replicas, replicas.executor
         self._finish = finish  # (sequence, "error"): its adapter could not be read
         self._down_later = down_later  # (replica, reason): out of rotation once this step is scheduled
+        self.pending: dict[tuple[int, int], object] = {}  # (slot, replica) -> ticket of a load not all ranks reported
+        self.broken: dict[tuple[int, int], str] = {}  # (slot, replica) -> why a rank of it could not read the slot's
+        # whether a replica is being taken down (its ranks' reports will not come): set by the server (the supervisor)
+        self.gone: Callable[[int], bool] = lambda replica: False
 
     def admit(self, seq: Sequence, running: list[Sequence]) -> bool:
-        """No more than --max-loras adapters in the step, and its adapter in a slot (read into one now if needed)."""
+        """No more than --max-loras adapters in the step, and its adapter in a slot (read into one now if needed)
+        that every rank of its replica has reported reading."""
         adapter = seq.lora
         active = {s.lora for s in running if s.lora is not None}
         if adapter not in active and len(active) >= self.registry.max_loras:
             return False
         try:
-            return self.registry.slot_for(adapter, self.in_use, self._load) > 0
+            slot = self.registry.slot_for(adapter, self.in_use, self._load)
         except (OSError, ValueError) as e:  # rank 0 could not read it (its folder changed since the check)
-            logger.error("LoRA adapter %s could not be read: %s", adapter.name, e)
-            self._finish(seq, "error")
+            self._fail(seq, f"the LoRA adapter {adapter.name!r} could not be read: {e}")
             return False
+        if not slot:
+            return False
+        why = self._settle(slot, self.replicas.lanes[seq.lane].replica, self._down_later)
+        if why is None:
+            return True
+        if why is not PENDING:
+            if not self.in_use(adapter):
+                self._free(slot, self._down_later)  # the next request reads it again, on every rank
+            self._fail(seq, why)
+        return False
+
+    def _fail(self, seq: Sequence, why: str) -> None:
+        logger.error("%s", why)
+        seq.error = why
+        self._finish(seq, "error")
 
     def in_use(self, adapter: Adapter, waiting: bool = False) -> bool:
         return any(s.lora is adapter for lane in self.replicas.lanes
                    for s in (list(lane.scheduler.running) + (list(lane.scheduler.waiting) if waiting else [])))
 
     def _load(self, slot: int, path: str) -> None:
-        """Rank 0's part first (raises with nothing sent), then every live replica's ranks. This runs inside a
-        lane's schedule(): a replica found dead here is taken down between steps, not under the scheduler's feet."""
+        """Rank 0's part first (raises with nothing sent), then every live replica's ranks (their reports are
+        awaited in _settle). This runs inside a lane's schedule(): a replica found dead here is taken down between
+        steps, not under the scheduler's feet."""
+        self._forget(slot)
         self.executor.lora_load(slot, path, [], True)
         for replica in self.replicas.live():
-            self.replicas.call(replica, self.executor.lora_load, slot, path, [replica], False, down=self._down_later)
+            ticket, ok = self.replicas.call(replica, self.executor.lora_load, slot, path, [replica], False,
+                                            down=self._down_later)
+            if ok and ticket is not None:
+                self.pending[(slot, replica)] = ticket
+
+    def _settle(self, slot: int, replica: int, down=None) -> str | None:
+        """None once every rank of `replica` has read the adapter in `slot`; PENDING while some has not reported
+        (and the replica has a step in flight, or is being taken down); else why it cannot be used there."""
+        ticket = self.pending.get((slot, replica))
+        if ticket is not None:
+            idle = not any(lane.busy for lane in self.replicas.lanes if lane.replica == replica)
+            failed, ok = self.replicas.call(replica, self.executor.lora_reports, ticket, idle,
+                                            lambda: self.gone(replica), down=down)
+            if not ok or failed is None:
+                return PENDING
+            del self.pending[(slot, replica)]
+            if failed:
+                rank, error = min(failed.items())
+                adapter = self.registry.slots[slot]
+                self.broken[(slot, replica)] = (f"the LoRA adapter {adapter.name if adapter else '?'!r} could not be "
+                                                f"read on rank {rank}: {error}")
+                self.replicas.call(replica, self.executor.lora_unload, slot, [replica], down=down)
+        return self.broken.get((slot, replica))
+
+    def _forget(self, slot: int, replica: int | None = None) -> None:
+        for marks in (self.pending, self.broken):
+            for key in [k for k in marks if k[0] == slot and replica in (None, k[1])]:
+                del marks[key]
+
+    def _free(self, slot: int, down=None) -> None:
+        """Empty `slot` on rank 0 and every live replica's ranks; its adapter is read again when next needed."""
+        self.executor.lora_unload(slot, [])
+        for replica in self.replicas.live():
+            self.replicas.call(replica, self.executor.lora_unload, slot, [replica], down=down)
+        adapter = self.registry.slots[slot]
+        if adapter is not None:
+            adapter.slot = 0
+        self.registry.slots[slot] = None
+        self._forget(slot)
 
     def retire(self, adapter: Adapter) -> None:
         """An unloaded adapter's slot is freed now if no sequence runs or waits with it, else when it is next
         needed (its sequences in flight finish with it)."""
         if adapter.slot and not self.in_use(adapter, waiting=True):
-            slot = adapter.slot
-            self.executor.lora_unload(slot, [])
-            for replica in self.replicas.live():
-                self.replicas.call(replica, self.executor.lora_unload, slot, [replica])
-            self.registry.slots[slot], adapter.slot = None, 0
+            self._free(adapter.slot)
 
     def reload(self, replica: int) -> None:
-        """A respawned replica's ranks read every adapter the others hold, before it serves."""
+        """A respawned replica's ranks read every adapter the others hold, before it serves. Their reports are
+        looked at when a sequence first needs each adapter there (admit: inside a step, where the watchdog sees a
+        rank that hangs); one its ranks could not read is failed then, as any load."""
         for slot, adapter in enumerate(self.registry.slots):
             if adapter is not None and replica not in self.replicas.down:
-                self.replicas.call(replica, self.executor.lora_load, slot, adapter.path, [replica], False)
+                self._forget(slot, replica)
+                ticket, ok = self.replicas.call(replica, self.executor.lora_load, slot, adapter.path, [replica], False)
+                if ok and ticket is not None:
+                    self.pending[(slot, replica)] = ticket
 
 
 def validate_adapter(folder: str, base: Checkpoint, max_rank: int, base_names: tuple[str, ...] | list[str] = (),

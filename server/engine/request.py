@@ -46,6 +46,7 @@ class Sequence:
     num_preemptions: int = 0
     num_cached_prompt: int = 0  # prompt tokens its first admission found in the prefix cache (usage's cached_tokens)
     finish_reason: str | None = None
+    error: str | None = None  # why it finished with "error", when that is its own (the client is told)
     generator: torch.Generator | None = None
     grammar: "GrammarState | None" = None  # the output constraint's matcher (server/engine/structured/grammar.py), if any
     lane: int = 0  # the engine lane (replica and in-flight slot) whose scheduler runs it

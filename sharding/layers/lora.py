@@ -196,7 +196,8 @@ class LoraManager:
                 if w is not None:
                     loaded[lora] = w
             self.bytes_read = files.bytes_read
-        if not loaded:
+        if not loaded and getattr(self.model, "first_stage", True) and getattr(self.model, "last_stage", True):
+            # (a pipeline stage may hold none of an adapter's modules: rank 0 checked them against the whole model)
             raise LoraError(f"{info.path!r} adapts none of this model's linears")
         # every read succeeded: swap the slot in at once
         for _, lora in self.columns + self.rows:
@@ -230,16 +231,37 @@ class LoraManager:
 # ---- the runtime-load command's payload (for the step protocol) --------------------------------------------------
 
 
-def encode_load(slot: int, path: str) -> torch.Tensor:
-    """int64 [2 + ceil(len / 8)]: slot, byte length, then the path's UTF-8 bytes (a load command's payload: each rank
-    decodes it with decode_load and reads its own byte ranges from that local path)."""
+def encode_load(slot: int, path: str, ticket: int = 0) -> torch.Tensor:
+    """int64 [3 + ceil(len / 8)]: slot, ticket, byte length, then the path's UTF-8 bytes (a load command's payload:
+    each rank decodes it with decode_load, reads its own byte ranges from that local path, and reports how it went
+    under the ticket, report_load; ticket 0: no report wanted)."""
     raw = path.encode()
     buf = np.zeros(-(-len(raw) // 8) * 8, dtype=np.uint8)
     buf[: len(raw)] = np.frombuffer(raw, dtype=np.uint8)
-    return torch.cat([torch.tensor([slot, len(raw)], dtype=torch.int64), torch.from_numpy(buf.view(np.int64).copy())])
+    head = torch.tensor([slot, ticket, len(raw)], dtype=torch.int64)
+    return torch.cat([head, torch.from_numpy(buf.view(np.int64).copy())])
 
 
-def decode_load(payload: torch.Tensor) -> tuple[int, str]:
-    slot, n = int(payload[0]), int(payload[1])
-    raw = payload[2:].numpy().view(np.uint8)[:n].tobytes()
-    return slot, raw.decode()
+def decode_load(payload: torch.Tensor) -> tuple[int, str, int]:
+    """(slot, path, ticket) of encode_load's payload."""
+    slot, ticket, n = int(payload[0]), int(payload[1]), int(payload[2])
+    raw = payload[3:].numpy().view(np.uint8)[:n].tobytes()
+    return slot, raw.decode(), ticket
+
+
+# ---- a rank's report of a load, through the ranks' store (sharding/store.py), to rank 0 -----------------------------
+# A load command travels one way (rank 0 -> the ranks, between steps, its sends not waited for). How each rank fared
+# comes back beside the wire, as a key of the store every rank already holds a connection to: rank 0 reads them
+# (sharding/executor.py: lora_reports) without blocking while steps of that replica are in flight.
+
+LOAD_OK = "ok"
+
+
+def load_report_key(ticket: int, rank: int) -> str:
+    return f"tpserve/lora-load/{ticket}/{rank}"
+
+
+def report_load(store, ticket: int, rank: int, error: str | None) -> None:
+    """This rank's outcome of load `ticket`: LOAD_OK, or why it could not read its part."""
+    if ticket:
+        store.set(load_report_key(ticket, rank), LOAD_OK if error is None else (error or "failed")[:2000])

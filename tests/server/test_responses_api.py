@@ -1,9 +1,11 @@
 """The Responses API (/v1/responses) through the official `openai` client against a real server.
 
 Greedy answers are compared with the chat completion the request means (the same prompt tokens, so the same text);
-the tool round trip runs on the tiny model trained to call a tool (tests/tool_model.py).
+the tool round trip runs on the tiny model trained to call a tool (tests/tool_model.py). The store's own cases (each
+key's share, a DELETE while the response runs, a client that goes away) run in process, at the end.
 """
 
+import asyncio
 import json
 
 import httpx
@@ -19,7 +21,8 @@ KEY, OTHER = "key-one", "key-two"
 @pytest.fixture(scope="module")
 def srv(server_factory, checkpoints):
     return server_factory(checkpoints("llama"), 1, "--max-model-len", "256", "--max-num-seqs", "8",
-                          "--api-key", f"{KEY},{OTHER}", "--responses-store-max-count", "6")
+                          "--api-key", f"{KEY},{OTHER}", "--responses-store-max-count", "6",
+                          "--responses-store-key-share", "1")  # (each key's share: in process, below)
 
 
 @pytest.fixture(scope="module")
@@ -119,8 +122,9 @@ def test_store_false_delete_and_per_key_isolation(client, srv):
     r = client.responses.create(model=srv.model_name, input="Hello", max_output_tokens=3, temperature=0)
     with pytest.raises(openai.NotFoundError):
         other.responses.retrieve(r.id)  # another key's response does not exist for this one
-    with pytest.raises(openai.NotFoundError):
+    with pytest.raises(openai.BadRequestError) as e:  # OpenAI's 400 for a previous response it does not have
         other.responses.create(model=srv.model_name, input="x", previous_response_id=r.id, max_output_tokens=2)
+    assert e.value.body["code"] == "previous_response_not_found" and e.value.body["param"] == "previous_response_id"
     client.responses.delete(r.id)
     with pytest.raises(openai.NotFoundError) as e:
         client.responses.retrieve(r.id)
@@ -141,9 +145,9 @@ def test_the_store_evicts_the_least_recently_used(client, srv):
     client.responses.retrieve(ids[0])  # now the most recently used of the four
     for i in range(5):  # the store holds 6: five more push out the older ones, ids[0] last of them
         client.responses.create(model=srv.model_name, input=f"m{i}", max_output_tokens=2)
-    with pytest.raises(openai.NotFoundError) as e:
+    with pytest.raises(openai.BadRequestError) as e:
         client.responses.create(model=srv.model_name, input="x", previous_response_id=ids[1], max_output_tokens=2)
-    assert "evicted" in e.value.body["message"]
+    assert "evicted" in e.value.body["message"] and e.value.body["code"] == "previous_response_not_found"
     lines = httpx.get(srv.url + "/metrics").text.splitlines()
     evicted = [float(x.split()[-1]) for x in lines if x.startswith("tpserve_responses_evicted_total")]
     stored = [float(x.split()[-1]) for x in lines if x.startswith("tpserve_responses_stored ")]
@@ -173,7 +177,7 @@ def test_cancel_a_streaming_response(client, srv):
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}]},
      "input[0].content[0].type"),
     ({"input": [{"type": "function_call_output", "output": "x"}]}, "input[0].call_id"),
-    ({"previous_response_id": "resp_never"}, "response_id"),
+    ({"previous_response_id": "resp_never"}, "previous_response_id"),
     ({"text": {"format": {"type": "yaml"}}}, "text.format.type"),
     ({"truncation": "auto"}, "truncation"),
     # OpenAI's metadata limits: 16 pairs, keys up to 64 characters, values up to 512
@@ -257,3 +261,121 @@ def test_openai_fields_a_text_model_cannot_honour_are_refused(srv, path, extra, 
     ok = {**body, "max_tokens": 2, "best_of": 1, "modalities": ["text"], "prediction": {"type": "content",
                                                                                       "content": "x"}}
     assert httpx.post(srv.v1 + path, json=ok, headers={"Authorization": f"Bearer {KEY}"}).status_code == 200
+
+
+# ---- the store, in process: the real app over the fake engine paced like a model (tests/helpers/live_app.py) --------
+K1, K2 = "k-one", "k-two"
+
+
+@pytest.fixture(scope="module")
+def paced(tmp_path_factory):
+    from transformers import AutoTokenizer
+
+    from server.api.responses import ResponseStore
+    from tests.helpers.live_app import paced_app
+    from tiny import make_tokenizer
+
+    folder = tmp_path_factory.mktemp("tok")
+    make_tokenizer(folder)
+    tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    store = ResponseStore(max_count=8, key_share=0.25)  # (two responses per key)
+    with paced_app(tokenizer, str(folder), api_key=f"{K1},{K2},k-three", responses=store) as (app, state):
+        yield app, state, tokenizer
+
+
+def call(app, method: str, path: str, key: str = K1, **kw) -> httpx.Response:
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test",
+                                     headers={"Authorization": f"Bearer {key}"}, timeout=30) as client:
+            return await client.request(method, path, **kw)
+
+    return asyncio.run(go())
+
+
+def create(app, key: str = K1, **body) -> dict:
+    r = call(app, "POST", "/v1/responses", key, json={"model": "fake", "max_output_tokens": 2, **body})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_each_key_holds_at_most_its_share_of_the_store(paced):
+    app, state, _ = paced
+    theirs = create(app, K2, input="theirs")["id"]
+    mine = [create(app, input=f"mine {i}")["id"] for i in range(3)]
+    assert call(app, "GET", f"/v1/responses/{mine[0]}").status_code == 404  # K1's own oldest left first
+    assert all(call(app, "GET", f"/v1/responses/{rid}").status_code == 200 for rid in mine[1:])
+    assert call(app, "GET", f"/v1/responses/{theirs}", K2).status_code == 200  # untouched by K1's
+    r = call(app, "POST", "/v1/responses", json={"input": "x", "previous_response_id": mine[0]})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "previous_response_not_found"
+
+
+def test_the_share_bounds_bytes_too():
+    from server.api.responses import ResponseStore, Stored
+
+    store = ResponseStore(max_bytes=40_000, max_count=100, key_share=0.25)
+    store.shared_by(2)
+    assert (store.key_max_bytes, store.key_max_count) == (10_000, 25)
+    for i in range(3):  # ~4 kB each: the third takes "a" past its 10 kB, and its oldest leaves
+        store.put(f"a{i}", Stored({"status": "completed", "x": "y" * 4000}, [{"role": "user", "content": "z"}], "a"))
+    store.put("b0", Stored({"status": "completed", "x": "y" * 4000}, [{"role": "user", "content": "z"}], "b"))
+    assert [rid for rid in ("a0", "a1", "a2", "b0") if rid in store._items] == ["a1", "a2", "b0"]
+    store.shared_by(1)  # one key (or none): every client is the same owner, and the whole store is theirs
+    assert (store.key_max_bytes, store.key_max_count) == (40_000, 100)
+
+
+def test_a_response_deleted_while_it_runs_stays_deleted(paced):
+    from tests.helpers.live_app import drive
+
+    app, state, _ = paced
+    seen: dict = {}
+
+    async def on_chunk(chunk: bytes):
+        if "id" not in seen:  # the first event, response.created: delete the response while it runs
+            event = json.loads(chunk.decode().split("data: ", 1)[1])
+            seen["id"] = event["response"]["id"]
+            status, body = await drive(app, "DELETE", f"/v1/responses/{seen['id']}",
+                                       headers={"Authorization": f"Bearer {K1}"})
+            seen["delete"] = status, json.loads(body)
+
+    status, body = asyncio.run(drive(app, "POST", "/v1/responses", {
+        "model": "fake", "input": "Hello", "max_output_tokens": 8, "stream": True, "ignore_eos": True},
+        headers={"Authorization": f"Bearer {K1}"}, on_chunk=on_chunk))
+    assert status == 200 and b"response.completed" in body or b"response.incomplete" in body
+    assert seen["delete"] == (200, {"id": seen["id"], "object": "response.deleted", "deleted": True})
+    assert call(app, "GET", f"/v1/responses/{seen['id']}").status_code == 404  # the run's last store was dropped
+    r = call(app, "POST", "/v1/responses", json={"input": "x", "previous_response_id": seen["id"]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "previous_response_id"
+    assert seen["id"] not in state.responses._deleted  # (the tombstone went with that last store)
+
+
+def test_a_response_whose_client_went_away_keeps_its_input(paced):
+    """A gathered (non-streamed) response whose client leaves is stored "cancelled" with its conversation, so a
+    request that continues it keeps the history; before, it was stored without one, and the history was lost."""
+    from tests.helpers.live_app import drive
+
+    app, state, tokenizer = paced
+    before = set(state.responses._items)
+    status, _ = asyncio.run(drive(app, "POST", "/v1/responses", {
+        "model": "fake", "input": "Tell a long story", "max_output_tokens": 1000, "ignore_eos": True},
+        headers={"Authorization": f"Bearer {K2}"}, disconnect_after_body=True))
+    (rid,) = set(state.responses._items) - before
+    gone = call(app, "GET", f"/v1/responses/{rid}", K2).json()
+    assert gone["status"] == "cancelled" and gone["usage"]["output_tokens"] < 1000
+    r = call(app, "POST", "/v1/responses", K2, json={"model": "fake", "input": "More", "previous_response_id": rid,
+                                                     "max_output_tokens": 2})
+    assert r.status_code == 200, r.text
+    both = tokenizer.apply_chat_template([{"role": "user", "content": "Tell a long story"},
+                                          {"role": "user", "content": "More"}], add_generation_prompt=True,
+                                         return_dict=True)["input_ids"]
+    assert r.json()["usage"]["input_tokens"] == len(both)
+
+
+def test_a_previous_response_that_is_not_stored_is_a_400_naming_it(paced):
+    app, _, _ = paced
+    unstored = create(app, input="Hello", store=False)["id"]
+    kept = create(app, input="Hello")["id"]
+    for rid, key in ((unstored, K1), ("resp_never", K1), (kept, K2)):  # (another key's: not found for this one)
+        r = call(app, "POST", "/v1/responses", key, json={"input": "x", "previous_response_id": rid})
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["param"] == "previous_response_id", r.text
+        assert err["code"] == "previous_response_not_found" and rid in err["message"]

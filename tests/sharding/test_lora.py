@@ -104,7 +104,8 @@ def run_ranks(tp: int, jobs: list[dict], tmp: Path, timeout: float = 240) -> tup
     procs = []
     for r in range(tp):
         env = dict(os.environ, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(tp), LOCAL_WORLD_SIZE=str(tp),
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TPSERVE_THREADS="1",
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TPSERVE_STORE_PORT=str(port),
+                   TPSERVE_STORE_SECRET="hand-made-ranks-" + str(port), TPSERVE_THREADS="1",
                    TPSERVE_COLLECTIVE_TIMEOUT="60", PYTHONPATH=str(ROOT))
         procs.append(subprocess.Popen([sys.executable, str(HARNESS), str(spec)], env=env, cwd=ROOT,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
@@ -269,7 +270,7 @@ def test_flags_carry_the_slot():
     assert lora_rows(torch.tensor([1, 1]), None) is None
     one = lora_rows(torch.tensor([with_lora(1, 3)] * 2), None)
     assert one.groups == [(3, None)]  # every token: no gather
-    assert decode_load(encode_load(7, "/tmp/ä dir/x")) == (7, "/tmp/ä dir/x")
+    assert decode_load(encode_load(7, "/tmp/ä dir/x", 123456789)) == (7, "/tmp/ä dir/x", 123456789)
 
 
 # ---- validation ------------------------------------------------------------------------------------------------

@@ -2,9 +2,11 @@
 
 OpenAI's `response_format` ({"type": "text" | "json_object" | "json_schema"}), vLLM's `guided_json`,
 `guided_regex`, `guided_choice`, `guided_grammar` and its newer `structured_outputs` object all land here, on rank 0,
-before anything reaches the engine. A request may ask for one constraint; a schema must be a valid JSON schema
-(checked against its metaschema with `jsonschema`); whatever llguidance cannot compile is refused with its reason
-when the grammar compiles (server/engine/structured/grammar.py). Tool calls build their own constraint (server/api/tool_calls.py).
+before anything reaches the engine. A request may ask for one constraint; a schema must be a valid JSON schema,
+checked against its metaschema with `jsonschema` (slow Python: ~0.3 s for a 70 KB schema): a request's output schema
+in its compile, on a compile thread and only on a cache miss (`Constraint.checks`), tool parameters here, each text
+once. Whatever llguidance cannot compile is refused with its reason when the grammar compiles
+(server/engine/structured/grammar.py). Tool calls build their own constraint (server/api/tool_calls.py).
 
 Every constraint is bounded before it is compiled (the limits live in server/api/protocol.py): a JSON schema nests at
 most MAX_JSON_DEPTH levels and serializes to at most MAX_SPEC_CHARS characters, checked in that order and before the
@@ -19,7 +21,11 @@ whitespace_pattern` or `structured_outputs.disable_any_whitespace: false` allow 
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import json
+import threading
+from collections import OrderedDict
 from typing import Any
 
 from server.engine.structured.grammar import Constraint
@@ -27,6 +33,9 @@ from server.api.protocol import (MAX_CHOICES, MAX_JSON_DEPTH, MAX_PATTERN_DEPTH,
                              SamplingFields, json_depth, too_deep)
 
 COMPACT_JSON = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+VALID_SCHEMAS = 4096  # digests of schema texts that passed the metaschema check, most recently used kept
+_valid: OrderedDict[bytes, None] = OrderedDict()
+_valid_lock = threading.Lock()  # (the event loop and the compile threads)
 
 
 def too_long(param: str) -> APIError:
@@ -50,9 +59,25 @@ def check_json_bounds(value: Any, param: str) -> str:
 def check_schema(schema: Any, param: str) -> dict:
     """A JSON schema must be an object, within the depth and size limits, that validates against its own
     metaschema."""
+    check_metaschema(schema, param, schema_shape(schema, param))
+    return schema
+
+
+def schema_shape(schema: Any, param: str) -> str:
+    """The cheap half of check_schema: an object within the depth and size limits; its compact JSON text."""
     if not isinstance(schema, dict):
         raise APIError(400, f"{param} must be a JSON schema object", param=param)
-    check_json_bounds(schema, param)
+    return check_json_bounds(schema, param)
+
+
+def check_metaschema(schema: dict, param: str, text: str | None = None) -> None:
+    """The slow half: `schema` (of compact JSON `text`) validates against its metaschema. A text that passed once
+    is not checked again (a tool list comes with every turn of a conversation)."""
+    digest = hashlib.sha256((text or json.dumps(schema, separators=(",", ":"))).encode()).digest()
+    with _valid_lock:
+        if digest in _valid:
+            _valid.move_to_end(digest)
+            return
     import jsonschema
 
     try:
@@ -62,7 +87,10 @@ def check_schema(schema: Any, param: str) -> dict:
         message = e.message if len(e.message) <= 500 else e.message[:500] + "..."
         raise APIError(400, f"{param} is not a valid JSON schema: {message}" + (f" (at /{where})" if where else ""),
                        param=param) from None
-    return schema
+    with _valid_lock:
+        _valid[digest] = None
+        while len(_valid) > VALID_SCHEMAS:
+            _valid.popitem(last=False)
 
 
 def _no_additional_properties(schema: Any) -> Any:
@@ -106,9 +134,11 @@ def closed_objects(schema: Any) -> Any:
     return schema
 
 
-def json_constraint(schema: dict, param: str, options: dict | None = None) -> Constraint:
+def json_constraint(schema: dict, param: str, options: dict | None = None, checks: tuple = ()) -> Constraint:
+    """`checks`: (field, schema) pairs to validate against their metaschema when (if) the constraint compiles."""
     spec = check_json_bounds(schema, param)  # key order kept: properties are generated in it
-    return Constraint("json", spec, json.dumps(options or COMPACT_JSON, sort_keys=True), param)
+    deferred = tuple(functools.partial(check_metaschema, s, f) for f, s in checks)
+    return Constraint("json", spec, json.dumps(options or COMPACT_JSON, sort_keys=True), param, deferred)
 
 
 def pattern_depth(text: str, kind: str) -> int:
@@ -180,7 +210,8 @@ def _parse_json_field(value: dict | str, param: str) -> dict:
             raise APIError(400, too_deep(param), param=param) from None
         except ValueError as e:  # JSONDecodeError, or an integer longer than Python reads (4300 digits)
             raise APIError(400, f"{param} is not valid JSON: {e}", param=param) from None
-    return check_schema(value, param)
+    schema_shape(value, param)
+    return value  # (its metaschema check: in its compile, `Constraint.checks`)
 
 
 def _choice(choices: list[str], param: str) -> Constraint:
@@ -221,11 +252,12 @@ def constraint_from_request(body: SamplingFields) -> Constraint | None:
         schema = rf.json_schema.schema_
         if schema is None:
             raise APIError(400, "response_format.json_schema.schema is required", param="response_format")
-        found.append(json_constraint(closed_objects(check_schema(schema, "response_format.json_schema.schema")),
-                                     "response_format", options))
+        param = "response_format.json_schema.schema"
+        schema_shape(schema, param)
+        found.append(json_constraint(closed_objects(schema), "response_format", options, ((param, schema),)))
     if body.guided_json is not None:
-        found.append(json_constraint(closed_objects(_parse_json_field(body.guided_json, "guided_json")),
-                                     "guided_json", options))
+        schema = _parse_json_field(body.guided_json, "guided_json")
+        found.append(json_constraint(closed_objects(schema), "guided_json", options, (("guided_json", schema),)))
     if body.guided_regex is not None:
         found.append(_text("regex", body.guided_regex, "guided_regex"))
     if body.guided_choice is not None:
@@ -239,8 +271,9 @@ def constraint_from_request(body: SamplingFields) -> Constraint | None:
                                 "regex, choice or grammar", param="structured_outputs.structural_tag")
         if so.json_ is not None:
             schema = _parse_json_field(so.json_, "structured_outputs.json")
+            checks = (("structured_outputs.json", schema),)
             schema = _no_additional_properties(schema) if so.disable_additional_properties else closed_objects(schema)
-            found.append(json_constraint(schema, "structured_outputs.json", options))
+            found.append(json_constraint(schema, "structured_outputs.json", options, checks))
         if so.regex is not None:
             found.append(_text("regex", so.regex, "structured_outputs.regex"))
         if so.choice is not None:

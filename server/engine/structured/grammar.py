@@ -1,14 +1,17 @@
 """Grammar-constrained decoding on rank 0, on llguidance.
 
 A `Constraint` (server/engine/structured/constraint.py) compiles to a llguidance grammar once: off the engine thread and off the
-event loop, in a worker thread of its own (llguidance drops the GIL while it builds a matcher), under a time limit,
-and cached by its text. Its size and nesting were bounded before (server/api/protocol.py, MAX_SPEC_CHARS,
-MAX_JSON_DEPTH, MAX_PATTERN_DEPTH); what llguidance still refuses is a 400 with its reason (the first lines of it:
-its messages can carry a Rust backtrace and the whole grammar). A compiled grammar is also probed before it is
-cached: a lexer that explodes (a regex like a{1000}{1000}) builds fine and fails only on its first token, so the
-probe computes the first mask and consumes one allowed token, and such a grammar is refused here rather than cut
-short in the engine. Each constrained sequence then gets its own `GrammarState`, a copy of the compiled matcher
-in its start state, which advances with every token the sequence samples.
+event loop, in a small pool of compile threads (llguidance drops the GIL while it builds a matcher), under a time
+limit, and cached by its text. The pool is shared by every client, so it is scheduled for them (`Grammars.compile`):
+each owner (API key) has a bound on its unfinished compiles, owners take turns, one owner never holds every thread,
+and a request's time limit counts from its compile's start, not from its place in the queue. A constraint's size and
+nesting were bounded before (server/api/protocol.py, MAX_SPEC_CHARS, MAX_JSON_DEPTH, MAX_PATTERN_DEPTH); what
+llguidance still refuses is a 400 with its reason (the first lines of it: its messages can carry a Rust backtrace
+and the whole grammar). A compiled grammar is also probed before it is cached: a lexer that explodes (a regex like
+a{1000}{1000}) builds fine and fails only on its first token, so the probe computes the first mask and consumes one
+allowed token, and such a grammar is refused here rather than cut short in the engine. Each constrained sequence
+then gets its own `GrammarState`, a copy of the compiled matcher in its start state, which advances with every token
+the sequence samples.
 
 Each step, the engine asks the constrained rows for their allowed-token bitmasks (one bit per token of the model's
 vocabulary, padded past the tokenizer's), and the sampler adds -1e30 to every forbidden logit of those rows only:
@@ -18,12 +21,15 @@ unconstrained rows pay nothing. Why llguidance and not xgrammar: BENCHMARKS.md, 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import logging
 import threading
-from collections import OrderedDict
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+import time
+from collections import OrderedDict, deque
+from collections.abc import Awaitable, Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -34,6 +40,10 @@ logger = logging.getLogger(__name__)
 
 MASKED = -1e30  # added to a forbidden token's logit: exp() of it underflows to 0 at any temperature
 DEFAULT_COMPILE_TIMEOUT_S = 10.0
+DEFAULT_COMPILE_WORKERS = 2  # llguidance compiles in parallel (the GIL dropped); more would take the decode's cores
+DEFAULT_COMPILES_PER_OWNER = 32  # one owner's compiles not yet finished (queued, running, or running on after a timeout)
+MAX_QUEUED_COMPILES = 128  # all owners' compiles waiting for a thread, past which only an owner's first is queued
+GONE_POLL_S = 0.5  # how often a queued compile asks whether its client is still there
 CACHE_ENTRIES = 512
 MAX_ERROR_CHARS = 600  # of llguidance's message, in the 400
 
@@ -50,12 +60,16 @@ def short_error(message: str) -> str:
 class Constraint:
     """What a request constrains its output to. `kind`: json (a JSON schema, `spec` its canonical text),
     regex, choice (a JSON list of strings), grammar (Lark or GBNF/EBNF text), or lark (tpserve's own grammars,
-    e.g. tool calls). `options`: the JSON compile options as canonical JSON (whitespace, separators)."""
+    e.g. tool calls). `options`: the JSON compile options as canonical JSON (whitespace, separators). `checks`:
+    calls that validate what the constraint came from (a schema against its metaschema: slow in Python, ~0.3 s for
+    a 70 KB schema), run in the compile on a compile thread, once per text (not on a cache hit), not on the event
+    loop; not part of the key (a schema and its closed form are valid or not together)."""
 
     kind: str
     spec: str
     options: str = ""
     param: str = "response_format"  # the request field it came from, for error messages
+    checks: tuple = field(default=(), compare=False, repr=False)
 
     @property
     def key(self) -> tuple[str, str, str]:
@@ -83,32 +97,71 @@ class GrammarState:
         return self.matcher.get_error() if self.matcher.is_error() else None
 
 
+def request_owner(request, keyed) -> str:
+    """Whose compile quota an HTTP request draws on: its API key (hashed) on a server with keys, else the client's
+    address (a server without keys accepts any bearer token, so a token would be a fresh quota for the asking)."""
+    if keyed:
+        _, _, token = request.headers.get("authorization", "").strip().partition(" ")
+        return "key:" + hashlib.sha256(token.strip().encode()).hexdigest()[:32]
+    return "host:" + (request.client.host if request.client is not None else "")
+
+
+class _Job:
+    """One compile in the pool: queued, then running on a thread, then finished (or dropped while still queued, once
+    every request waiting for it has gone). `started` holds the monotonic time a thread took it; `done`, the matcher
+    or the error. Both futures are marked running at once, so no waiter's cancellation can cancel them."""
+
+    __slots__ = ("constraint", "done", "owner", "started", "state", "waiters")
+
+    def __init__(self, c: Constraint, owner: str | None):
+        self.constraint, self.owner = c, owner
+        self.waiters = 1
+        self.state = "queued"
+        self.started: Future = Future()
+        self.done: Future = Future()
+        self.started.set_running_or_notify_cancel()
+        self.done.set_running_or_notify_cancel()
+
+
 class Grammars:
     """Compiles constraints for one tokenizer, caches them, and builds the per-step bitmasks."""
 
-    def __init__(self, tokenizer, vocab_size: int, eos_ids=(), compile_timeout: float = DEFAULT_COMPILE_TIMEOUT_S):
+    def __init__(self, tokenizer, vocab_size: int, eos_ids=(), compile_timeout: float = DEFAULT_COMPILE_TIMEOUT_S,
+                 workers: int = DEFAULT_COMPILE_WORKERS, per_owner: int = DEFAULT_COMPILES_PER_OWNER,
+                 max_queued: int = MAX_QUEUED_COMPILES):
         self.hf_tokenizer = tokenizer
         # the model's vocabulary, padded past the tokenizer's (or the tokenizer's, if it is the larger)
         self.vocab_size = max(vocab_size, len(tokenizer))
         self.eos_ids = sorted(eos_ids)
         self.compile_timeout = compile_timeout
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tpserve-grammar")
+        self.workers = workers  # (read when the first compile starts the threads: --grammar-compile-workers)
+        self.per_owner = per_owner  # --grammar-compile-queue
+        self.max_queued = max_queued
         self._cache: OrderedDict[tuple, object] = OrderedDict()
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the cache and the scheduler below
+        self._wake = threading.Condition(self._lock)
+        self._queues: OrderedDict[str | None, deque[_Job]] = OrderedDict()  # owner -> its queued jobs, in turn order
+        self._running: dict[str | None, int] = {}  # owner -> its jobs on a thread (timed out or not)
+        self._inflight: dict[tuple, _Job] = {}  # constraint key -> its queued or running job
+        self._queued = 0
+        self._threads: list[threading.Thread] = []
+        self._closed = False
+        self._setup_lock = threading.Lock()
         self._llg = None
         self._tokenizer = None
         self._bias: torch.Tensor | None = None  # the engine thread's buffer for the logit bias
 
     # ---- compiling (worker thread) ---------------------------------------------------------------------------
     def _setup(self) -> None:
-        """The tokenizer tables (~0.5 s for a 49k vocabulary): built on first use, in the worker thread."""
-        if self._tokenizer is None:
-            import llguidance
-            import llguidance.hf
+        """The tokenizer tables (~0.5 s for a 49k vocabulary): built on first use, in a compile thread."""
+        with self._setup_lock:
+            if self._tokenizer is None:
+                import llguidance
+                import llguidance.hf
 
-            self._llg = llguidance
-            self._tokenizer = llguidance.hf.from_tokenizer(self.hf_tokenizer, n_vocab=self.vocab_size,
-                                                           eos_token=self.eos_ids or None)
+                self._llg = llguidance
+                self._tokenizer = llguidance.hf.from_tokenizer(self.hf_tokenizer, n_vocab=self.vocab_size,
+                                                               eos_token=self.eos_ids or None)
 
     def _grammar_text(self, c: Constraint) -> str:
         llg = self._llg
@@ -126,6 +179,8 @@ class Grammars:
         raise AssertionError(f"unknown constraint kind {c.kind}")
 
     def _compile(self, c: Constraint):
+        for check in c.checks:  # e.g. a schema against its metaschema (raises APIError 400)
+            check()
         self._setup()
         try:
             text = self._grammar_text(c)
@@ -153,24 +208,145 @@ class Grammars:
                 reason = "it admits no output at all (llguidance: NoExtensionBias)"
             raise APIError(400, f"cannot compile {c.param}: {reason}", param=c.param, code="grammar_too_complex")
 
-    # ---- the request side (event loop) -------------------------------------------------------------------------
-    async def compile(self, c: Constraint):
-        """The compiled matcher (in its start state) for `c`: from the cache, or compiled in the worker thread.
-        A compile that outlasts the time limit is refused (it finishes in the background and is cached)."""
-        with self._lock:
+    # ---- the compile threads and their queue ---------------------------------------------------------------------
+    def _owner_limit(self) -> int:
+        """How many threads one owner's jobs may hold at once: all but one (so another owner's compile, however small,
+        finds a thread after at most one compile of its own turn), or the only one."""
+        return max(1, self.workers - 1)
+
+    def _next_job(self) -> _Job | None:
+        """The next job to run (under the lock): owners take turns, one job each, skipping those at their limit."""
+        limit = self._owner_limit()
+        for owner, queue in self._queues.items():
+            if self._running.get(owner, 0) < limit:
+                job = queue.popleft()
+                if queue:
+                    self._queues.move_to_end(owner)  # its next job waits for the others' turns
+                else:
+                    del self._queues[owner]
+                self._queued -= 1
+                return job
+        return None
+
+    def _work(self) -> None:
+        while True:
+            with self._wake:
+                job = self._next_job()
+                while job is None:
+                    if self._closed:
+                        return
+                    self._wake.wait()
+                    job = self._next_job()
+                job.state = "running"
+                self._running[job.owner] = self._running.get(job.owner, 0) + 1
+            job.started.set_result(time.monotonic())
+            result = error = None
+            try:
+                result = self._compile_and_cache(job.constraint)
+            except BaseException as e:  # noqa: BLE001 - an APIError (400) or a crash: the waiters get it
+                error = e
+            with self._wake:  # a compile whose requests timed out counted against its owner until here
+                job.state = "finished"
+                if self._running[job.owner] == 1:
+                    del self._running[job.owner]
+                else:
+                    self._running[job.owner] -= 1
+                if self._inflight.get(job.constraint.key) is job:
+                    del self._inflight[job.constraint.key]
+                self._wake.notify_all()  # (an owner below its limit again may have a job waiting)
+            if error is None:  # (after the accounting: a waiter that sees the result sees its owner's place free)
+                job.done.set_result(result)
+            else:
+                job.done.set_exception(error)
+            del result, error, job  # (no reference kept while this thread waits for the next job)
+
+    def _submit(self, c: Constraint, owner: str | None):
+        """(cached matcher, None) or (None, the job to wait for): a job compiling the same text is joined; a new one
+        is queued, or refused with a 429 when its owner has `per_owner` unfinished, or when `max_queued` wait and it
+        has any (so others' load never refuses an owner's first compile)."""
+        with self._wake:
             hit = self._cache.get(c.key)
             if hit is not None:
                 self._cache.move_to_end(c.key)
-                return hit
-        loop = asyncio.get_running_loop()
-        future = loop.run_in_executor(self._pool, self._compile_and_cache, c)
-        # a compile that outlives its request may still fail: its error is read here, not logged as unretrieved
-        future.add_done_callback(lambda f: f.cancelled() or f.exception())
+                return hit, None
+            job = self._inflight.get(c.key)
+            if job is not None:
+                job.waiters += 1
+                return None, job
+            if self._closed:
+                raise APIError(503, "the server is shutting down", "service_unavailable", code="unavailable")
+            mine = len(self._queues.get(owner, ())) + self._running.get(owner, 0)
+            if mine >= self.per_owner:
+                raise APIError(429, f"this client has {mine} grammar compiles unfinished, the most this server allows "
+                                    f"(--grammar-compile-queue {self.per_owner}); retry when one has finished",
+                               "rate_limit_error", param=c.param, code="grammar_queue_full",
+                               headers={"Retry-After": "1"})
+            if self._queued >= self.max_queued and mine:  # (an owner's first compile is always queued)
+                raise APIError(429, f"{self._queued} grammar compiles are waiting, the most this server queues; retry "
+                                    "shortly", "rate_limit_error", param=c.param, code="grammar_queue_full",
+                               headers={"Retry-After": "1"})
+            job = _Job(c, owner)
+            self._queues.setdefault(owner, deque()).append(job)
+            self._queued += 1
+            self._inflight[c.key] = job
+            while len(self._threads) < self.workers:
+                t = threading.Thread(target=self._work, name=f"tpserve-grammar-{len(self._threads)}", daemon=True)
+                t.start()
+                self._threads.append(t)
+            self._wake.notify()
+            return None, job
+
+    def _leave(self, job: _Job) -> None:
+        """A request stops waiting for `job`: a job still queued that nobody waits for any more is dropped."""
+        with self._wake:
+            job.waiters -= 1
+            if job.waiters or job.state != "queued":
+                return
+            queue = self._queues[job.owner]
+            queue.remove(job)
+            if not queue:
+                del self._queues[job.owner]
+            self._queued -= 1
+            del self._inflight[job.constraint.key]
+            job.state = "dropped"
+
+    # ---- the request side (event loop) -------------------------------------------------------------------------
+    async def compile(self, c: Constraint, owner: str | None = None,
+                      gone: Callable[[], Awaitable[bool]] | None = None):
+        """The compiled matcher (in its start state) for `c`: from the cache at once, else compiled on one of the
+        compile threads (`_submit` for the queue's rules; the same text compiling for another request is joined).
+
+        The time limit starts when a thread takes the compile (or when this request joins it, if later): a compile
+        that outlasts it is refused, and finishes in the background, counted against `owner`, and is cached, so a
+        retry is served. `gone` (e.g. Starlette's request.is_disconnected): polled while queued, and a client that
+        has gone away gives up its place. A request cancelled while queued gives it up too."""
+        hit, job = self._submit(c, owner)
+        if job is None:
+            return hit
+        joined = time.monotonic()
+        started = asyncio.wrap_future(job.started)
+        done = asyncio.wrap_future(job.done)
         try:
-            return await asyncio.wait_for(asyncio.shield(future), self.compile_timeout)
-        except asyncio.TimeoutError:
-            raise APIError(400, f"{c.param} took longer than {self.compile_timeout:g} s to compile; simplify it",
-                           param=c.param, code="grammar_too_complex") from None
+            while not started.done():
+                await asyncio.wait((started,), timeout=GONE_POLL_S if gone is not None else None)
+                if not started.done() and await gone():
+                    raise asyncio.CancelledError("client disconnected")
+            deadline = max(started.result(), joined) + self.compile_timeout
+            await asyncio.wait((done,), timeout=max(0.0, deadline - time.monotonic()))
+            if not done.done():
+                raise APIError(400, f"{c.param} took longer than {self.compile_timeout:g} s to compile; simplify it",
+                               param=c.param, code="grammar_too_complex")
+            e = done.exception()
+            if isinstance(e, APIError):  # each request its own copy (the routes edit theirs), naming its own field
+                message, param = e.message, e.param
+                if param == job.constraint.param != c.param:  # (a job joined from another field)
+                    message, param = message.replace(param, c.param), c.param
+                raise APIError(e.status, message, e.type, param, e.code, e.headers) from None
+            return done.result()
+        finally:
+            started.cancel()  # (the job's own futures cannot be cancelled: only this request's views of them)
+            done.cancel()
+            self._leave(job)
 
     def _compile_and_cache(self, c: Constraint):
         with self._lock:
@@ -226,4 +402,16 @@ class Grammars:
                 logits[r, :vocab].add_(bias[i])
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        """Stop the compile threads once idle (a running compile finishes first); queued jobs fail with a 503."""
+        with self._wake:
+            self._closed = True
+            for queue in self._queues.values():
+                for job in queue:
+                    job.state = "dropped"
+                    self._inflight.pop(job.constraint.key, None)
+                    job.started.set_result(time.monotonic())
+                    job.done.set_exception(APIError(503, "the server is shutting down", "service_unavailable",
+                                                    code="unavailable"))
+            self._queues.clear()
+            self._queued = 0
+            self._wake.notify_all()
