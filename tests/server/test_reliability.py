@@ -91,17 +91,24 @@ def test_a_request_that_could_never_be_queued_is_a_400_that_names_the_limit(srv)
 
 def test_a_chunked_body_is_limited_as_it_streams_in(srv):
     """--max-body-bytes holds for a body without Content-Length (Transfer-Encoding: chunked): past the limit a 413 in
-    OpenAI's shape, with the rest unread; a chunked body within it is served."""
+    OpenAI's shape, with the rest never held in memory; a chunked body within it is served."""
     def chunks(total: int, first: bytes = b'{"prompt": "hi", "max_tokens": 2, "pad": "'):
         yield first
         for _ in range(total // 8192):
             yield b"x" * 8192
         yield b'"}'
 
-    r = httpx.post(srv.url + "/v1/completions", content=chunks(4 << 20), headers={"content-type": "application/json"},
+    # 16 MiB against a 64 KiB limit: rank 0's peak RSS (reset just before) must not grow by anything near it
+    status = f"/proc/{srv.proc.pid}/status"
+    rss = lambda field: int(next(ln for ln in open(status) if ln.startswith(field)).split()[1]) * 1024  # noqa: E731
+    with open(f"/proc/{srv.proc.pid}/clear_refs", "w") as f:
+        f.write("5")  # the peak RSS (VmHWM) starts again from the current RSS
+    before = rss("VmRSS:")
+    r = httpx.post(srv.url + "/v1/completions", content=chunks(16 << 20), headers={"content-type": "application/json"},
                    timeout=60)
     assert r.status_code == 413, r.text[:300]
     assert set(r.json()["error"]) == {"message", "type", "param", "code"} and "65536" in r.json()["error"]["message"]
+    assert rss("VmHWM:") - before < 8 << 20, (before, rss("VmHWM:"))
     r = httpx.post(srv.url + "/v1/completions", content=chunks(16384), headers={"content-type": "application/json"},
                    timeout=60)
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1, r.text[:300]
