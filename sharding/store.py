@@ -31,6 +31,7 @@ from __future__ import annotations
 import datetime
 import hashlib
 import hmac
+import ipaddress
 import logging
 import os
 import secrets
@@ -53,6 +54,8 @@ _NONCE = 32
 _MAC = 32
 
 _OK, _TIMEOUT, _ERROR = 0, 1, 2
+_ACCEPTED, _REFUSED = b"\x01", b"\x00"
+_MARGIN_S = 30.0  # a store call's socket waits this much longer than the call itself may take
 _SET, _GET, _ADD, _CHECK, _WAIT, _DELETE, _CAS, _NUM_KEYS = b"SGACWDXN"
 
 
@@ -115,6 +118,14 @@ def _resolve(host: str) -> str:
         return socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)[0][4][0]
     except socket.gaierror as e:
         raise ValueError(f"MASTER_ADDR {host!r} does not resolve: {e.strerror}") from None
+
+
+def _is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+        return True
+    except ValueError:
+        return False
 
 
 def is_loopback(host: str) -> bool:
@@ -187,8 +198,12 @@ class StoreServer:
         while not self._closed:
             try:
                 conn, peer = self._sock.accept()
-            except OSError:
-                return
+            except OSError as e:
+                if self._closed:
+                    return
+                logger.warning("ranks' store: accept failed (%s); retrying", e)  # e.g. out of file descriptors
+                time.sleep(0.1)
+                continue
             with self._pending_lock:  # full: the oldest one still in the handshake makes room (a rank answers in ms)
                 if len(self._pending) >= MAX_PENDING:
                     oldest = next(iter(self._pending))
@@ -221,8 +236,12 @@ class StoreServer:
         proof, theirs = answer[len(_MAGIC):len(_MAGIC) + _MAC], answer[len(_MAGIC) + _MAC:]
         if answer[:len(_MAGIC)] != _MAGIC or not hmac.compare_digest(proof, _mac(self.secret, b"client", challenge)):
             self._drop(peer, "it did not prove the secret")
+            try:
+                conn.sendall(_REFUSED)  # a rank with the wrong secret fails at once instead of retrying
+            except OSError:
+                pass
             return False
-        conn.sendall(_mac(self.secret, b"server", theirs, challenge))
+        conn.sendall(_ACCEPTED + _mac(self.secret, b"server", theirs, challenge))
         conn.settimeout(None)
         return True
 
@@ -302,37 +321,47 @@ class StoreClient(dist.Store):
         if conn is not None:
             return conn
         deadline = time.monotonic() + self._timeout_s
-        while True:  # rank 0 may not be listening yet (torchrun starts every node's ranks at once)
+        while True:  # rank 0 may not be listening yet (torchrun starts every node's ranks at once), or be shedding
             try:
-                conn = socket.create_connection((self.host, self.port), timeout=HANDSHAKE_TIMEOUT_S)
+                conn = self._handshake()
                 break
-            except OSError as e:
+            except (OSError, ConnectionError) as e:
                 if time.monotonic() > deadline:
                     raise dist.DistStoreError(f"cannot reach the ranks' store at {self.host}:{self.port}: "
-                                              f"{e.strerror or e}") from None
+                                              f"{getattr(e, 'strerror', None) or e}") from None
                 time.sleep(0.1)
-        try:
-            head = _recv_exact(conn, len(_MAGIC) + _NONCE)
-            if head[:len(_MAGIC)] != _MAGIC:
-                raise ConnectionError("not a tpserve store")
-            mine = secrets.token_bytes(_NONCE)
-            conn.sendall(_MAGIC + _mac(self.secret, b"client", head[len(_MAGIC):]) + mine)
-            proof = _recv_exact(conn, _MAC)
-        except (OSError, ConnectionError) as e:
-            conn.close()
-            raise dist.DistStoreError(f"the ranks' store at {self.host}:{self.port} refused this rank: it does not "
-                                      f"know the same secret ({e})") from None
-        if not hmac.compare_digest(proof, _mac(self.secret, b"server", mine, head[len(_MAGIC):])):
-            conn.close()
-            raise dist.DistStoreError(f"the server at {self.host}:{self.port} does not know the store's secret")
-        conn.settimeout(None)
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._local.conn = conn
         return conn
 
-    def _call(self, op: int, fields: list[bytes], what: str) -> list[bytes]:
+    def _handshake(self) -> socket.socket:
+        """A connection that has proved the secret and checked the store's proof. Raises DistStoreError when the
+        store refuses the secret (or does not know it), OSError / ConnectionError when the connection was lost on
+        the way (the store sheds the oldest handshakes under a flood: worth another try)."""
+        conn = socket.create_connection((self.host, self.port), timeout=HANDSHAKE_TIMEOUT_S)
+        try:
+            head = _recv_exact(conn, len(_MAGIC) + _NONCE)
+            if head[:len(_MAGIC)] != _MAGIC:
+                raise dist.DistStoreError(f"{self.host}:{self.port} is not a tpserve ranks' store")
+            mine = secrets.token_bytes(_NONCE)
+            conn.sendall(_MAGIC + _mac(self.secret, b"client", head[len(_MAGIC):]) + mine)
+            if _recv_exact(conn, 1) != _ACCEPTED:
+                raise dist.DistStoreError(f"the ranks' store at {self.host}:{self.port} refused this rank: it does "
+                                          f"not know the same secret (TPSERVE_STORE_SECRET)")
+            proof = _recv_exact(conn, _MAC)
+            if not hmac.compare_digest(proof, _mac(self.secret, b"server", mine, head[len(_MAGIC):])):
+                raise dist.DistStoreError(f"the server at {self.host}:{self.port} does not know the store's secret")
+        except BaseException:
+            conn.close()
+            raise
+        return conn
+
+    def _call(self, op: int, fields: list[bytes], what: str, wait_s: float | None = None) -> list[bytes]:
+        """One request and its answer; `wait_s`: how long the store may hold it (a get or wait), which bounds the
+        socket's wait too (with a margin), so a vanished rank-0 host fails the call instead of hanging it."""
         conn = self._conn()
         try:
+            conn.settimeout((self._timeout_s if wait_s is None else wait_s) + _MARGIN_S)
             _send_msg(conn, op, fields)
             status, out = _recv_msg(conn)
         except (OSError, ConnectionError) as e:
@@ -340,14 +369,14 @@ class StoreClient(dist.Store):
             conn.close()
             raise dist.DistStoreError(f"the ranks' store at {self.host}:{self.port} went away: {e}") from None
         if status == _TIMEOUT:
-            raise dist.DistStoreError(f"timed out after {self._timeout_s:g} s waiting for {what} in the ranks' store")
+            waited = self._timeout_s if wait_s is None else wait_s
+            raise dist.DistStoreError(f"timed out after {waited:g} s waiting for {what} in the ranks' store")
         if status != _OK:
             raise dist.DistStoreError(out[0].decode() if out else "store error")
         return out
 
-    def _ms(self, timeout: datetime.timedelta | None) -> bytes:
-        s = self._timeout_s if timeout is None else timeout.total_seconds()
-        return str(int(s * 1000)).encode()
+    def _seconds(self, timeout: datetime.timedelta | None) -> float:
+        return self._timeout_s if timeout is None else timeout.total_seconds()
 
     @staticmethod
     def _b(value) -> bytes:
@@ -357,7 +386,7 @@ class StoreClient(dist.Store):
         self._call(_SET, [key.encode(), self._b(value)], key)
 
     def get(self, key: str) -> bytes:
-        return self._call(_GET, [self._ms(None), key.encode()], key)[0]
+        return self._call(_GET, [str(int(self._timeout_s * 1000)).encode(), key.encode()], key, self._timeout_s)[0]
 
     def add(self, key: str, amount: int) -> int:
         return int(self._call(_ADD, [key.encode(), str(int(amount)).encode()], key)[0])
@@ -366,7 +395,8 @@ class StoreClient(dist.Store):
         return self._call(_CHECK, [k.encode() for k in keys], "keys")[0] == b"1"
 
     def wait(self, keys: list[str], timeout: datetime.timedelta | None = None) -> None:
-        self._call(_WAIT, [self._ms(timeout), *(k.encode() for k in keys)], ", ".join(keys))
+        s = self._seconds(timeout)
+        self._call(_WAIT, [str(int(s * 1000)).encode(), *(k.encode() for k in keys)], ", ".join(keys), s)
 
     def delete_key(self, key: str) -> bool:
         return self._call(_DELETE, [key.encode()], key)[0] == b"1"
@@ -410,6 +440,13 @@ def join_store(rank: int, timeout: datetime.timedelta) -> StoreClient:
     """This rank's client of the ranks' store, from MASTER_ADDR, the port and the secret of the environment. Rank 0
     serves the store first, unless tpserve's launcher already did (before spawning the other ranks)."""
     addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > int(os.environ.get("LOCAL_WORLD_SIZE", str(world))) and not _is_ip(addr) and is_loopback(addr):
+        # e.g. Debian's /etc/hosts maps the host's own name to 127.0.1.1: the store would listen where no other
+        # host can reach it (a literal 127.0.0.1 is taken at its word: several "nodes" on one host, as in tests)
+        raise ValueError(f"MASTER_ADDR {addr!r} resolves to the loopback address {_resolve(addr)} on this host, but "
+                         f"the ranks run on several hosts: set MASTER_ADDR to node 0's address on the network the "
+                         f"nodes share")
     port, secret = store_port(), secret_from_env()
     if rank == 0 and port not in _servers:
         serve_store(addr, port, secret)

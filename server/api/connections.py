@@ -11,14 +11,15 @@ uvicorn's h11 protocol (`GuardedH11Protocol`, passed to uvicorn as its `http` cl
   408 in OpenAI's error shape if nothing was answered yet, and the connection is closed (also when a route answered
   early without reading the body, e.g. a 401, and the client still trickles it).
 - Shedding: --max-connections counts every open connection, as uvicorn's limit does, but a new connection that
-  would go over it closes the connection that has waited longest for a request head (a half-open connection, or an
-  idle keep-alive one) instead of being turned away. Connections busy with a request are never shed; when they alone
-  fill the limit, a request gets 503 (OpenAI's shape, `Connection: close`), except /health, which always answers.
+  would go over it closes the connection that has waited longest for a request head (a half-open connection, an
+  idle keep-alive one, or one only draining the body of a request already answered, e.g. a 401) instead of being
+  turned away. Connections busy with a request are never shed; when they alone fill the limit, a request gets 503
+  (OpenAI's shape, `Connection: close`), except /health, which always answers.
 
-A connection is in one of four phases, read off h11's state of the client's side after every event: "head" (waiting
-for a request head: the header deadline), "idle" (between requests: the keep-alive deadline), "body" (the head
-arrived, the body has not: the body deadline), "busy" (the request is read, the response runs: no deadline). One
-timer per connection, armed when the phase changes.
+A connection is in one of five phases, read off h11's states after every event: "head" (waiting for a request head:
+the header deadline), "idle" (between requests: the keep-alive deadline), "body" (the head arrived, the body has not:
+the body deadline), "drain" (answered, the rest of the body still coming: the body deadline stands), "busy" (the
+request is read, the response runs: no deadline). One timer per connection, armed when the phase changes.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from server.api.protocol import APIError
 
 logger = logging.getLogger(__name__)
 
-SHEDDABLE = ("head", "idle")
+SHEDDABLE = ("head", "idle", "drain")
 
 
 class GuardedH11Protocol(H11Protocol):
@@ -83,7 +84,12 @@ class GuardedH11Protocol(H11Protocol):
             elif self.phase != "idle":
                 self.enter("idle")
         elif theirs is h11.SEND_BODY:
-            if self.phase != "body":
+            if self.conn.our_state in (h11.DONE, h11.MUST_CLOSE):
+                # answered before the body was read (a 401, 404, 413...): the rest of the body is only being drained,
+                # which may be shed like a wait for a head (a flood of such requests must not hold the limit); the
+                # body deadline stands
+                self.phase = "drain"
+            elif self.phase != "body":
                 self.enter("body")
         elif self.phase != "busy":
             self.enter("busy")

@@ -192,6 +192,29 @@ def test_busy_connections_get_503_in_openai_shape_but_health_answers(srv):
             s.close()
 
 
+def test_requests_answered_before_their_body_cannot_hold_the_limit(srv):
+    """Requests turned away before their body is read (here a 405 with a 100 kB body announced and never sent) leave
+    connections that only drain the rest of a body: 40 of them against --max-connections 32 are shed as a new client
+    arrives, who is served (they would otherwise hold the limit for the body deadline and every other client would
+    get 503)."""
+    _, port = srv
+    socks = [connect(port, b"POST /health HTTP/1.1\r\nHost: x\r\nContent-Length: 100000\r\n\r\nx")
+             for _ in range(MAX_CONNECTIONS + 8)]
+    try:
+        for s in socks:  # each one answered (its 405 read) before the next client comes
+            s.settimeout(5)
+            try:
+                assert s.recv(65536).startswith(b"HTTP/1.1 405 ")
+            except (ConnectionResetError, BrokenPipeError):
+                pass  # shed already, to make room for a later one of these
+        with httpx.Client(timeout=3) as client:
+            r = client.get(f"http://127.0.0.1:{port}/v1/models")
+            assert r.status_code == 200, r.text
+    finally:
+        for s in socks:
+            s.close()
+
+
 def test_metrics_key(engine_state, srv):
     _, port = srv
     url = f"http://127.0.0.1:{port}"
