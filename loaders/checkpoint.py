@@ -45,6 +45,8 @@ RUN_DTYPES: dict[str, torch.dtype] = {
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 MAX_HEADER_BYTES = 100 * 1024 * 1024
+MAX_NDIM = 8  # dimensions of one tensor in a header (real checkpoints: at most 5)
+MAX_DIM = 2**40  # one dimension's extent: JSON integers of up to 4300 digits would make their product cost seconds
 
 
 class CheckpointError(ValueError):
@@ -66,7 +68,9 @@ class TensorInfo:
 def read_safetensors_header(path: Path) -> dict[str, TensorInfo]:
     """Parse one safetensors file's header into TensorInfo records (no tensor data is read). Every malformed header
     raises CheckpointError naming the problem: a length beyond the file, JSON that is not an object of objects, an
-    entry without a known dtype, a shape of non-negative integers or data offsets inside the file that match it."""
+    entry without a known dtype, a shape of at most MAX_NDIM non-negative integers of at most MAX_DIM, or data
+    offsets inside the file that match it. Each is checked before anything is computed from it (an adapter's header
+    is a client's upload, in effect), and a message quotes no more of the header than it needs to."""
     size = path.stat().st_size
     with open(path, "rb") as f:
         raw = f.read(8)
@@ -74,12 +78,14 @@ def read_safetensors_header(path: Path) -> dict[str, TensorInfo]:
             raise CheckpointError(f"{path} is not a safetensors file (shorter than 8 bytes)")
         header_len = int.from_bytes(raw, "little")
         if header_len > MAX_HEADER_BYTES or 8 + header_len > size:
-            raise CheckpointError(f"{path} is not a safetensors file (header length {header_len} is implausible for "
-                                  f"a file of {size} bytes)")
+            raise CheckpointError(f"{path} is not a safetensors file (the header length field is not valid for a "
+                                  f"file of {size} bytes)")
         try:
             header = json.loads(f.read(header_len))
-        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:  # (messages: a position, a byte)
             raise CheckpointError(f"{path} has a corrupt safetensors header: {type(e).__name__}: {e}") from None
+        except ValueError:  # an integer longer than Python reads (4300 digits)
+            raise CheckpointError(f"{path} has a corrupt safetensors header: an integer too long to read") from None
     if not isinstance(header, dict):
         raise CheckpointError(f"{path} has a corrupt safetensors header: a JSON {type(header).__name__}, not an "
                               "object")
@@ -88,25 +94,30 @@ def read_safetensors_header(path: Path) -> dict[str, TensorInfo]:
     for name, meta in header.items():
         if name == "__metadata__":
             continue
+        what = f"{path}: tensor {_quote(name)}"
         if not isinstance(meta, dict):
-            raise CheckpointError(f"{path}: tensor {name!r} has a header entry that is a JSON {type(meta).__name__}, "
-                                  "not an object")
+            raise CheckpointError(f"{what} has a header entry that is a JSON {type(meta).__name__}, not an object")
         dtype_name = meta.get("dtype")
         dtype = SAFETENSORS_DTYPES.get(dtype_name) if isinstance(dtype_name, str) else None
         if dtype is None:
-            raise CheckpointError(f"{path}: tensor {name!r} has unsupported dtype {dtype_name!r}")
+            raise CheckpointError(f"{what} has an unsupported dtype" + (f" {_quote(dtype_name)}" if isinstance(
+                dtype_name, str) else f" (a JSON {type(dtype_name).__name__})"))
         shape, offsets = meta.get("shape"), meta.get("data_offsets")
-        if not isinstance(shape, list) or not all(_natural(s) for s in shape):
-            raise CheckpointError(f"{path}: tensor {name!r} has a shape that is not a list of non-negative integers: "
-                                  f"{str(shape)[:100]}")
+        if not isinstance(shape, list) or len(shape) > MAX_NDIM or not all(_natural(s) for s in shape):
+            raise CheckpointError(f"{what} has a shape that is not a list of at most {MAX_NDIM} non-negative "
+                                  "integers")
+        if any(s > MAX_DIM for s in shape):
+            raise CheckpointError(f"{what} has a shape with a dimension above {MAX_DIM}, the most this server reads")
         if (not isinstance(offsets, list) or len(offsets) != 2 or not all(_natural(o) for o in offsets)
                 or offsets[0] > offsets[1]):
-            raise CheckpointError(f"{path}: tensor {name!r} has data_offsets that are not [begin, end] with "
-                                  f"0 <= begin <= end: {str(offsets)[:100]}")
+            raise CheckpointError(f"{what} has data_offsets that are not [begin, end] with 0 <= begin <= end")
         begin, end = offsets
+        if data_start + end > size:
+            raise CheckpointError(f"{what} has inconsistent offsets (file truncated?): its data would end past the "
+                                  f"{size - data_start} bytes of data in the file")
         nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-        if end - begin != nbytes or data_start + end > size:
-            raise CheckpointError(f"{path}: tensor {name!r} has inconsistent offsets (file truncated?): "
+        if end - begin != nbytes:
+            raise CheckpointError(f"{what} has inconsistent offsets (file truncated?): "
                                   f"[{begin}, {end}) for {nbytes} bytes of {dtype_name} {shape}, "
                                   f"{size - data_start} bytes of data in the file")
         infos[name] = TensorInfo(name, path, dtype, tuple(shape), data_start + begin, nbytes)
@@ -116,6 +127,11 @@ def read_safetensors_header(path: Path) -> dict[str, TensorInfo]:
 def _natural(x) -> bool:
     """A JSON integer >= 0 (not a bool, not a float)."""
     return type(x) is int and x >= 0
+
+
+def _quote(text: str, limit: int = 100) -> str:
+    """A header's string (a tensor's name, a dtype) as a message quotes it: repr'd, at most `limit` characters."""
+    return repr(text) if len(text) <= limit else repr(text[:limit]) + "..."
 
 
 class Checkpoint:

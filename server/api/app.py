@@ -24,12 +24,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from server.api import embeddings, responses as responses_api, tokenize as tokenize_api
 from server.api.embeddings import pooling_config
-from server.engine.structured.grammar import Grammars, request_owner
+from server.engine.structured.grammar import Grammars
 from server.api.state import PendingRequest, ServerState, admit, bearer_token, gather
 from server.api.preprocess import (check_length, check_model, decode_prompt, logit_bias, output_constraint,
                             prompt_chars, refuse_long_prompts, render_chat, render_cost, sampling_params,
                             tokenize_prompts, with_seed)
-from server.engine.lora_registry import RUNTIME_UPDATES_ENV, LoraRefused, key_owner, runtime_updates_allowed
+from server.engine.lora_registry import RUNTIME_UPDATES_ENV, LoraRefused, runtime_updates_allowed
 from server.api.protocol import (APIError, ChatCompletionRequest, CompletionRequest, LoadLoraAdapterRequest,
                              UnloadLoraAdapterRequest)
 from server.api.bodies import EventStream, chat_response, completion_response, stream_chat, stream_completion
@@ -203,6 +203,7 @@ def build_app(state: ServerState) -> FastAPI:
                 for seq in list(lane.scheduler.running):
                     if seq.lora is not None:
                         running[seq.lora.name] = running.get(seq.lora.name, 0) + 1
+            m.lora_running.clear()  # (an unloaded adapter's label goes: names are the clients' to choose)
             for name, n in running.items():
                 m.lora_running.labels(name).set(n)
         m.sync_counter(m.replica_failures, "replica_failures", e.replicas.failures)
@@ -244,12 +245,11 @@ def build_app(state: ServerState) -> FastAPI:
             raise APIError(400, "this server was started without --enable-lora", code="lora_disabled")
 
     def lora_caller(request: Request) -> tuple[str | None, bool]:
-        """Who asks (key_owner of its API key; None without --api-key) and whether it may unload any adapter (the
-        --lora-admin-key; everyone on a server without keys)."""
+        """Who asks (ServerState.owner: a hash of its API key; None without --api-key) and whether it may unload any
+        adapter (the --lora-admin-key; everyone on a server without keys)."""
         if not state.api_keys:
             return None, True
-        token = bearer_token(request.headers.get("authorization", ""))
-        return key_owner(token), state.loras.is_admin(token)
+        return state.owner(request), state.loras.is_admin(bearer_token(request.headers.get("authorization", "")))
 
     def lora_refusal(e: LoraRefused) -> APIError:
         kind = "permission_error" if e.status == 403 else "invalid_request_error"
@@ -296,7 +296,7 @@ def build_app(state: ServerState) -> FastAPI:
             ids = tokenize_prompts(state, body.prompt)
             return ids, [decode_prompt(state, p) if body.echo else "" for p in ids]
 
-        prompts, echo_text = await state.cpu.run(prompt_chars(body.prompt), prepare)
+        prompts, echo_text = await state.cpu.run(prompt_chars(body.prompt), prepare, gone=request.is_disconnected)
         max_tokens = body.max_tokens if body.max_tokens is not None else 16
         params = sampling_params(body, max_tokens, body.logprobs, logit_bias(state, body))
         if body.echo and body.logprobs is not None:  # the prompt's tokens get logprobs too, as OpenAI's legacy API
@@ -304,7 +304,7 @@ def build_app(state: ServerState) -> FastAPI:
         for ids in prompts:
             check_length(state, ids, max_tokens)
         constraint, _ = output_constraint(state, body)
-        compiled = await state.engine.grammars.compile(constraint, request_owner(request, state.api_keys),
+        compiled = await state.engine.grammars.compile(constraint, state.owner(request, by_host=True),
                                                        request.is_disconnected) if constraint else None
         req = PendingRequest(state, asyncio.get_running_loop(), body.stream)
         req.lora = lora
@@ -323,14 +323,15 @@ def build_app(state: ServerState) -> FastAPI:
     async def chat(body: ChatCompletionRequest, request: Request):
         lora = check_model(state, body.model)
         constraint, parse_tools = output_constraint(state, body)
-        ids = await state.cpu.run(render_cost(state, body), render_chat, state, body)  # off the event loop
+        ids = await state.cpu.run(render_cost(state, body), render_chat, state, body,  # off the event loop
+                                  gone=request.is_disconnected)
         max_tokens = body.max_completion_tokens or body.max_tokens or (state.max_model_len - len(ids))
         top = body.top_logprobs if body.logprobs else None
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError(400, "top_logprobs requires logprobs=true", param="top_logprobs")
         params = sampling_params(body, max_tokens, (top or 0) if body.logprobs else None, logit_bias(state, body))
         check_length(state, ids, max_tokens)
-        compiled = await state.engine.grammars.compile(constraint, request_owner(request, state.api_keys),
+        compiled = await state.engine.grammars.compile(constraint, state.owner(request, by_host=True),
                                                        request.is_disconnected) if constraint else None
         req = PendingRequest(state, asyncio.get_running_loop(), body.stream)
         req.lora = lora

@@ -161,7 +161,8 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
                 raise APIError(400, f"dimensions must be one of {list(cfg.dimensions)[:32]}", param="dimensions")
         if body.truncate_prompt_tokens is None:  # (an input whose length proves it too long: before tokenizing)
             refuse_long_prompts(state, body.input, "input", state.max_model_len + 1, TRUNCATE_HINT)
-        prompts = await state.cpu.run(prompt_chars(body.input), input_ids, state, body)  # off the event loop
+        prompts = await state.cpu.run(prompt_chars(body.input), input_ids, state, body,  # off the event loop
+                                      gone=request.is_disconnected)
         req = PendingRequest(state, asyncio.get_running_loop())
         params = SamplingParams(max_tokens=1)
         for i, ids in enumerate(prompts):

@@ -21,7 +21,8 @@ from server.api.state import ServerState
 from server.api.protocol import APIError, ChatCompletionRequest, SamplingFields
 from server.engine.sampler import SamplingParams
 from server.engine.structured.constraint import constraint_from_request
-from server.api.tool_calls import check_tools, render_messages, template_supports_tools, tools_constraint
+from server.api.tool_calls import (check_tool_schemas, check_tools, render_messages, template_supports_tools,
+                                   tools_constraint)
 
 
 def check_model(state: ServerState, name: str | None):
@@ -47,12 +48,18 @@ def prompt_chars(prompt) -> int:
     return sum(len(p) for p in _prompt_list(prompt))
 
 
-def too_long(state: ServerState, n: int, param: str, where: str, at_least: bool, hint: str = "") -> APIError:
-    """The 400 of a prompt longer than the max model length (`at_least`: counted from its length in characters)."""
+def length_limit(state: ServerState) -> str:
+    """Why no more tokens fit: the max model length (and the KV cache, when that is what bounds it)."""
     limit = state.max_model_len
     why = f"this server's max model length is {limit}"
     if state.engine.replicas.pool_tokens <= limit:
         why += f" (its whole KV cache holds {state.engine.replicas.pool_tokens} tokens)"
+    return why
+
+
+def too_long(state: ServerState, n: int, param: str, where: str, at_least: bool, hint: str = "") -> APIError:
+    """The 400 of a prompt longer than the max model length (`at_least`: counted from its length in characters)."""
+    why = length_limit(state)
     count = f"at least {n} tokens (counted from its length in characters)" if at_least else f"{n} tokens"
     return APIError(400, f"{where} has {count}; {why}{hint}", param=param, code="context_length_exceeded")
 
@@ -116,7 +123,11 @@ def render_chat(state: ServerState, body: ChatCompletionRequest, refuse_long: bo
     """The conversation's prompt tokens, through the model's chat template (what /tokenize counts, too, with
     refuse_long=False). The template is rendered to text, then tokenized without special tokens, as transformers'
     apply_chat_template(tokenize=True) does; between the two, a rendering whose length in characters proves it longer
-    than the max model length is refused untokenized. Runs in the CpuPool (state.cpu.run)."""
+    than the max model length is refused untokenized. The tools' parameters are checked against their metaschema
+    here first, but for those the output grammar holds (its compile checks them). Runs in the CpuPool
+    (state.cpu.run)."""
+    if body.tools:  # (their cheap checks were made on the event loop: output_constraint, check_tools)
+        check_tool_schemas(body.tools, skip=tools_in_grammar(body))
     in_template = template_supports_tools(state.tokenizer)
     messages = render_messages(body.messages, in_template)
     extra = dict(body.chat_template_kwargs or {})  # no key the server sets itself (protocol.CHAT_TEMPLATE_RESERVED)
@@ -143,13 +154,11 @@ def check_length(state: ServerState, ids: list[int], max_tokens: int) -> None:
     """prompt + max_tokens must fit the max model length, which never exceeds what the whole KV cache holds (the
     server refuses to start otherwise, or lowers a default length to the cache): a request that passes always fits."""
     limit = state.max_model_len
-    why = f"this server's max model length is {limit}"
-    if state.engine.replicas.pool_tokens <= limit:
-        why += f" (its whole KV cache holds {state.engine.replicas.pool_tokens} tokens)"
     if len(ids) >= limit:
         raise too_long(state, len(ids), "prompt", "the prompt", at_least=False)
     if len(ids) + max_tokens > limit:
-        raise APIError(400, f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds {limit} tokens: {why}; "
+        raise APIError(400, f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds {limit} tokens: "
+                            f"{length_limit(state)}; "
                             f"lower max_tokens to at most {limit - len(ids)}", param="max_tokens",
                        code="context_length_exceeded")
 
@@ -208,6 +217,18 @@ def tool_choice(body: ChatCompletionRequest):
     return "auto" if body.tools else "none"
 
 
+def tools_in_grammar(body: ChatCompletionRequest) -> set[int]:
+    """The indices of the tools whose parameters the output grammar holds (output_constraint, tools_constraint), so
+    whose metaschema checks run in its compile: every tool for "required", the named one for a named function,
+    none for "auto" or "none"."""
+    choice = tool_choice(body)
+    if choice == "required":
+        return set(range(len(body.tools or ())))
+    if isinstance(choice, str):
+        return set()
+    return {i for i, t in enumerate(body.tools or ()) if t.function.name == choice.function.name}
+
+
 def refuse_unsupported(body: SamplingFields) -> None:
     """OpenAI fields that ask for what this server cannot give, refused with the field's name (never ignored)."""
     if body.best_of is not None and body.best_of != body.n:
@@ -238,7 +259,7 @@ def output_constraint(state: ServerState, body: SamplingFields) -> tuple[Constra
             raise APIError(400, "tool_choice names a function or requires a call, but the request has no tools",
                            param="tool_choice")
         return constraint, False
-    check_tools(body.tools)
+    check_tools(body.tools)  # (bounds only: their metaschema checks run in the compile, or in render_chat)
     if choice == "none":
         return constraint, False
     if constraint is not None:

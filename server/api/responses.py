@@ -21,7 +21,6 @@ conversation, prompt templates, truncation "auto", item references, images and f
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
 import threading
 import time
@@ -33,7 +32,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from pydantic import ConfigDict, ValidationError
 
-from server.engine.structured.grammar import Grammars, request_owner
+from server.engine.structured.grammar import Grammars
 from server.api.state import PendingRequest, ServerState, admit, gather, stream_events
 from server.api.preprocess import (check_length, check_model, output_constraint, render_chat, render_cost,
                                    sampling_params)
@@ -41,11 +40,11 @@ from server.api.protocol import APIError, ChatCompletionRequest, RequestBody
 from server.api.bodies import EventStream, chat_logprobs, forced_tools, truncated_call
 from server.engine.request import Sequence
 from server.api.tool_calls import ToolCallParser, parse_tool_calls
+from server.defaults import DEFAULT_STORE_KEY_SHARE  # (in a light module: the CLI shows it)
 
 MAX_METADATA_PAIRS, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512
 DEFAULT_STORE_MAX_BYTES = 64 * 1024 * 1024
 DEFAULT_STORE_MAX_COUNT = 10_000
-DEFAULT_STORE_KEY_SHARE = 0.25  # of either bound, per API key (on a server with several keys)
 BUILTIN_TOOLS = ("web_search", "web_search_preview", "file_search", "code_interpreter", "mcp", "computer_use_preview",
                  "image_generation", "local_shell", "custom")
 
@@ -276,14 +275,6 @@ def to_chat(body: ResponsesRequest, history: list[dict]) -> tuple[ChatCompletion
 
 
 # ---- the store ----------------------------------------------------------------------------------------------------
-def owner_of(request: Request) -> str | None:
-    """Who made a request: a hash of its API key (None on a server without keys)."""
-    from server.api.state import bearer_token
-
-    token = bearer_token(request.headers.get("authorization", ""))
-    return hashlib.sha256(token.encode()).hexdigest()[:32] if token is not None else None
-
-
 @dataclass
 class Stored:
     response: dict
@@ -631,19 +622,20 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/v1/responses")
     async def create(body: ResponsesRequest, request: Request):
         lora = check_model(state, body.model)
-        owner = owner_of(request)
+        owner = state.owner(request)
         history: list[dict] = []
         if body.previous_response_id is not None:
             history = state.responses.conversation(body.previous_response_id, owner)
         try:
             chat, messages = to_chat(body, history)
             constraint, parse_tools = output_constraint(state, chat)
-            ids = await state.cpu.run(render_cost(state, chat), render_chat, state, chat)  # off the event loop
+            ids = await state.cpu.run(render_cost(state, chat), render_chat, state, chat,  # off the event loop
+                                      gone=request.is_disconnected)
             max_tokens = chat.max_tokens or (state.max_model_len - len(ids))
             top = chat.top_logprobs or 0
             params = sampling_params(chat, max_tokens, top if chat.logprobs else None)
             check_length(state, ids, max_tokens)
-            compiled = await state.engine.grammars.compile(constraint, request_owner(request, state.api_keys),
+            compiled = await state.engine.grammars.compile(constraint, state.owner(request, by_host=True),
                                                            request.is_disconnected) if constraint else None
         except APIError as e:
             raise responses_error(e) from None
@@ -671,16 +663,16 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.get("/v1/responses/{response_id}")
     async def retrieve(response_id: str, request: Request):
-        return state.responses.get(response_id, owner_of(request)).response
+        return state.responses.get(response_id, state.owner(request)).response
 
     @app.delete("/v1/responses/{response_id}")
     async def delete(response_id: str, request: Request):
-        state.responses.delete(response_id, owner_of(request))
+        state.responses.delete(response_id, state.owner(request))
         return {"id": response_id, "object": "response.deleted", "deleted": True}
 
     @app.post("/v1/responses/{response_id}/cancel")
     async def cancel(response_id: str, request: Request):
-        entry = state.responses.get(response_id, owner_of(request))
+        entry = state.responses.get(response_id, state.owner(request))
         if entry.response["status"] != "in_progress" or entry.pending is None:
             raise APIError(400, f"the response is {entry.response['status']}: only a response in progress can be "
                                 "cancelled", param="response_id")

@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import hashlib
 import hmac
 import sys
 import threading
 import time
 import weakref
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from fastapi import Request
@@ -73,6 +75,15 @@ class ServerState:
     def max_model_len(self) -> int:
         return self.engine.max_model_len
 
+    def owner(self, request: Request, by_host: bool = False) -> str | None:
+        """Who makes `request`, as one string for every per-client bound and store: a hash of its API key (the
+        credentials of `Authorization: Bearer`, scheme in any case), None without one. `by_host`: on a server
+        without keys, the client's address instead ("host:<address>"; such a server accepts any token, so a token
+        would be a fresh quota for the asking)."""
+        if by_host and not self.api_keys:
+            return "host:" + (request.client.host if request.client is not None else "")
+        return key_owner(bearer_token(request.headers.get("authorization", "")))
+
     def key_ok(self, authorization: str) -> bool:
         """Whether an Authorization header carries one of the keys (any server without keys: yes). Each key is
         compared in constant time, so a response's timing says nothing about how much of a guess was right."""
@@ -91,7 +102,10 @@ class CpuPool:
     One thread by default (vLLM's tokenizer executor has one too): a tokenizer thread per core would take the cores
     the decode runs on. A 4 MB prompt takes seconds to tokenize, so what may wait is bounded: past `max_pending`
     jobs or `max_pending_chars` characters waiting or running, a request gets a 429 at once (a lone job always
-    runs, whatever its size). A job whose request went away before it started is dropped."""
+    runs, whatever its size). A job still waiting for the thread is dropped when its coroutine is cancelled, or when
+    the `gone` it was submitted with (e.g. Starlette's request.is_disconnected, polled every DISCONNECT_POLL_S while
+    it waits: uvicorn does not cancel a request's task when its client leaves) says the client has left; a job
+    already running runs to its end."""
 
     def __init__(self, workers: int = 1, max_pending_chars: int = 16 * 1024 * 1024, max_pending: int = 256):
         self.workers, self.max_pending_chars, self.max_pending = workers, max_pending_chars, max_pending
@@ -100,8 +114,9 @@ class CpuPool:
         self.jobs = 0  # waiting or running
         self.chars = 0
 
-    async def run(self, chars: int, fn, *args):
-        """fn(*args) on the pool's thread; `chars` is the job's size (its prompts' characters)."""
+    async def run(self, chars: int, fn, *args, gone: Callable[[], Awaitable[bool]] | None = None):
+        """fn(*args) on the pool's thread; `chars` is the job's size (its prompts' characters). `gone`: polled while
+        the job waits for the thread; once it says the client has left, the job is dropped (CancelledError)."""
         with self._lock:
             if self.jobs and (self.jobs >= self.max_pending or self.chars + chars > self.max_pending_chars):
                 raise APIError(429, f"the server is busy tokenizing other requests ({self.jobs} of them, "
@@ -115,7 +130,16 @@ class CpuPool:
             self._release(chars)
             raise
         future.add_done_callback(lambda _: self._release(chars))  # (run or cancelled: either way it is done)
-        return await asyncio.wrap_future(future)
+        waiting = asyncio.wrap_future(future)
+        try:
+            while gone is not None and not future.running() and not future.done():
+                await asyncio.wait((waiting,), timeout=DISCONNECT_POLL_S)
+                if not future.running() and not future.done() and await gone():
+                    raise asyncio.CancelledError("client disconnected")
+            return await waiting
+        finally:  # a job not started yet is dropped (now: its place is free at once); a running one runs on
+            future.cancel()
+            waiting.cancel()
 
     def _release(self, chars: int) -> None:
         with self._lock:
@@ -124,6 +148,12 @@ class CpuPool:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def key_owner(token: str | None) -> str | None:
+    """A hash of an API key (None for none): what stored responses, runtime LoRA adapters and grammar-compile quotas
+    record as their owner (ServerState.owner)."""
+    return hashlib.sha256(token.encode()).hexdigest()[:32] if token is not None else None
 
 
 def bearer_token(authorization: str) -> str | None:

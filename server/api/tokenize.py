@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from server.api.state import ServerState
@@ -112,12 +112,13 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
     """Register POST /tokenize and POST /detokenize on `app` (after build_app's error handlers and guard)."""
 
     @app.post("/tokenize", response_model=TokenizeResponse, response_model_exclude_none=True)
-    async def tokenize_route(body: TokenizeRequest) -> TokenizeResponse:
+    async def tokenize_route(body: TokenizeRequest, request: Request) -> TokenizeResponse:
         check_model(state, body.model)
         size = len(body.prompt) if body.prompt is not None else sum(len(m.text()) for m in body.messages)
-        return await state.cpu.run(size, tokenize, state, body)
+        return await state.cpu.run(size, tokenize, state, body, gone=request.is_disconnected)
 
     @app.post("/detokenize", response_model=DetokenizeResponse)
-    async def detokenize_route(body: DetokenizeRequest) -> DetokenizeResponse:
+    async def detokenize_route(body: DetokenizeRequest, request: Request) -> DetokenizeResponse:
         check_model(state, body.model)
-        return DetokenizeResponse(prompt=await state.cpu.run(len(body.tokens), detokenize, state, body.tokens))
+        return DetokenizeResponse(prompt=await state.cpu.run(len(body.tokens), detokenize, state, body.tokens,
+                                                             gone=request.is_disconnected))

@@ -13,8 +13,9 @@ hermes`, as vLLM names it): each call is
   before the first call is the message's content; a block that does not parse stays content, as text.
 
 Bounds (server/api/protocol.py): at most MAX_TOOLS tools, each one's parameters a JSON schema within MAX_JSON_DEPTH and
-MAX_SPEC_CHARS, and all their parameters together within MAX_SPEC_CHARS; earlier calls' arguments in the history
-nest at most MAX_JSON_DEPTH levels.
+MAX_SPEC_CHARS, and all their parameters together within MAX_SPEC_CHARS (all checked before any metaschema check,
+which runs off the event loop: check_tools); earlier calls' arguments in the history nest at most MAX_JSON_DEPTH
+levels.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ import uuid
 
 from server.engine.structured.grammar import Constraint
 from server.api.protocol import MAX_JSON_DEPTH, MAX_SPEC_CHARS, APIError, ChatMessage, Tool, json_depth, too_deep
-from server.engine.structured.constraint import COMPACT_JSON, check_schema, closed_objects
+from server.engine.structured.constraint import (COMPACT_JSON, check_metaschema, closed_objects, deferred_checks,
+                                                schema_shape)
 
 TOOL_CALL_PARSERS = ("hermes",)
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
@@ -37,39 +39,67 @@ def template_supports_tools(tokenizer) -> bool:
     return isinstance(template, str) and "tools" in template
 
 
-def _parameters(tool: Tool, i: int) -> dict:
+def _field(i: int) -> str:
+    return f"tools[{i}].function.parameters"
+
+
+def _parameters(tool: Tool) -> dict:
+    """A tool's parameters as its calls are generated (closed objects); check_tools bounded them first."""
     params = tool.function.parameters
     if params is None:  # OpenAI: no parameters is a function with an empty parameter list
         return {"type": "object", "properties": {}, "additionalProperties": False}
-    return closed_objects(check_schema(params, f"tools[{i}].function.parameters"))
+    return closed_objects(params)
 
 
 def check_tools(tools: list[Tool]) -> None:
+    """The cheap checks of a request's tools, made on the event loop before anything slow: unique names, each tool's
+    parameters a JSON schema object within MAX_JSON_DEPTH and MAX_SPEC_CHARS, and all of them together within
+    MAX_SPEC_CHARS (summed as they are measured: a list past the bound is refused before the rest of it is even
+    serialized). No metaschema check here (slow Python, ~0.3 s for an 86 KB schema): that runs off the event loop,
+    in the compile of the grammar that holds the tool (tools_constraint) or in the request's CpuPool job
+    (check_tool_schemas, from server/api/preprocess.py render_chat)."""
     names = [t.function.name for t in tools]
     dup = {n for n in names if names.count(n) > 1}
     if dup:
         raise APIError(400, f"tool names must be unique; repeated: {sorted(dup)}", param="tools")
     total = 0
     for i, tool in enumerate(tools):
-        total += len(json.dumps(_parameters(tool, i)))
-    if total > MAX_SPEC_CHARS:
-        raise APIError(400, f"the tools' parameters add up to {total} characters of JSON schema; at most "
-                            f"{MAX_SPEC_CHARS} are allowed (this server's limit)", param="tools")
+        if tool.function.parameters is not None:
+            total += len(schema_shape(tool.function.parameters, _field(i)))
+            if total > MAX_SPEC_CHARS:
+                raise APIError(400, f"the tools' parameters add up to at least {total} characters of JSON schema; at "
+                                    f"most {MAX_SPEC_CHARS} are allowed (this server's limit)", param="tools")
+
+
+def tool_schemas(tools: list[Tool], only=None) -> tuple[tuple[str, dict], ...]:
+    """(field, parameters) of each tool that has parameters (of those whose index is in `only`, if given): what is
+    validated against its metaschema."""
+    return tuple((_field(i), t.function.parameters) for i, t in enumerate(tools)
+                 if t.function.parameters is not None and (only is None or i in only))
+
+
+def check_tool_schemas(tools: list[Tool], skip=()) -> None:
+    """The slow half of checking tools: each one's parameters (but those whose index is in `skip`, which their
+    grammar's compile checks) against its metaschema; a 400 naming the field. Runs in the CpuPool."""
+    for param, schema in tool_schemas(tools, [i for i in range(len(tools)) if i not in skip]):
+        check_metaschema(schema, param)
 
 
 def tools_constraint(tools: list[Tool], name: str | None, parallel: bool) -> Constraint:
-    """Output constrained to Hermes tool calls: of the named function, or of any of `tools` ("required")."""
-    chosen = [(i, t) for i, t in enumerate(tools) if name is None or t.function.name == name]
+    """Output constrained to Hermes tool calls: of the named function, or of any of `tools` ("required"). The
+    tools must have passed check_tools."""
+    chosen = [i for i, t in enumerate(tools) if name is None or t.function.name == name]
     alternatives = [{"type": "object",
-                     "properties": {"name": {"const": t.function.name}, "arguments": _parameters(t, i)},
-                     "required": ["name", "arguments"], "additionalProperties": False} for i, t in chosen]
+                     "properties": {"name": {"const": tools[i].function.name}, "arguments": _parameters(tools[i])},
+                     "required": ["name", "arguments"], "additionalProperties": False} for i in chosen]
     schema = alternatives[0] if len(alternatives) == 1 else {"anyOf": alternatives}
     schema = {**schema, "x-guidance": COMPACT_JSON}
     repeat = ' ("\\n" tool_call)*' if parallel else ""
     lark = (f"start: tool_call{repeat}\n"
             f'tool_call: "{OPEN}\\n" call "\\n{CLOSE}"\n'
             f"call: %json {json.dumps(schema)}\n")
-    return Constraint("lark", lark, "", "tools")
+    # the chosen tools' metaschema checks run in this grammar's compile, on a compile thread (check_tools bounded them)
+    return Constraint("lark", lark, "", "tools", deferred_checks(tool_schemas(tools, chosen)))
 
 
 def new_call_id() -> str:

@@ -16,6 +16,7 @@ import threading
 import time
 
 from loaders import envs
+from server.defaults import DEFAULT_COMPILE_WORKERS, DEFAULT_STORE_KEY_SHARE, MAX_RUNTIME_LORAS  # (light)
 from sharding import numa  # (light: no torch)
 
 logger = logging.getLogger("tpserve")
@@ -429,7 +430,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="cmd", required=True)
     s = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
     add_engine_args(s)
-    s.add_argument("--host", default="0.0.0.0")
+    s.add_argument("--host", default="127.0.0.1",
+                   help="where the HTTP API listens (default 127.0.0.1: this host only; 0.0.0.0 for every interface, "
+                        "with --api-key; docs/deployment.md)")
     s.add_argument("--port", type=int, default=envs.PORT.get(),
                    help="HTTP port (default: TPSERVE_PORT, else 8000; the Docker image's healthcheck probes the same)")
     s.add_argument("--served-model-name", default=None, help="the model id clients use (default: folder name)")
@@ -442,8 +445,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="bound of the stored /v1/responses (their JSON), least recently used evicted (default 64M)")
     s.add_argument("--responses-store-max-count", type=int, default=10_000,
                    help="most stored /v1/responses, least recently used evicted (default 10000)")
-    s.add_argument("--responses-store-key-share", type=float, default=0.25, metavar="FRACTION",
-                   help="the share of both bounds one API key's stored responses may fill (default 0.25; with "
+    s.add_argument("--responses-store-key-share", type=float, default=DEFAULT_STORE_KEY_SHARE, metavar="FRACTION",
+                   help="the share of both bounds one API key's stored responses may fill (default %(default)s; with "
                         "several --api-key keys only): past it, that key's own least recently used are evicted")
     s.add_argument("--max-queued-requests", type=int, default=256, help="waiting sequences before answering 429")
     s.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024, help="largest request body (413 above)")
@@ -454,9 +457,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--grammar-compile-timeout", type=float, default=10.0, metavar="SECONDS",
                    help="longest a structured-output grammar may take to compile before the request is refused "
                         "(default 10), counted from when a compile thread takes it up")
-    s.add_argument("--grammar-compile-workers", type=int, default=2, metavar="N",
-                   help="threads compiling structured-output grammars (default 2); one API key's compiles hold at "
-                        "most N-1 of them, so another key's always finds one")
+    s.add_argument("--grammar-compile-workers", type=int, default=DEFAULT_COMPILE_WORKERS, metavar="N",
+                   help="threads compiling structured-output grammars (default %(default)s); one API key's compiles "
+                        "hold at most N-1 of them, so another key's always finds one")
     s.add_argument("--grammar-compile-queue", type=int, default=32, metavar="N",
                    help="grammar compiles one API key (or, without keys, one client address) may have unfinished, "
                         "queued or running, before its next is answered 429 (default 32)")
@@ -489,9 +492,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--lora-root", default=None, metavar="DIR",
                    help="the folder POST /v1/load_lora_adapter may load adapters from (symlinks resolved, relative "
                         "paths taken from it); without it, runtime loading is refused (docs/lora.md)")
-    s.add_argument("--max-runtime-loras", type=int, default=16, metavar="N",
+    s.add_argument("--max-runtime-loras", type=int, default=MAX_RUNTIME_LORAS, metavar="N",
                    help="adapters one API key (without --api-key: the server) may have loaded at runtime at once "
-                        "(default 16)")
+                        "(default %(default)s)")
     s.add_argument("--lora-admin-key", default=None, metavar="KEY",
                    help="one of the --api-key keys that may unload any adapter, including --lora-modules ones (the "
                         "others unload only what they loaded)")

@@ -41,6 +41,7 @@ from loaders.adapters import ADAPTER_CONFIG, ADAPTER_WEIGHTS, AdapterInfo, LoraE
 from loaders.checkpoint import Checkpoint
 from sharding.layers.lora import supports_lora
 from sharding.models import model_class
+from server.defaults import MAX_RUNTIME_LORAS  # (in a light module: the CLI shows it)
 
 if TYPE_CHECKING:
     from server.engine.replicas import Replicas
@@ -49,9 +50,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 RUNTIME_UPDATES_ENV = envs.ALLOW_RUNTIME_LORA_UPDATING.name  # vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING
-
-
-MAX_RUNTIME_LORAS = 16  # --max-runtime-loras' default: adapters one API key may have loaded at runtime at once
 
 
 def runtime_updates_allowed() -> bool:
@@ -66,11 +64,6 @@ class LoraRefused(ValueError):
         self.status, self.param, self.code = status, param, code
 
 
-def key_owner(token: str | None) -> str | None:
-    """Who loads a runtime adapter: a hash of the API key it came with (None on a server without keys)."""
-    return hashlib.sha256(token.encode()).hexdigest()[:32] if token is not None else None
-
-
 @dataclass(eq=False)
 class Adapter:
     name: str
@@ -82,7 +75,7 @@ class Adapter:
     retired: bool = False  # unloaded by name: no new requests, the ones in flight finish
     loads: int = 0  # times it was read into a slot (an evicted adapter is read again when needed)
     runtime: bool = False  # loaded through POST /v1/load_lora_adapter (not --lora-modules)
-    owner: str | None = None  # runtime: key_owner of the API key that loaded it
+    owner: str | None = None  # runtime: who loaded it (server/api/state.py ServerState.owner: its API key's hash)
 
     @property
     def cache_root(self) -> bytes:
@@ -280,8 +273,10 @@ class LoraSlots:
             return False
         try:
             slot = self.registry.slot_for(adapter, self.in_use, self._load)
-        except (OSError, ValueError) as e:  # rank 0 could not read it (its folder changed since the check)
-            self._fail(seq, f"the LoRA adapter {adapter.name!r} could not be read: {e}")
+        except Exception as e:  # noqa: BLE001 - any error reading it on rank 0 (its folder changed since the
+            # check, say) fails that load, not the engine
+            why = str(e) if isinstance(e, (OSError, ValueError)) else f"{type(e).__name__}: {e}"
+            self._fail(seq, f"the LoRA adapter {adapter.name!r} could not be read: {why}")
             return False
         if not slot:
             return False

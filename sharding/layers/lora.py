@@ -29,8 +29,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from loaders.adapters import AdapterFiles, AdapterInfo, LoraError, read_adapter
-from sharding.layers.linear import ColumnParallelLinear, RowParallelLinear
+from loaders.adapters import AdapterFiles, AdapterInfo, LoraError, ModuleAdapter, read_adapter
+from sharding.layers.linear import ColumnParallelLinear, Piece, RowParallelLinear
 from sharding.layers.lora_rows import LoraContext
 
 if TYPE_CHECKING:
@@ -93,12 +93,28 @@ class LoraLinear:
         return y
 
 
+def _check_shapes(info: AdapterInfo, m: ModuleAdapter, p: Piece) -> None:
+    """Module `m`'s tensors must be lora_A [rank, in] and lora_B [out, rank] of the base weight the slot's linear
+    holds a piece of (p.full). Rank 0 checked the folder against the base checkpoint once, when it was registered
+    (check_against_base), but every load reads the files again: one rewritten since must fail its load here, not the
+    first step that uses it (on every rank)."""
+    out, inp = (p.full[1], p.full[0]) if p.transposed else (p.full[0], p.full[1])
+    a, b = info.tensors[m.a].shape, info.tensors[m.b].shape
+    if tuple(a) != (m.rank, inp) or tuple(b) != (out, m.rank):
+        raise LoraError(f"{info.path!r}: module {m.name!r} has lora_A {list(a)} and lora_B {list(b)}, where this "
+                        f"model needs [{m.rank}, {inp}] and [{out}, {m.rank}] (the adapter changed since it was "
+                        "checked?)")
+
+
 def _load_column(lin: ColumnParallelLinear, info: AdapterInfo, files: AdapterFiles, device: torch.device):
     """(A^T, B^T * scale, blocks) of a column-parallel linear: A whole per adapted module, B's rows of each piece;
     blocks: B^T's nonzero blocks when it has several (a fused linear), else None."""
     names = [n for n in dict.fromkeys(p.name for p in lin.pieces) if n in info.modules]
     if not names:
         return None
+    for p in lin.pieces:  # (before any read)
+        if p.name in info.modules:
+            _check_shapes(info, info.modules[p.name], p)
     cols, a_parts = {}, []
     r0 = 0
     for n in names:
@@ -130,6 +146,7 @@ def _load_row(lin: RowParallelLinear, info: AdapterInfo, files: AdapterFiles, de
     if m is None:
         return None
     p = lin.piece
+    _check_shapes(info, m, p)
     a = files.read(m.a, 1, [(p.start, p.stop)]).float()  # [r, in_local]
     b = files.read(m.b).float() * m.scale  # [out, r]
     return a.t().contiguous().to(device), b.t().contiguous().to(device), None
@@ -147,8 +164,9 @@ class LoraManager:
     float32, bfloat16, int8/int4/bf16 quantized); then `load(slot, path)` / `unload(slot)` on every rank, with the same
     slot and path on each, between steps. Slots are 1..num_slots; loading into an occupied slot replaces its adapter.
 
-    The rank reads only its byte ranges of the adapter's tensors. `load` checks the folder itself (read_adapter) but
-    not against the base checkpoint: that is rank 0's `validate_adapter`, done before asking the ranks to load.
+    The rank reads only its byte ranges of the adapter's tensors. `load` checks the folder itself (read_adapter) and
+    each tensor's shape against the linear it adapts (the files may have changed since rank 0's `validate_adapter`
+    checked them against the base checkpoint, before asking the ranks to load).
     """
 
     def __init__(self, model: CausalLM, num_slots: int, max_rank: int = 64) -> None:

@@ -203,3 +203,36 @@ def test_no_bound_where_a_tokenizer_can_lose_text():
         assert length_bound(_tokenizer(models.BPE(bpe_vocab, []), **kw)) is None, kw
     nfc = length_bound(_tokenizer(models.BPE(bpe_vocab, []), byte_level, normalizers.NFC()))
     assert nfc is not None and nfc.chars_per_token == 4  # (composing shrinks a text at most 4 times)
+
+
+def test_a_queued_job_whose_client_left_is_dropped(monkeypatch):
+    """uvicorn does not cancel a request's task when its client leaves: a CpuPool job waiting for the thread polls
+    the `gone` it was given (request.is_disconnected) and is dropped, never run, once it says so; its place and
+    characters are given back. A job already running runs to its end."""
+    import threading
+
+    from server.api import state as state_mod
+
+    monkeypatch.setattr(state_mod, "DISCONNECT_POLL_S", 0.02)
+    pool = CpuPool(workers=1)
+    release, ran = threading.Event(), []
+
+    async def main():
+        async def gone():
+            return True
+
+        blocker = asyncio.ensure_future(pool.run(10, release.wait, gone=gone))  # (running: its `gone` is not asked)
+        await asyncio.sleep(0.05)
+        with pytest.raises(asyncio.CancelledError):
+            await pool.run(20, ran.append, "queued", gone=gone)
+        assert pool.jobs == 1 and pool.chars == 10  # the dropped job gave its place back at once
+        release.set()
+        assert await blocker is True
+        assert await pool.run(30, ran.append, "next", gone=gone) is None
+
+    try:
+        asyncio.run(main())
+    finally:
+        release.set()
+        pool.close()
+    assert ran == ["next"] and pool.jobs == 0 and pool.chars == 0

@@ -270,3 +270,59 @@ def test_the_metaschema_check_runs_on_a_compile_thread_once(grammars, monkeypatc
 
     asyncio.run(main())
     assert len(threads) == 2 and all(t.startswith("tpserve-grammar") for t in threads), threads
+
+
+def test_tool_schemas_are_bounded_first_and_checked_off_the_event_loop(keyed_api, monkeypatch):
+    """A request's tools are bounded on the event loop (their summed size first: a list past MAX_SPEC_CHARS is
+    refused before any metaschema check), and each tool's parameters are checked against their metaschema (~0.3 s for
+    an 86 KB schema) off it: in the compile of the grammar that holds them ("required", a named function), else in
+    the request's CpuPool job. A bad schema is the same 400, naming its field, whichever does the check. Before: every
+    tool's check ran on the event loop, and the sum was compared only after all of them (128 distinct schemas in a
+    4 MB body stalled the loop for ~15 s)."""
+    from server.api.protocol import MAX_SPEC_CHARS
+
+    seen: list[tuple[str, str]] = []  # (schema title, thread name) of each metaschema check of a tool's schema
+    validator_for = jsonschema.validators.validator_for
+
+    def spy(schema, *args, **kwargs):
+        if isinstance(schema, dict) and str(schema.get("title", "")).startswith("tool-"):
+            seen.append((schema["title"], threading.current_thread().name))
+        return validator_for(schema, *args, **kwargs)
+
+    monkeypatch.setattr(jsonschema.validators, "validator_for", spy)
+    monkeypatch.setattr(constraint_mod, "_valid", OrderedDict(), raising=False)
+    app, _ = keyed_api
+
+    def tool(name: str, title: str, kind: str = "object", pad: int = 0) -> dict:
+        return {"type": "function", "function": {"name": name, "parameters": {
+            "title": title, "type": kind, "description": "x" * pad, "properties": {"city": {"type": "string"}}}}}
+
+    def named(name: str) -> dict:
+        return {"type": "function", "function": {"name": name}}
+
+    async def main():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test",
+                                     timeout=60) as client:
+            async def post(tools, choice):
+                return await client.post("/v1/chat/completions", headers={"Authorization": "Bearer key-a"}, json={
+                    "model": "fake", "messages": MESSAGES, "max_tokens": 1, "tools": tools, "tool_choice": choice})
+
+            pad = MAX_SPEC_CHARS // 3
+            r = await post([tool(f"big{i}", f"tool-big{i}", pad=pad) for i in range(4)], "required")
+            assert r.status_code == 400 and r.json()["error"]["param"] == "tools", r.text
+            assert "add up to" in r.json()["error"]["message"] and not seen, seen
+            for tag, choice in (("r", "required"), ("n", named("a")), ("x", "none")):
+                r = await post([tool("a", f"tool-{tag}a"), tool("b", f"tool-{tag}b")], choice)
+                assert r.status_code == 200, r.text
+                r = await post([tool("a", f"tool-{tag}c"), tool("b", f"tool-{tag}d", kind="objekt")], choice)
+                err = r.json()["error"]
+                assert r.status_code == 400 and err["param"] == "tools[1].function.parameters", r.text
+                assert "not a valid JSON schema" in err["message"] and err["type"] == "invalid_request_error", err
+
+    asyncio.run(main())
+    grammar, cpu = "tpserve-grammar", "tpserve-cpu"
+    want = {"tool-ra": grammar, "tool-rb": grammar, "tool-rc": grammar, "tool-rd": grammar,  # "required": all compiled
+            "tool-na": grammar, "tool-nb": cpu, "tool-nd": cpu,  # named: the other tool is checked in the CpuPool,
+            "tool-xa": cpu, "tool-xb": cpu, "tool-xc": cpu, "tool-xd": cpu}  # first (so tool-nc never compiles)
+    assert len(seen) == len(want) and {t for t, _ in seen} == set(want), seen  # each schema once
+    assert all(thread.startswith(want[title]) for title, thread in seen), seen

@@ -15,11 +15,12 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 
-from loaders.adapters import AdapterFiles, read_adapter
+from loaders.adapters import AdapterFiles, LoraError, read_adapter
 from server.engine.core import Engine
 from server.engine.lora_registry import Adapter, LoraRegistry
 from sharding.executor import Executor, LoadTicket
-from sharding.layers.lora import encode_load, load_report_key, report_load
+from sharding.layers.linear import ColumnParallelLinear, Piece, RowParallelLinear
+from sharding.layers.lora import LoraManager, encode_load, load_report_key, report_load
 from sharding.wire import CMD_LORA_LOAD, CMD_LORA_UNLOAD
 from sharding.worker import Worker
 from tests.helpers.fake_executor import FakeRunner, add, prompts, reference
@@ -28,13 +29,13 @@ from tests.tiny import make_tokenizer
 Q = "base_model.model.model.layers.0.self_attn.q_proj"
 
 
-def peft_folder(folder, seed: int):
+def peft_folder(folder, seed: int, a_shape=(2, 8), b_shape=(8, 2)):
     """A PEFT LoRA folder (rank 2 on one q_proj), written as save_pretrained writes it."""
-    folder.mkdir()
+    folder.mkdir(exist_ok=True)
     (folder / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 2, "lora_alpha": 4}))
     g = torch.Generator().manual_seed(seed)
-    save_file({f"{Q}.lora_A.weight": torch.randn(2, 8, generator=g), f"{Q}.lora_B.weight": torch.randn(8, 2, generator=g)},
-              str(folder / "adapter_model.safetensors"))
+    save_file({f"{Q}.lora_A.weight": torch.randn(*a_shape, generator=g),
+               f"{Q}.lora_B.weight": torch.randn(*b_shape, generator=g)}, str(folder / "adapter_model.safetensors"))
     return folder
 
 
@@ -148,3 +149,75 @@ def test_a_rank_that_cannot_read_an_adapter_fails_that_request_only(tmp_path):
     again = add(engine, tokenizer, ps[1], lora=bad, max_tokens=8)
     engine.run_until_idle()
     assert again.output_ids == reference(ps[1], 8, runner.vocab, shift=2)
+
+
+class TwoLinears(torch.nn.Module):
+    """The smallest model LoraManager adapts: layer 0's q_proj (column-parallel) and o_proj (row-parallel), 8 x 8."""
+
+    supports_lora, first_stage, last_stage = True, True, True
+
+    def __init__(self):
+        super().__init__()
+        name = Q[len("base_model.model."):]
+        self.q = ColumnParallelLinear(8, [Piece(name, 0, 8, (8, 8))], False, torch.float32, torch.device("cpu"))
+        self.o = RowParallelLinear(Piece(name.replace("q_proj", "o_proj"), 0, 8, (8, 8)), False, None, torch.float32,
+                                   torch.device("cpu"))
+        self.changes = 0
+
+    def lora_changed(self) -> None:
+        self.changes += 1
+
+
+def test_a_slot_load_checks_every_shape_against_its_linear(tmp_path):
+    """Rank 0 checks an adapter against the base checkpoint once, when it is registered; every slot load reads the
+    files again. One rewritten meanwhile with other (self-consistent) shapes is refused by that load, on each rank
+    (LoraError, a ValueError: the per-load failure report), and the slot keeps what it held. Before, only the rank
+    was checked: the slot took an A^T of the wrong width and the first step that used it failed on every rank."""
+    model = TwoLinears()
+    manager = LoraManager(model, num_slots=2, max_rank=8)
+    folder = peft_folder(tmp_path / "a", 1)
+    manager.load(1, str(folder))
+    held = manager.columns[0][1].slots[1]
+    assert held is not None and held[0].shape == (8, 2)
+    for a_shape, b_shape in (((2, 16), (8, 2)), ((2, 8), (4, 2))):  # A's input, or B's output, not the linear's
+        peft_folder(folder, 2, a_shape, b_shape)  # rewritten in place (read_adapter alone finds nothing wrong)
+        with pytest.raises(LoraError, match=r"needs \[2, 8\] and \[8, 2\]"):
+            manager.load(1, str(folder))
+        assert manager.columns[0][1].slots[1] is held  # the slot is as it was
+    peft_folder(folder, 3)
+    manager.load(2, str(folder))  # the folder whole again: it loads
+
+
+class RankZeroThatBreaks(FakeRunner):
+    """The fake executor whose rank 0 fails reading the folders in `broken` with an error that is no ValueError or
+    OSError (a torch RuntimeError, say)."""
+
+    broken: set[str] = set()
+
+    def lora_load(self, slot, path, replicas, rank0):
+        if rank0 and path in self.broken:
+            raise RuntimeError("shape '[2, 8]' is invalid for input of size 17")
+        return super().lora_load(slot, path, replicas, rank0)
+
+
+def test_any_error_reading_an_adapter_on_rank_0_fails_that_load_not_the_engine(tmp_path):
+    from transformers import AutoTokenizer
+
+    make_tokenizer(tmp_path)
+    tokenizer = AutoTokenizer.from_pretrained(str(tmp_path))
+    runner = RankZeroThatBreaks(str(tmp_path), len(tokenizer), num_blocks=64)
+    runner.broken = {"/adapters/a2"}
+    engine = Engine(runner, tokenizer, max_prefill_tokens_while_decoding=None)
+    registry = LoraRegistry("unused", "base", max_loras=2, max_cpu_loras=2, max_rank=8)
+    good, bad = Adapter("a1", "/adapters/a1"), Adapter("a2", "/adapters/a2")
+    registry.register(good)
+    registry.register(bad)
+    engine.enable_lora(registry)
+    ps = prompts(3, 7, seed=4)
+    seqs = [add(engine, tokenizer, ps[0], lora=good, max_tokens=4), add(engine, tokenizer, ps[1], lora=bad, max_tokens=4),
+            add(engine, tokenizer, ps[2], max_tokens=4)]
+    engine.run_until_idle()
+    assert not engine.dead
+    assert seqs[1].finish_reason == "error" and "'a2' could not be read: RuntimeError: shape" in seqs[1].error
+    assert seqs[0].output_ids == reference(ps[0], 4, runner.vocab, shift=1)
+    assert seqs[2].output_ids == reference(ps[2], 4, runner.vocab)

@@ -3,9 +3,10 @@
 OpenAI's `response_format` ({"type": "text" | "json_object" | "json_schema"}), vLLM's `guided_json`,
 `guided_regex`, `guided_choice`, `guided_grammar` and its newer `structured_outputs` object all land here, on rank 0,
 before anything reaches the engine. A request may ask for one constraint; a schema must be a valid JSON schema,
-checked against its metaschema with `jsonschema` (slow Python: ~0.3 s for a 70 KB schema): a request's output schema
-in its compile, on a compile thread and only on a cache miss (`Constraint.checks`), tool parameters here, each text
-once. Whatever llguidance cannot compile is refused with its reason when the grammar compiles
+checked against its metaschema with `jsonschema` (slow Python: ~0.3 s for a 70 KB schema), never on the event loop:
+a request's output schema in its compile, on a compile thread and only on a cache miss (`Constraint.checks`); tool
+parameters in the compile of the grammar that holds them, else in the request's CpuPool job (server/api/tool_calls.py
+check_tools); each text once. Whatever llguidance cannot compile is refused with its reason when the grammar compiles
 (server/engine/structured/grammar.py). Tool calls build their own constraint (server/api/tool_calls.py).
 
 Every constraint is bounded before it is compiled (the limits live in server/api/protocol.py): a JSON schema nests at
@@ -134,11 +135,17 @@ def closed_objects(schema: Any) -> Any:
     return schema
 
 
+def deferred_checks(checks) -> tuple:
+    """`Constraint.checks` of (field, schema) pairs: each schema validated against its metaschema when (if) the
+    constraint compiles, on a compile thread."""
+    return tuple(functools.partial(check_metaschema, s, f) for f, s in checks)
+
+
 def json_constraint(schema: dict, param: str, options: dict | None = None, checks: tuple = ()) -> Constraint:
     """`checks`: (field, schema) pairs to validate against their metaschema when (if) the constraint compiles."""
     spec = check_json_bounds(schema, param)  # key order kept: properties are generated in it
-    deferred = tuple(functools.partial(check_metaschema, s, f) for f, s in checks)
-    return Constraint("json", spec, json.dumps(options or COMPACT_JSON, sort_keys=True), param, deferred)
+    return Constraint("json", spec, json.dumps(options or COMPACT_JSON, sort_keys=True), param,
+                      deferred_checks(checks))
 
 
 def pattern_depth(text: str, kind: str) -> int:

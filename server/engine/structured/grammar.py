@@ -21,7 +21,6 @@ unconstrained rows pay nothing. Why llguidance and not xgrammar: BENCHMARKS.md, 
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
 import logging
 import threading
@@ -35,12 +34,12 @@ import numpy as np
 import torch
 
 from server.api.protocol import APIError
+from server.defaults import DEFAULT_COMPILE_WORKERS  # (in a light module: the CLI shows it)
 
 logger = logging.getLogger(__name__)
 
 MASKED = -1e30  # added to a forbidden token's logit: exp() of it underflows to 0 at any temperature
 DEFAULT_COMPILE_TIMEOUT_S = 10.0
-DEFAULT_COMPILE_WORKERS = 2  # llguidance compiles in parallel (the GIL dropped); more would take the decode's cores
 DEFAULT_COMPILES_PER_OWNER = 32  # one owner's compiles not yet finished (queued, running, or running on after a timeout)
 MAX_QUEUED_COMPILES = 128  # all owners' compiles waiting for a thread, past which only an owner's first is queued
 GONE_POLL_S = 0.5  # how often a queued compile asks whether its client is still there
@@ -95,15 +94,6 @@ class GrammarState:
     @property
     def error(self) -> str | None:
         return self.matcher.get_error() if self.matcher.is_error() else None
-
-
-def request_owner(request, keyed) -> str:
-    """Whose compile quota an HTTP request draws on: its API key (hashed) on a server with keys, else the client's
-    address (a server without keys accepts any bearer token, so a token would be a fresh quota for the asking)."""
-    if keyed:
-        _, _, token = request.headers.get("authorization", "").strip().partition(" ")
-        return "key:" + hashlib.sha256(token.strip().encode()).hexdigest()[:32]
-    return "host:" + (request.client.host if request.client is not None else "")
 
 
 class _Job:
