@@ -88,3 +88,23 @@ def server_factory(tmp_path_factory):
             s.proc.send_signal(signal.SIGTERM)
     for s in started:
         s.stop()
+
+
+def cli_in_process(argv: list[str]) -> tuple[int, str]:
+    """Run `tpserve ARGV` through its entry point (server.cli.main.main) in this process, for refusals that happen
+    before any rank or model is started: (exit code, stderr). A refusal raised as SystemExit("tpserve: error: ...")
+    is what Python would print and exit 1 with. The caller captures stderr (capsys) and stdin if the command reads it."""
+    import contextlib
+    import io
+
+    from server.cli.main import main
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        try:
+            code = main(argv)
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else 1
+            if isinstance(e.code, str):
+                print(e.code, file=sys.stderr)
+    return code, err.getvalue()

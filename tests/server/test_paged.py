@@ -201,15 +201,23 @@ def test_the_pool_is_resident_from_the_start_and_sized_by_the_budget(server_fact
     assert abs(grown - 192 * 2**20) < 0.05 * 192 * 2**20, grown / 2**20
 
 
+def test_a_cache_too_small_for_one_sequence_is_refused_with_a_clear_message(checkpoints):
+    proc = subprocess.run([sys.executable, "-m", "server.cli.main", "serve", str(checkpoints("llama")), "--port", "0",
+                           "--kv-cache-memory", "16KiB", "--max-model-len", "256"], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode != 0
+    assert "raise --kv-cache-memory to at least" in proc.stderr, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
+
+
 @pytest.mark.parametrize("args,message", [
     (["--kv-cache-memory", "lots"], "is not a size"),
     (["--kv-cache-memory", "0"], "more than 0 bytes"),
-    (["--kv-cache-memory", "16KiB", "--max-model-len", "256"], "raise --kv-cache-memory to at least"),
     (["--max-num-batched-tokens", "4", "--max-num-seqs", "8"], "must be at least --max-num-seqs"),
 ])
 def test_bad_budget_flags_are_refused_with_a_clear_message(checkpoints, args, message):
-    proc = subprocess.run([sys.executable, "-m", "server.cli.main", "serve", str(checkpoints("llama")), "--port", "0",
-                           *args], capture_output=True, text=True, timeout=120)
-    assert proc.returncode != 0
-    assert message in proc.stderr, proc.stderr[-2000:]
-    assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    """Refused while the flags are read, before any model is opened: through the entry point in this process."""
+    from conftest import cli_in_process
+
+    code, err = cli_in_process(["serve", str(checkpoints("llama")), "--port", "0", *args])
+    assert code != 0 and message in err and "Traceback" not in err, err[-2000:]

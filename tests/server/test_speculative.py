@@ -249,9 +249,10 @@ def test_bad_configurations_are_refused(text, words):
 
 
 def test_cli_refuses_a_bad_config_before_starting_ranks(folder, tool_checkpoint):
-    r = subprocess.run([sys.executable, "-m", "server.cli.main", "serve", str(folder), "--speculative-config",
-                        '{"method": "ngram", "bogus": 1}'], capture_output=True, text=True, timeout=120)
-    assert r.returncode == 2 and "unknown key(s) bogus" in r.stderr
+    from conftest import cli_in_process
+
+    code, err = cli_in_process(["serve", str(folder), "--speculative-config", '{"method": "ngram", "bogus": 1}'])
+    assert code == 2 and "unknown key(s) bogus" in err, err[-2000:]
     draft = json.dumps({"method": "draft_model", "model": str(tool_checkpoint)})
     r = subprocess.run([sys.executable, "-m", "server.cli.main", "serve", str(folder), "-tp", "2", "--speculative-config",
                         draft], capture_output=True, text=True, timeout=120)
