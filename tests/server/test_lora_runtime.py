@@ -123,18 +123,25 @@ class RanksThatReport(FakeRunner):
         return self._reports.pop(ticket.id)
 
 
-def test_a_rank_that_cannot_read_an_adapter_fails_that_request_only(tmp_path):
+def engine_with_two_adapters(folder, runner_class):
+    """An engine over `runner_class` (a fake executor) with adapters a1 and a2 registered: (tokenizer, runner,
+    engine, registry, a1, a2)."""
     from transformers import AutoTokenizer
 
-    make_tokenizer(tmp_path)
-    tokenizer = AutoTokenizer.from_pretrained(str(tmp_path))
-    runner = RanksThatReport(str(tmp_path), len(tokenizer), num_blocks=64)
+    make_tokenizer(folder)
+    tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    runner = runner_class(str(folder), len(tokenizer), num_blocks=64)
     engine = Engine(runner, tokenizer, max_prefill_tokens_while_decoding=None)
     registry = LoraRegistry("unused", "base", max_loras=2, max_cpu_loras=2, max_rank=8)
     good, bad = Adapter("a1", "/adapters/a1"), Adapter("a2", "/adapters/a2")
     registry.register(good)
     registry.register(bad)
     engine.enable_lora(registry)
+    return tokenizer, runner, engine, registry, good, bad
+
+
+def test_a_rank_that_cannot_read_an_adapter_fails_that_request_only(tmp_path):
+    tokenizer, runner, engine, registry, good, bad = engine_with_two_adapters(tmp_path, RanksThatReport)
     runner.unreadable.add(bad.path)
     ps = prompts(3, 7, seed=3)
     seqs = [add(engine, tokenizer, ps[0], lora=good, max_tokens=8), add(engine, tokenizer, ps[1], lora=bad, max_tokens=8),
@@ -201,18 +208,8 @@ class RankZeroThatBreaks(FakeRunner):
 
 
 def test_any_error_reading_an_adapter_on_rank_0_fails_that_load_not_the_engine(tmp_path):
-    from transformers import AutoTokenizer
-
-    make_tokenizer(tmp_path)
-    tokenizer = AutoTokenizer.from_pretrained(str(tmp_path))
-    runner = RankZeroThatBreaks(str(tmp_path), len(tokenizer), num_blocks=64)
-    runner.broken = {"/adapters/a2"}
-    engine = Engine(runner, tokenizer, max_prefill_tokens_while_decoding=None)
-    registry = LoraRegistry("unused", "base", max_loras=2, max_cpu_loras=2, max_rank=8)
-    good, bad = Adapter("a1", "/adapters/a1"), Adapter("a2", "/adapters/a2")
-    registry.register(good)
-    registry.register(bad)
-    engine.enable_lora(registry)
+    tokenizer, runner, engine, registry, good, bad = engine_with_two_adapters(tmp_path, RankZeroThatBreaks)
+    runner.broken = {bad.path}
     ps = prompts(3, 7, seed=4)
     seqs = [add(engine, tokenizer, ps[0], lora=good, max_tokens=4), add(engine, tokenizer, ps[1], lora=bad, max_tokens=4),
             add(engine, tokenizer, ps[2], max_tokens=4)]
