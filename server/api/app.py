@@ -9,7 +9,6 @@ Every error is answered in OpenAI's JSON shape.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import time
 import uuid
@@ -93,8 +92,7 @@ def build_app(state: ServerState) -> FastAPI:
         wants --metrics-key when one is set (open by default, as vLLM's)."""
         path = scope.get("path", "")
         if state.metrics_key and (path == "/metrics" or path.startswith("/metrics/")):
-            token = bearer_token(Headers(scope=scope).get("authorization", "")) or ""
-            if not hmac.compare_digest(token.encode(), state.metrics_key.encode()):
+            if not state.metrics_key_ok(Headers(scope=scope).get("authorization", "")):
                 return APIError(401, "invalid or missing metrics key (send Authorization: Bearer <key>)",
                                 "authentication_error", code="invalid_api_key")
             return None

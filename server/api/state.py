@@ -85,15 +85,22 @@ class ServerState:
         return key_owner(bearer_token(request.headers.get("authorization", "")))
 
     def key_ok(self, authorization: str) -> bool:
-        """Whether an Authorization header carries one of the keys (any server without keys: yes). Each key is
-        compared in constant time, so a response's timing says nothing about how much of a guess was right."""
-        if not self.api_keys:
-            return True
-        token = bearer_token(authorization)
-        if token is None:
-            return False
-        given = token.encode()
-        return any([hmac.compare_digest(given, k.encode()) for k in self.api_keys])  # (every key, no early exit)
+        """Whether an Authorization header carries one of the API keys (any server without keys: yes)."""
+        return not self.api_keys or carries_key(authorization, self.api_keys)
+
+    def metrics_key_ok(self, authorization: str) -> bool:
+        """Whether an Authorization header may read /metrics: --metrics-key, when one is set."""
+        return not self.metrics_key or carries_key(authorization, (self.metrics_key,))
+
+
+def carries_key(authorization: str, keys) -> bool:
+    """Whether an `Authorization: Bearer` header carries one of `keys`. Each key is compared in constant time, so a
+    response's timing says nothing about how much of a guess was right."""
+    token = bearer_token(authorization)
+    if token is None:
+        return False
+    given = token.encode()
+    return any([hmac.compare_digest(given, k.encode()) for k in keys])  # (every key, no early exit)
 
 
 class CpuPool:
