@@ -29,7 +29,7 @@ def check(result, expected):
 SLOW = pytest.mark.slow
 
 
-@pytest.mark.parametrize("tp,pp,dp", [(1, 2, 1), pytest.param(1, 3, 1, marks=SLOW), (2, 2, 1),
+@pytest.mark.parametrize("tp,pp,dp", [pytest.param(1, 2, 1, marks=SLOW), pytest.param(1, 3, 1, marks=SLOW), (2, 2, 1),
                                       pytest.param(1, 1, 2, marks=SLOW), pytest.param(2, 1, 2, marks=SLOW),
                                       pytest.param(1, 2, 2, marks=SLOW)])
 def test_layouts_equal_transformers(five_layers, tp, pp, dp):
@@ -38,9 +38,9 @@ def test_layouts_equal_transformers(five_layers, tp, pp, dp):
            "llm": {"pipeline_parallel_size": pp, "data_parallel_size": dp}}
     (result,) = run_llm(tp, [job], timeout=300)
     check(result, expected)
-    if pp == 2 and tp == 1:
-        # rank 0 reads only its stage (the embedding and layers 0-2 of 5): well under the whole checkpoint
-        share = result["bytes_read"] / result["checkpoint_bytes"]
+    if pp == 2:
+        # rank 0 reads only its stage (the embedding and layers 0-2 of 5), and of it only its tensor-parallel share
+        share = result["bytes_read"] / result["checkpoint_bytes"] * tp
         assert 0.3 < share < 0.7, share
 
 
