@@ -7,3 +7,6 @@ MAX_RUNTIME_LORAS = 16
 DEFAULT_COMPILE_WORKERS = 2
 # --responses-store-key-share: of either bound of the stored responses, per API key (with several keys)
 DEFAULT_STORE_KEY_SHARE = 0.25
+# the output parsers' names (server/api/parsers/__init__.py maps them to their classes; a test checks they agree)
+TOOL_PARSER_NAMES = ("hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder", "deepseek_v3", "openai")
+REASONING_PARSER_NAMES = ("qwen3", "deepseek_r1", "gpt_oss")

@@ -52,6 +52,8 @@ ARCHS: dict[str, dict] = {
     "llama_mha_bias": dict(cls="LlamaConfig", num_attention_heads=4, num_key_value_heads=4, attention_bias=True,
                            mlp_bias=True),
     "llama_tied": dict(cls="LlamaConfig", num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True),
+    # room for the generic tool format's system message (server/api/parsers/generic.py) in this tiny vocabulary
+    "llama_long": dict(cls="LlamaConfig", num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=1024),
 }
 
 

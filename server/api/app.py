@@ -31,7 +31,8 @@ from server.api.preprocess import (check_length, check_model, decode_prompt, log
 from server.engine.lora_registry import RUNTIME_UPDATES_ENV, LoraRefused, runtime_updates_allowed
 from server.api.protocol import (APIError, ChatCompletionRequest, CompletionRequest, LoadLoraAdapterRequest,
                              UnloadLoraAdapterRequest)
-from server.api.bodies import EventStream, chat_response, completion_response, stream_chat, stream_completion
+from server.api.bodies import (EventStream, answer_reader, chat_response, completion_response, stream_chat,
+                              stream_completion)
 from server.api.responses import ResponseStore
 
 logger = logging.getLogger(__name__)
@@ -320,7 +321,7 @@ def build_app(state: ServerState) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request):
         lora = check_model(state, body.model)
-        constraint, parse_tools = output_constraint(state, body)
+        constraint, plan = output_constraint(state, body)
         ids = await state.cpu.run(render_cost(state, body), render_chat, state, body,  # off the event loop
                                   gone=request.is_disconnected)
         max_tokens = body.max_completion_tokens or body.max_tokens or (state.max_model_len - len(ids))
@@ -329,18 +330,19 @@ def build_app(state: ServerState) -> FastAPI:
             raise APIError(400, "top_logprobs requires logprobs=true", param="top_logprobs")
         params = sampling_params(body, max_tokens, (top or 0) if body.logprobs else None, logit_bias(state, body))
         check_length(state, ids, max_tokens)
+        reader = answer_reader(state, plan, ids, body.tools, params)
         compiled = await state.engine.grammars.compile(constraint, state.owner(request, by_host=True),
                                                        request.is_disconnected) if constraint else None
         req = PendingRequest(state, asyncio.get_running_loop(), body.stream)
         req.lora = lora
         for c in range(body.n):
-            req.add(ids, with_seed(params, c), c, Grammars.state(compiled) if compiled else None)
+            req.add(ids, with_seed(params, c), c, Grammars.state(compiled, reader.gate()) if compiled else None)
         admit(state, req)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         if body.stream:
-            return EventStream(req, stream_chat(req, body, rid, created, ids, parse_tools))
+            return EventStream(req, stream_chat(req, body, rid, created, ids, reader))
         await gather(req, request)
-        return chat_response(state, req, body, rid, created, ids, parse_tools)
+        return chat_response(state, req, body, rid, created, ids, reader)
 
     state.metrics.watch_experts(state.engine.executor.model)
 

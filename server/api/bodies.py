@@ -1,8 +1,10 @@
 """OpenAI's response shapes: the bodies of gathered answers, the chunks of streamed ones, usage and logprobs.
 
-Streams are SSE (`data: {...}` then `data: [DONE]`). A chat answer whose tool calls are parsed (server/api/tool_calls.py)
-carries `message.tool_calls` and finish_reason "tool_calls"; streamed, each call arrives as a `delta.tool_calls`
-entry (id, type and name first, then the arguments), the way OpenAI sends them.
+Streams are SSE (`data: {...}` then `data: [DONE]`). A chat answer is read by its output parser
+(server/api/parsers/): with a reasoning parser its reasoning comes apart as `message.reasoning_content` (and
+`reasoning`, vLLM's newer name; `delta.*` streamed) and usage counts `completion_tokens_details.reasoning_tokens`;
+with tool calls read, it carries `message.tool_calls` and finish_reason "tool_calls"; streamed, each call arrives as
+a `delta.tool_calls` entry (id, type and name first, then the arguments), the way OpenAI sends them.
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ from fastapi.responses import Response
 from server.api.state import PendingRequest, ServerState, failure, stream_events
 from server.api.protocol import ChatCompletionRequest, CompletionRequest
 from server.engine.request import Sequence
-from server.api.tool_calls import ToolCallParser, new_call_id, parse_tool_calls
+from server.api.parsers.hermes import HermesParser
+from server.api.tool_calls import ToolPlan, new_call_id
 
 
 _OPEN_CALL = re.compile(r"<tool_call>\s*(\{.*)\Z", re.S)
@@ -52,15 +55,66 @@ def truncated_call(content: str | None, body: ChatCompletionRequest) -> dict | N
             "function": {"name": name, "arguments": args.group(1) if args else ""}}
 
 
-def forced_tools(body: ChatCompletionRequest) -> bool:
-    """tool_choice "required" or a named function: the grammar made the answer a call."""
-    return bool(body.tools) and body.tool_choice is not None and body.tool_choice not in ("none", "auto")
-
-
-def usage(prompts: list[list[int]], seqs: list[Sequence]) -> dict:
+def usage(prompts: list[list[int]], seqs: list[Sequence], reasoning_tokens: int | None = None) -> dict:
     prompt_tokens = sum(len(p) for p in prompts)
     completion = sum(len(s.output_ids) for s in seqs)
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion}
+    out = {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion}
+    if reasoning_tokens is not None:
+        out["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
+    return out
+
+
+class AnswerReader:
+    """How a chat request's answers are read: a new output parser per choice (None: the text is the content), and
+    what their reasoning cost in tokens."""
+
+    def __init__(self, state: ServerState, plan: ToolPlan | None, start_state: str | None, tools=None) -> None:
+        self.state, self.plan, self.start_state = state, plan, start_state
+        self.tools = [t.model_dump(exclude_none=True) for t in tools or ()]
+        self.reasoning = state.parsers.reasoning_cls is not None
+
+    def cut_call(self, seq: Sequence, content: str, calls: list[dict], body: ChatCompletionRequest) -> dict | None:
+        """A forced call that max_tokens cut off before the parser could read even its name: the call tool_choice
+        named (or the only tool), with the arguments as far as they came when the format shows them (Hermes's)."""
+        if calls or seq.finish_reason != "length" or self.plan is None or not self.plan.forced:
+            return None
+        if self.plan.parser is HermesParser:
+            return truncated_call(content, body)
+        choice = body.tool_choice
+        name = choice.function.name if not isinstance(choice, str) else (
+            body.tools[0].function.name if len(body.tools) == 1 else None)
+        if name is None:
+            return None
+        return {"id": new_call_id(), "type": "function", "function": {"name": name, "arguments": ""}}
+
+    def new(self):
+        return self.state.parsers.parser(self.plan.parser if self.plan else None, self.start_state, self.tools)
+
+    @property
+    def parses(self) -> bool:
+        return self.reasoning or self.plan is not None
+
+    def gate(self):
+        """A new sequence's grammar gate: its constraint holds after the reasoning (None: from the first token). A
+        harmony call forced by its own grammar spells the analysis channel itself."""
+        harmony_call = self.plan is not None and self.plan.forced and self.state.parsers.harmony
+        return self.state.parsers.gate(self.start_state, grammar_has_reasoning=harmony_call)
+
+
+def answer_reader(state: ServerState, plan: ToolPlan | None, prompt_ids: list[int], tools, params) -> AnswerReader:
+    """The reader of a chat request's answers; its answers keep their special tokens in their text when the
+    parser reads markers that are special tokens (as vLLM does)."""
+    start = None
+    if state.parsers.reasoning_cls is not None:
+        start = state.parsers.start_state(state.tokenizer.decode(prompt_ids[-64:], skip_special_tokens=False))
+    reader = AnswerReader(state, plan, start, tools)
+    cls = plan.parser if plan is not None else None
+    if reader.parses and (state.parsers.needs_special_tokens or (cls is not None and cls.needs_special_tokens)):
+        params.skip_special_tokens = False
+    return reader
+
+    def reasoning_tokens(self, seq: Sequence, reasoning: str) -> int:
+        return self.state.parsers.reasoning_tokens(seq.output_ids, reasoning)
 
 
 def token_str(state: ServerState, t: int) -> str:
@@ -221,35 +275,43 @@ def completion_response(state: ServerState, req: PendingRequest, body: Completio
 
 
 def chat_response(state: ServerState, req: PendingRequest, body: ChatCompletionRequest, rid: str, created: int,
-                  prompt_ids: list[int], parse_tools: bool) -> dict:
+                  prompt_ids: list[int], reader: AnswerReader) -> dict:
     choices = []
+    reasoning_tokens = 0
     for seq in sorted(req.seqs, key=lambda s: req.index[s.seq_id]):
         message: dict = {"role": "assistant", "content": seq.detok.text}
         calls: list[dict] = []
-        if parse_tools:
-            message["content"], calls = parse_tool_calls(seq.detok.text)
-            cut = truncated_call(message["content"], body) if seq.finish_reason == "length" and forced_tools(
-                body) else None
+        parser = reader.new()
+        if parser is not None:
+            out = parser.parse(seq.detok.text, cut=seq.finish_reason == "length")
+            calls = out.calls
+            cut = reader.cut_call(seq, out.content, calls, body)
             if cut is not None:
-                message["content"], calls = None, calls + [cut]
+                out.content, calls = "", [cut]
+            message["content"] = out.content if out.content or not calls else None
+            if reader.reasoning:
+                message["reasoning_content"] = message["reasoning"] = out.reasoning or None
+                reasoning_tokens += reader.reasoning_tokens(seq, out.reasoning)
             if calls:
                 message["tool_calls"] = calls
         choices.append({"index": req.index[seq.seq_id], "message": message,
                         "logprobs": chat_logprobs(state, seq, 0, len(seq.output_ids)) if body.logprobs else None,
                         "finish_reason": finish_reason(seq, calls)})
     return {"id": rid, "object": "chat.completion", "created": created, "model": state.model_name,
-            "choices": choices, "usage": usage([prompt_ids], req.seqs)}
+            "choices": choices,
+            "usage": usage([prompt_ids], req.seqs, reasoning_tokens if reader.reasoning else None)}
 
 
 async def stream_chat(req: PendingRequest, body: ChatCompletionRequest, rid: str, created: int, prompt_ids: list[int],
-                      parse_tools: bool):
+                      reader: AnswerReader):
     state = req.state
 
     def chunk(i: int, delta: dict, finish: str | None, logprobs=None) -> dict:
         return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": state.model_name,
                 "choices": [{"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]}
 
-    parsers = {seq.seq_id: ToolCallParser() for seq in req.seqs} if parse_tools else {}
+    parsers = {seq.seq_id: reader.new() for seq in req.seqs}
+    reasoning_tokens = 0
     for i in range(len(req.seqs)):
         yield chunk(i, {"role": "assistant", "content": ""}, None)
     async for seq, text, finished, a, b in stream_events(req):
@@ -263,16 +325,20 @@ async def stream_chat(req: PendingRequest, body: ChatCompletionRequest, rid: str
             if text or finished or lp:
                 yield chunk(i, {"content": text} if text else {}, seq.finish_reason if finished else None, lp)
             continue
-        content, calls = parser.feed(text)
+        out = parser.feed(text)
         if finished:
-            content += parser.finish()
-            cut = truncated_call(content, body) if seq.finish_reason == "length" and forced_tools(body) else None
+            out.add(parser.finish(cut=seq.finish_reason == "length"))
+            cut = reader.cut_call(seq, out.content, parser.calls, body)
             if cut is not None:
-                content, calls = "", calls + [cut]
+                out.content, out.calls = "", [cut]
                 parser.calls.append(cut)
-        if content or lp:
-            yield chunk(i, {"content": content} if content else {}, None, lp)
-        for call in calls:  # OpenAI's shape: id, type and name first, then the arguments
+            if reader.reasoning:
+                reasoning_tokens += reader.reasoning_tokens(seq, parser.reasoning_text)
+        if out.reasoning:
+            yield chunk(i, {"reasoning_content": out.reasoning, "reasoning": out.reasoning}, None)
+        if out.content or lp:
+            yield chunk(i, {"content": out.content} if out.content else {}, None, lp)
+        for call in out.calls:  # OpenAI's shape: id, type and name first, then the arguments
             k = parser.calls.index(call)
             fn = call["function"]
             yield chunk(i, {"tool_calls": [{"index": k, "id": call["id"], "type": "function",
@@ -282,4 +348,4 @@ async def stream_chat(req: PendingRequest, body: ChatCompletionRequest, rid: str
             yield chunk(i, {}, finish_reason(seq, parser.calls))
     if body.stream_options and body.stream_options.include_usage:
         yield {"id": rid, "object": "chat.completion.chunk", "created": created, "model": state.model_name,
-               "choices": [], "usage": usage([prompt_ids], req.seqs)}
+               "choices": [], "usage": usage([prompt_ids], req.seqs, reasoning_tokens if reader.reasoning else None)}

@@ -21,8 +21,13 @@ from server.api.state import ServerState
 from server.api.protocol import APIError, ChatCompletionRequest, SamplingFields
 from server.engine.sampler import SamplingParams
 from server.engine.structured.constraint import constraint_from_request
-from server.api.tool_calls import (check_tool_schemas, check_tools, render_messages, template_supports_tools,
-                                   tools_constraint)
+from server.api.parsers import generic
+from server.api.parsers.generic import GenericToolParser
+from server.api.parsers.hermes import HermesParser
+from server.api.tool_calls import (ToolPlan, check_tool_schemas, check_tools, generic_constraint, render_messages,
+                                   template_supports_tools, tools_constraint)
+
+REASONING_EFFORTS = ("low", "medium", "high")
 
 
 def check_model(state: ServerState, name: str | None):
@@ -133,8 +138,19 @@ def render_chat(state: ServerState, body: ChatCompletionRequest, refuse_long: bo
     extra = dict(body.chat_template_kwargs or {})  # no key the server sets itself (protocol.CHAT_TEMPLATE_RESERVED)
     if body.continue_final_message:
         extra["continue_final_message"] = True
-    if body.tools and in_template and tool_choice(body) != "none":
+    effort = getattr(body, "reasoning_effort", None)
+    if effort is not None:  # (refuse_unsupported checked that the template reads it)
+        extra["reasoning_effort"] = effort
+    choice = tool_choice(body)
+    if body.tools and in_template and choice != "none":
         extra["tools"] = [t.model_dump(exclude_none=True) for t in body.tools]
+    elif body.tools and choice != "none":  # the generic format: the tools and the answer's form, as a system message
+        described = generic.instructions([t.model_dump(exclude_none=True) for t in body.tools],
+                                         body.parallel_tool_calls, choice != "auto")
+        if messages and messages[0]["role"] == "system":
+            messages[0] = {**messages[0], "content": messages[0]["content"] + "\n\n" + described}
+        else:
+            messages.insert(0, {"role": "system", "content": described})
     try:
         text = state.tokenizer.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt,
                                                    tokenize=False, **extra)
@@ -229,13 +245,18 @@ def tools_in_grammar(body: ChatCompletionRequest) -> set[int]:
     return {i for i, t in enumerate(body.tools or ()) if t.function.name == choice.function.name}
 
 
-def refuse_unsupported(body: SamplingFields) -> None:
+def refuse_unsupported(state: ServerState, body: SamplingFields) -> None:
     """OpenAI fields that ask for what this server cannot give, refused with the field's name (never ignored)."""
     if body.best_of is not None and body.best_of != body.n:
         raise APIError(400, "best_of (generating more choices and returning the best) is not supported; send n",
                        param="best_of")
     if body.reasoning_effort is not None:
-        raise APIError(400, "reasoning_effort: this model has no reasoning effort to set", param="reasoning_effort")
+        if not isinstance(body, ChatCompletionRequest) or "reasoning_effort" not in state.template:
+            raise APIError(400, "reasoning_effort: this model's chat template has no reasoning effort to set",
+                           param="reasoning_effort")
+        if body.reasoning_effort not in REASONING_EFFORTS:
+            raise APIError(400, f"reasoning_effort must be one of {', '.join(REASONING_EFFORTS)}, not "
+                                f"{body.reasoning_effort[:40]!r}", param="reasoning_effort")
     if body.modalities is not None and any(m != "text" for m in body.modalities):
         raise APIError(400, "modalities: this server answers text only", param="modalities")
     if body.audio is not None:
@@ -244,12 +265,12 @@ def refuse_unsupported(body: SamplingFields) -> None:
         raise APIError(400, "web_search_options: this server has no web search", param="web_search_options")
 
 
-def output_constraint(state: ServerState, body: SamplingFields) -> tuple[Constraint | None, bool]:
-    """The request's output constraint (or None), and whether tool calls are to be parsed out of the answer."""
-    refuse_unsupported(body)
+def output_constraint(state: ServerState, body: SamplingFields) -> tuple[Constraint | None, ToolPlan | None]:
+    """The request's output constraint (or None), and how its tool calls are served (None: not read)."""
+    refuse_unsupported(state, body)
     constraint = constraint_from_request(body)
     if not isinstance(body, ChatCompletionRequest):
-        return constraint, False
+        return constraint, None
     if body.functions is not None or body.function_call is not None:
         raise APIError(400, "functions and function_call are deprecated and not supported; send tools and "
                             "tool_choice", param="functions" if body.functions is not None else "function_call")
@@ -258,26 +279,30 @@ def output_constraint(state: ServerState, body: SamplingFields) -> tuple[Constra
         if choice not in ("none", "auto"):
             raise APIError(400, "tool_choice names a function or requires a call, but the request has no tools",
                            param="tool_choice")
-        return constraint, False
+        return constraint, None
     check_tools(body.tools)  # (bounds only: their metaschema checks run in the compile, or in render_chat)
     if choice == "none":
-        return constraint, False
+        return constraint, None
     if constraint is not None:
         raise APIError(400, f"{constraint.param} cannot be combined with tools when tool_choice is {choice!r}; "
                             "send tool_choice \"none\" to constrain the message, or drop it", param=constraint.param)
-    if choice == "auto":
-        if not template_supports_tools(state.tokenizer):
-            raise APIError(400, "this model's chat template has no tool support, so the model cannot be told about "
-                                'the tools; send tool_choice "required" or a named function to force a call',
-                           param="tools")
-        if state.tool_call_parser is None:
-            raise APIError(400, 'tool_choice "auto" needs a server started with --tool-call-parser hermes; '
-                                'or send tool_choice "required" or a named function', param="tool_choice")
-        return None, True
     name = None
-    if choice != "required":
+    if choice not in ("required", "auto"):
         name = choice.function.name
         if name not in {t.function.name for t in body.tools}:
             raise APIError(400, f"tool_choice names the function {name!r}, which is not among the request's tools",
                            param="tool_choice")
-    return tools_constraint(body.tools, name, body.parallel_tool_calls), True
+    if not template_supports_tools(state.tokenizer):  # the generic format (server/api/parsers/generic.py)
+        return (generic_constraint(body.tools, name, body.parallel_tool_calls, choice != "auto"),
+                ToolPlan(GenericToolParser, generic=True, forced=choice != "auto"))
+    fmt = state.parsers.tool_cls
+    if choice == "auto":
+        if fmt is None:
+            raise APIError(400, 'tool_choice "auto" needs a server started with --tool-call-parser (auto picks the '
+                                "format this model's chat template teaches); or send tool_choice \"required\" or a "
+                                "named function", param="tool_choice")
+        return None, ToolPlan(fmt)
+    if fmt is None or not fmt.forced_format:
+        fmt = HermesParser  # (a format without a grammar: the call is forced in Hermes's, and read so)
+    return (tools_constraint(body.tools, name, body.parallel_tool_calls, fmt, state.atom),
+            ToolPlan(fmt, forced=True))

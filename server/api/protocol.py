@@ -308,6 +308,9 @@ class ChatMessage(BaseModel):
     name: str | None = None
     tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
     tool_call_id: str | None = None  # a tool message answers this call
+    # an assistant's earlier reasoning, as this server (and vLLM) returned it: back to templates that render it
+    reasoning_content: str | None = None
+    reasoning: str | None = None
 
     @model_validator(mode="after")
     def _roles(self):

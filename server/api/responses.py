@@ -3,9 +3,11 @@
 A request is translated into the chat request it means (instructions -> a system message; message items, function
 calls and their outputs -> chat messages; tools, tool_choice and text.format -> their chat forms) and runs through the
 same preparation as /v1/chat/completions (server/api/preprocess.py): the chat template, the grammar engine for text.format
-and forced tool calls, the Hermes parser for tool_choice "auto". What comes back is shaped as output items: a
-`message` with `output_text` parts, and one `function_call` item per call. Streamed, the typed events come in
-OpenAI's order, each with its `sequence_number`.
+and forced tool calls, the output parsers (server/api/parsers/) for reasoning and tool calls. What comes back is
+shaped as output items: a `reasoning` item first when the model reasoned (its text as `reasoning_text` content, and
+as the summary when `reasoning.summary` asks for one: this server does not summarize), a `message` with
+`output_text` parts, and one `function_call` item per call. Streamed, the typed events come in OpenAI's order, each
+with its `sequence_number`. `reasoning.effort` reaches chat templates that read it (gpt-oss's).
 
 Stored responses (`store`, default true as OpenAI) keep the conversation they end, so `previous_response_id` continues
 it. The store is bounded in bytes and in count, least recently used first out, and each API key to its share of both
@@ -14,8 +16,8 @@ never "forbidden": ids do not leak). It is in memory only: a restart forgets it.
 conversation to continue is OpenAI's 400 previous_response_not_found; a response that did not finish (its client gone,
 cancelled, failed) keeps its input; a DELETE while the response runs is not undone when the run ends.
 
-What is not implemented is refused with a 400 naming the field: background, built-in tools, reasoning effort,
-conversation, prompt templates, truncation "auto", item references, images and files.
+What is not implemented is refused with a 400 naming the field: background, built-in tools, reasoning options a model
+has no switch for, conversation, prompt templates, truncation "auto", item references, images and files.
 """
 
 from __future__ import annotations
@@ -37,9 +39,8 @@ from server.api.state import PendingRequest, ServerState, admit, gather, stream_
 from server.api.preprocess import (check_length, check_model, output_constraint, render_chat, render_cost,
                                    sampling_params)
 from server.api.protocol import APIError, ChatCompletionRequest, RequestBody
-from server.api.bodies import EventStream, chat_logprobs, forced_tools, truncated_call
+from server.api.bodies import AnswerReader, EventStream, answer_reader, chat_logprobs
 from server.engine.request import Sequence
-from server.api.tool_calls import ToolCallParser, parse_tool_calls
 from server.defaults import DEFAULT_STORE_KEY_SHARE  # (in a light module: the CLI shows it)
 
 MAX_METADATA_PAIRS, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512
@@ -96,8 +97,13 @@ def _check_unsupported(body: ResponsesRequest) -> None:
     if body.background:
         raise _refuse("background", "background responses are not supported by this server; send stream or wait "
                                     "for the answer")
-    if body.reasoning and any(v is not None for v in body.reasoning.values()):
-        raise _refuse("reasoning", "this model has no reasoning options (effort, summary) to honour")
+    if body.reasoning:
+        unknown = sorted(set(body.reasoning) - {"effort", "summary", "generate_summary"})
+        if unknown:
+            raise _refuse("reasoning", f"unknown option {unknown[0]!r} (effort and summary are read)")
+        summary = body.reasoning.get("summary", body.reasoning.get("generate_summary"))
+        if summary not in (None, "auto", "concise", "detailed"):
+            raise _refuse("reasoning.summary", "must be auto, concise or detailed")
     if body.conversation is not None:
         raise _refuse("conversation", "the Conversations API is not supported; chain with previous_response_id")
     if body.prompt is not None:
@@ -158,6 +164,7 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[dict]:
     if isinstance(items, str):
         return [{"role": "user", "content": items}]
     messages: list[dict] = []
+    reasoning = ""  # a reasoning item's text, until the assistant message or call it came before
     for i, item in enumerate(items):
         if not isinstance(item, dict):
             raise _refuse(f"input[{i}]", "an input item must be an object")
@@ -167,6 +174,8 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[dict]:
             if role not in ("user", "system", "developer", "assistant"):
                 raise _refuse(f"input[{i}].role", f"unknown role {role!r}")
             messages.append({"role": role, "content": _text(item.get("content"), f"input[{i}].content")})
+            if role == "assistant" and reasoning:
+                messages[-1]["reasoning_content"], reasoning = reasoning, ""
         elif kind == "function_call":
             for key in ("call_id", "name", "arguments"):
                 if not isinstance(item.get(key), str):
@@ -177,15 +186,22 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[dict]:
                 messages[-1].setdefault("tool_calls", []).append(call)
             else:
                 messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
+            if reasoning:
+                messages[-1]["reasoning_content"], reasoning = reasoning, ""
         elif kind == "function_call_output":
             if not isinstance(item.get("call_id"), str):
                 raise _refuse(f"input[{i}].call_id", "a function_call_output item needs the call_id it answers")
             out = item.get("output")
             messages.append({"role": "tool", "tool_call_id": item["call_id"],
                              "content": out if isinstance(out, str) else _text(out, f"input[{i}].output")})
-        elif kind in ("reasoning", "item_reference"):
-            raise _refuse(f"input[{i}].type", f"{kind} items are not supported by this server (it makes no "
-                                              "reasoning items, and items are not referenced by id)")
+        elif kind == "reasoning":  # the next assistant turn's reasoning (what a template may render back)
+            parts = item.get("content") or item.get("summary") or []
+            if not isinstance(parts, list) or not all(isinstance(p, dict) and isinstance(p.get("text"), str)
+                                                      for p in parts):
+                raise _refuse(f"input[{i}].content", "a reasoning item's content (or summary) is a list of text parts")
+            reasoning = "".join(p["text"] for p in parts)
+        elif kind == "item_reference":
+            raise _refuse(f"input[{i}].type", "items are not referenced by id by this server: send the item")
         else:
             raise _refuse(f"input[{i}].type", f"unknown input item type {kind!r}")
     return messages
@@ -232,7 +248,7 @@ def _response_format(text: dict | None) -> dict | None:
 # the chat request's field names, as a Responses client knows them (errors name the field the client sent)
 CHAT_NAMES = (("response_format.json_schema.schema", "text.format.schema"), ("response_format", "text.format"),
               ("max_completion_tokens", "max_output_tokens"), ("max_tokens", "max_output_tokens"),
-              ("messages", "input"))
+              ("messages", "input"), ("reasoning_effort", "reasoning.effort"))
 
 
 def responses_error(e: APIError) -> APIError:
@@ -262,7 +278,7 @@ def to_chat(body: ResponsesRequest, history: list[dict]) -> tuple[ChatCompletion
               "response_format": _response_format(body.text), "user": body.user, "seed": body.seed,
               "top_k": body.top_k, "ignore_eos": body.ignore_eos, "logprobs": body.top_logprobs is not None or bool(
                   body.include and "message.output_text.logprobs" in body.include),
-              "top_logprobs": body.top_logprobs}
+              "top_logprobs": body.top_logprobs, "reasoning_effort": (body.reasoning or {}).get("effort")}
     if body.parallel_tool_calls is not None:
         fields["parallel_tool_calls"] = body.parallel_tool_calls
     try:
@@ -417,10 +433,19 @@ def _new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
-def usage(prompt_ids: list[int], seq: Sequence) -> dict:
+def usage(prompt_ids: list[int], seq: Sequence, reasoning_tokens: int = 0) -> dict:
     n_in, n_out = len(prompt_ids), len(seq.output_ids)
     return {"input_tokens": n_in, "input_tokens_details": {"cached_tokens": seq.num_cached_prompt},
-            "output_tokens": n_out, "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": n_in + n_out}
+            "output_tokens": n_out, "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
+            "total_tokens": n_in + n_out}
+
+
+def reasoning_item(rid: str, text: str, status: str, summary: bool) -> dict:
+    """The model's reasoning as an output item: its text as reasoning_text content, and as the summary when one was
+    asked for (reasoning.summary; the text as it came, not summarized)."""
+    return {"type": "reasoning", "id": rid, "status": status,
+            "summary": [{"type": "summary_text", "text": text}] if summary and text else [],
+            "content": [{"type": "reasoning_text", "text": text}]}
 
 
 def message_item(mid: str, text: str, status: str, logprobs: list | None = None) -> dict:
@@ -443,7 +468,7 @@ class Run:
     chat: ChatCompletionRequest
     messages: list[dict]
     prompt_ids: list[int]
-    parse_tools: bool
+    reader: AnswerReader
     owner: str | None
     rid: str = field(default_factory=lambda: _new_id("resp"))
     created: int = field(default_factory=lambda: int(time.time()))
@@ -457,24 +482,36 @@ class Run:
                 "error": error, "incomplete_details": incomplete, "instructions": b.instructions,
                 "max_output_tokens": b.max_output_tokens, "model": self.state.model_name, "output": output,
                 "output_text": out_text, "parallel_tool_calls": self.chat.parallel_tool_calls,
-                "previous_response_id": b.previous_response_id, "reasoning": {"effort": None, "summary": None},
+                "previous_response_id": b.previous_response_id,
+                "reasoning": {"effort": self.chat.reasoning_effort, "summary": self.summary_mode},
                 "store": b.store, "temperature": 1.0 if b.temperature is None else b.temperature,
                 "text": {"format": text_format}, "tool_choice": b.tool_choice or ("auto" if b.tools else "none"),
                 "tools": b.tools or [], "top_p": 1.0 if b.top_p is None else b.top_p, "truncation": "disabled",
-                "usage": usage(self.prompt_ids, seq) if seq is not None else None, "user": b.user,
+                "usage": usage(self.prompt_ids, seq, self.reasoning_tokens) if seq is not None else None,
+                "user": b.user,
                 "metadata": b.metadata or {}, "background": False, "top_logprobs": b.top_logprobs}
+
+    reasoning_tokens: int = 0
+
+    @property
+    def summary_mode(self) -> str | None:
+        r = self.body.reasoning or {}
+        return r.get("summary", r.get("generate_summary"))
 
     def output(self, seq: Sequence, mid: str) -> list[dict]:
         text = seq.detok.text
         calls: list[dict] = []
-        if self.parse_tools:
-            text, calls = parse_tool_calls(text)
-            cut = None
-            if seq.finish_reason == "length" and forced_tools(self.chat):
-                cut = truncated_call(text, self.chat)
-            if cut is not None:
-                text, calls = "", calls + [cut]
         items = []
+        parser = self.reader.new()
+        if parser is not None:
+            out = parser.parse(text, cut=seq.finish_reason == "length")
+            text, calls = out.content, out.calls
+            cut = self.reader.cut_call(seq, text, calls, self.chat)
+            if cut is not None:
+                text, calls = "", [cut]
+            if out.reasoning:
+                self.reasoning_tokens = self.reader.reasoning_tokens(seq, out.reasoning)
+                items.append(reasoning_item(_new_id("rs"), out.reasoning, "completed", self.summary_mode is not None))
         if text or not calls:
             lp = chat_logprobs(self.state, seq, 0, len(seq.output_ids))["content"] if self.chat.logprobs else None
             items.append(message_item(mid, text or "", "completed" if seq.finish_reason != "length" else "incomplete",
@@ -509,7 +546,10 @@ class ResponseStream:
         self.logprobs: list = []
         self.mid = _new_id("msg")
         self.msg_index: int | None = None
-        self.parser = ToolCallParser() if run.parse_tools else None
+        self.parser = run.reader.new()
+        self.rs_id = _new_id("rs")
+        self.rs_index: int | None = None  # the reasoning item, while open
+        self.reasoning: list[str] = []
 
     def event(self, kind: str, **fields) -> dict:
         self.number += 1
@@ -532,6 +572,32 @@ class ResponseStream:
                 self.event("response.content_part.done", item_id=self.mid, output_index=k, content_index=0,
                            part=item["content"][0]),
                 self.event("response.output_item.done", output_index=k, item=item)]
+
+    def open_reasoning(self) -> list[dict]:
+        self.rs_index = k = len(self.output)
+        item = reasoning_item(self.rs_id, "", "in_progress", False)
+        self.output.append(item)
+        return [self.event("response.output_item.added", output_index=k, item=item)]
+
+    def close_reasoning(self) -> list[dict]:
+        k, full = self.rs_index, "".join(self.reasoning)
+        self.rs_index = None
+        summary = self.run.summary_mode is not None
+        item = reasoning_item(self.rs_id, full, "completed", summary)
+        self.output[k] = item
+        events = [self.event("response.reasoning_text.done", item_id=self.rs_id, output_index=k, content_index=0,
+                             text=full)]
+        if summary:
+            part = {"type": "summary_text", "text": full}
+            events += [self.event("response.reasoning_summary_part.added", item_id=self.rs_id, output_index=k,
+                                  summary_index=0, part={"type": "summary_text", "text": ""}),
+                       self.event("response.reasoning_summary_text.delta", item_id=self.rs_id, output_index=k,
+                                  summary_index=0, delta=full),
+                       self.event("response.reasoning_summary_text.done", item_id=self.rs_id, output_index=k,
+                                  summary_index=0, text=full),
+                       self.event("response.reasoning_summary_part.done", item_id=self.rs_id, output_index=k,
+                                  summary_index=0, part=part)]
+        return events + [self.event("response.output_item.done", output_index=k, item=item)]
 
     def message_open(self) -> bool:
         return self.msg_index is not None and self.output[self.msg_index]["status"] == "in_progress"
@@ -576,14 +642,25 @@ class ResponseStream:
             self.logprobs.extend(lp)
             calls: list[dict] = []
             if self.parser is not None:
-                new, calls = self.parser.feed(new)
+                out = self.parser.feed(new)
                 if finished:
-                    new += self.parser.finish()
-                    cut = None
-                    if seq.finish_reason == "length" and forced_tools(run.chat):
-                        cut = truncated_call(new, run.chat)
+                    out.add(self.parser.finish(cut=seq.finish_reason == "length"))
+                    cut = run.reader.cut_call(seq, out.content, self.parser.calls, run.chat)
                     if cut is not None:
-                        new, calls = "", calls + [cut]
+                        out.content, out.calls = "", [cut]
+                    if self.parser.reasoning_text:
+                        run.reasoning_tokens = run.reader.reasoning_tokens(seq, self.parser.reasoning_text)
+                new, calls = out.content, out.calls
+                if out.reasoning:
+                    if self.rs_index is None:
+                        for e in self.open_reasoning():
+                            yield e
+                    self.reasoning.append(out.reasoning)
+                    yield self.event("response.reasoning_text.delta", item_id=self.rs_id, output_index=self.rs_index,
+                                     content_index=0, delta=out.reasoning)
+                if self.rs_index is not None and (new or lp or calls or finished):
+                    for e in self.close_reasoning():
+                        yield e
             if new or lp:
                 if self.msg_index is None:
                     for e in self.open_message():
@@ -628,21 +705,22 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
             history = state.responses.conversation(body.previous_response_id, owner)
         try:
             chat, messages = to_chat(body, history)
-            constraint, parse_tools = output_constraint(state, chat)
+            constraint, plan = output_constraint(state, chat)
             ids = await state.cpu.run(render_cost(state, chat), render_chat, state, chat,  # off the event loop
                                       gone=request.is_disconnected)
             max_tokens = chat.max_tokens or (state.max_model_len - len(ids))
             top = chat.top_logprobs or 0
             params = sampling_params(chat, max_tokens, top if chat.logprobs else None)
             check_length(state, ids, max_tokens)
+            reader = answer_reader(state, plan, ids, chat.tools, params)
             compiled = await state.engine.grammars.compile(constraint, state.owner(request, by_host=True),
                                                            request.is_disconnected) if constraint else None
         except APIError as e:
             raise responses_error(e) from None
-        run = Run(state, body, chat, messages, ids, parse_tools, owner)
+        run = Run(state, body, chat, messages, ids, reader, owner)
         req = PendingRequest(state, asyncio.get_running_loop(), body.stream)
         req.lora = lora
-        req.add(ids, params, 0, Grammars.state(compiled) if compiled else None)
+        req.add(ids, params, 0, Grammars.state(compiled, reader.gate()) if compiled else None)
         admit(state, req)
         if body.store:  # visible (in progress) at once: GET shows it, cancel can stop it
             state.responses.put(run.rid, Stored(run.response("in_progress", []), [], owner, pending=req,

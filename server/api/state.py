@@ -30,6 +30,7 @@ from server.engine.detokenizer import IncrementalDetokenizer
 from server.engine.core import Engine
 from server.engine.structured.grammar import GrammarState
 from server.api.metrics import Metrics
+from server.api.parsers import ParserConfig, special_atom, template_text
 from server.api.protocol import APIError
 from server.engine.sampler import SamplingParams
 from server.engine.request import Sequence
@@ -48,7 +49,8 @@ class ServerState:
     metrics_key: str | None = None  # --metrics-key: /metrics then wants `Authorization: Bearer <it>`
     max_queued_requests: int = 256
     max_body_bytes: int = 4 * 1024 * 1024
-    tool_call_parser: str | None = None  # "hermes": tool_choice "auto" reads calls out of the model's text
+    tool_call_parser: str | None = None  # --tool-call-parser: tool_choice "auto" reads calls out of the answer
+    reasoning_parser: str | None = None  # --reasoning-parser: reasoning apart from content (server/api/parsers/)
     pooling: object = None  # /v1/embeddings' pooling (server/api/embeddings.py PoolingConfig; build_app resolves it)
     responses: object = None  # stored responses (server/api/responses.py ResponseStore; build_app makes one)
     metrics: Metrics = field(default_factory=Metrics)
@@ -65,6 +67,10 @@ class ServerState:
             self.cpu = CpuPool(max_pending_chars=4 * self.max_body_bytes, max_pending=self.max_queued_requests)
         # what a prompt's length in characters proves about its token count (None: nothing; tokenize to know)
         self.length_bound: LengthBound | None = length_bound(self.tokenizer)
+        # the output parsers (`auto` resolved from the chat template), and how grammars spell the format's markers
+        self.parsers = ParserConfig(self.reasoning_parser, self.tool_call_parser, self.tokenizer)
+        self.template = template_text(self.tokenizer)
+        self.atom = special_atom(self.tokenizer)
 
     def min_tokens(self, text: str) -> int:
         """A number of tokens `text` encodes to at least (0 when the tokenizer gives no bound): O(1) for most

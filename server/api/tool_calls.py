@@ -1,16 +1,14 @@
-"""Tool calling: the grammar that forces a call, the parser that reads calls out of text, and rendering history.
+"""Tool calling on rank 0: checking a request's tools, the grammar that forces a call, and rendering history.
 
-The format is Hermes's, which Qwen2/Qwen2.5/Qwen3 and SmolLM-style chat templates teach (`--tool-call-parser
-hermes`, as vLLM names it): each call is
+Each family writes its calls in its own format; reading them out of the answer is the output parsers' job
+(server/api/parsers/). Here:
 
-    <tool_call>
-    {"name": "get_weather", "arguments": {"city": "Paris"}}
-    </tool_call>
-
-- tool_choice "required" or a named function: the output is constrained to one or more such calls (one when
-  parallel_tool_calls is false) whose arguments validate against the function's JSON schema (`tools_constraint`).
-- tool_choice "auto": the model writes freely; `ToolCallParser` takes calls out of the text as it streams. Text
-  before the first call is the message's content; a block that does not parse stays content, as text.
+- tool_choice "required" or a named function: the output is constrained to one or more calls (one when
+  parallel_tool_calls is false) whose arguments validate against the function's JSON schema (`tools_constraint`),
+  in the format of the server's --tool-call-parser when that format has a grammar, else in Hermes's.
+- tool_choice "auto": the model writes freely and the tool parser takes calls out of the text as it streams.
+- A chat template that cannot describe tools gets the generic format (server/api/parsers/generic.py): a system
+  message lists the tools and a grammar holds the answer to a call object or a response object.
 
 Bounds (server/api/protocol.py): at most MAX_TOOLS tools, each one's parameters a JSON schema within MAX_JSON_DEPTH and
 MAX_SPEC_CHARS, and all their parameters together within MAX_SPEC_CHARS (all checked before any metaschema check,
@@ -23,20 +21,29 @@ from __future__ import annotations
 import json
 import uuid
 
-from server.engine.structured.grammar import Constraint
+from dataclasses import dataclass
+
+from server.api.parsers import generic, template_text
+from server.api.parsers.base import loads as _loads
 from server.api.protocol import MAX_JSON_DEPTH, MAX_SPEC_CHARS, APIError, ChatMessage, Tool, json_depth, too_deep
 from server.engine.structured.constraint import (COMPACT_JSON, check_metaschema, closed_objects, deferred_checks,
                                                 schema_shape)
-
-TOOL_CALL_PARSERS = ("hermes",)
-OPEN, CLOSE = "<tool_call>", "</tool_call>"
+from server.engine.structured.grammar import Constraint
 
 
 def template_supports_tools(tokenizer) -> bool:
-    template = getattr(tokenizer, "chat_template", None)
-    if isinstance(template, dict):
-        template = " ".join(template.values())
-    return isinstance(template, str) and "tools" in template
+    return "tools" in template_text(tokenizer)
+
+
+@dataclass(frozen=True)
+class ToolPlan:
+    """How a chat request's tools are served: `parser` reads the calls out of the answer (a ToolParser class);
+    `generic`: the template cannot describe tools, so the generic format (a system message and a grammar);
+    `forced`: a grammar makes the answer calls (tool_choice "required" or a named function)."""
+
+    parser: type
+    generic: bool = False
+    forced: bool = False
 
 
 def _field(i: int) -> str:
@@ -85,140 +92,55 @@ def check_tool_schemas(tools: list[Tool], skip=()) -> None:
         check_metaschema(schema, param)
 
 
-def tools_constraint(tools: list[Tool], name: str | None, parallel: bool) -> Constraint:
-    """Output constrained to Hermes tool calls: of the named function, or of any of `tools` ("required"). The
-    tools must have passed check_tools."""
+def call_schemas(tools: list[Tool], name: str | None) -> tuple[list[int], list[tuple[str, str]]]:
+    """The tools a forced call may name (the named one, or all), and per tool (name, the JSON schema of a
+    {"name": <it>, "arguments": <its parameters>} object, as JSON text with llguidance's compact-JSON option)."""
     chosen = [i for i, t in enumerate(tools) if name is None or t.function.name == name]
-    alternatives = [{"type": "object",
-                     "properties": {"name": {"const": tools[i].function.name}, "arguments": _parameters(tools[i])},
-                     "required": ["name", "arguments"], "additionalProperties": False} for i in chosen]
-    schema = alternatives[0] if len(alternatives) == 1 else {"anyOf": alternatives}
-    schema = {**schema, "x-guidance": COMPACT_JSON}
-    repeat = ' ("\\n" tool_call)*' if parallel else ""
-    lark = (f"start: tool_call{repeat}\n"
-            f'tool_call: "{OPEN}\\n" call "\\n{CLOSE}"\n'
-            f"call: %json {json.dumps(schema)}\n")
+    out = []
+    for i in chosen:
+        schema = {"type": "object", "properties": {"name": {"const": tools[i].function.name},
+                                                   "arguments": _parameters(tools[i])},
+                  "required": ["name", "arguments"], "additionalProperties": False, "x-guidance": COMPACT_JSON}
+        out.append((tools[i].function.name, json.dumps(schema)))
+    return chosen, out
+
+
+def tools_constraint(tools: list[Tool], name: str | None, parallel: bool, fmt, atom) -> Constraint:
+    """Output constrained to calls in the format of `fmt` (a ToolParser class with a grammar): of the named function,
+    or of any of `tools` ("required"). The tools must have passed check_tools; `atom` spells a marker in Lark."""
+    chosen, calls = call_schemas(tools, name)
+    lark = fmt.forced_lark(calls, parallel, atom)
     # the chosen tools' metaschema checks run in this grammar's compile, on a compile thread (check_tools bounded them)
     return Constraint("lark", lark, "", "tools", deferred_checks(tool_schemas(tools, chosen)))
+
+
+def generic_constraint(tools: list[Tool], name: str | None, parallel: bool, required: bool) -> Constraint:
+    """The generic format's grammar: a call object (of the named function, or any), or with `required` false a
+    response object too."""
+    chosen, calls = call_schemas(tools, name)
+    schema = {**generic.schema(calls, parallel, required), "x-guidance": COMPACT_JSON}
+    return Constraint("lark", f"start: %json {json.dumps(schema)}\n", "", "tools",
+                      deferred_checks(tool_schemas(tools, chosen)))
 
 
 def new_call_id() -> str:
     return "call_" + uuid.uuid4().hex[:24]
 
 
-def _loads(text: str):
-    """json.loads, or ValueError for anything it cannot read: not JSON, an integer longer than Python reads (4300
-    digits), or nesting past Python's recursion limit (RecursionError)."""
-    try:
-        return json.loads(text)
-    except RecursionError:
-        raise ValueError("nested too deeply") from None
-
-
-def _call(body: str) -> dict | None:
-    try:
-        obj = _loads(body)
-    except ValueError:
-        return None
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-        return None
-    args = obj.get("arguments", obj.get("parameters", {}))
-    if isinstance(args, str):  # some models write the arguments as a JSON string already
-        try:
-            args = _loads(args)
-        except ValueError:
-            return None
-    if not isinstance(args, dict):
-        return None
-    return {"id": new_call_id(), "type": "function",
-            "function": {"name": obj["name"], "arguments": json.dumps(args, ensure_ascii=False)}}
-
-
-class ToolCallParser:
-    """Splits the text of an answer, as it streams, into content and complete tool calls.
-
-    `feed(text)` returns (content to send now, calls completed now); `finish()` flushes what was held back. Content
-    that could still turn into the start of a call, and whitespace that might precede one, is held back until
-    it is known which it is. The whole answer goes through the same steps, so a streamed answer and a gathered one
-    are the same."""
-
-    def __init__(self) -> None:
-        self.pending = ""  # text not yet handed out
-        self.in_call = False
-        self.ws_before = ""
-        self.calls: list[dict] = []
-        self.content = ""  # all content handed out
-
-    def feed(self, text: str) -> tuple[str, list[dict]]:
-        self.pending += text
-        out, calls = "", []
-        while True:
-            if self.in_call:
-                end = self.pending.find(CLOSE)
-                if end < 0:
-                    break
-                raw = self.pending[: end + len(CLOSE)]
-                call = _call(self.pending[len(OPEN) : end].strip())
-                self.pending = self.pending[end + len(CLOSE) :]
-                self.in_call = False
-                if call is not None:
-                    calls.append(call)
-                    self.calls.append(call)
-                else:
-                    out += self.ws_before + raw  # ...unless the call does not parse: then all is text
-                continue
-            start = self.pending.find(OPEN)
-            if start >= 0:
-                before = self.pending[:start]
-                out += before.rstrip()  # whitespace just before a call is not content...
-                self.ws_before = before[len(before.rstrip()) :]
-                self.pending = self.pending[start:]
-                self.in_call = True
-                continue
-            # no call begins in pending: send all but what may start one, and trailing whitespace (it may
-            # precede a call)
-            keep = _partial_suffix(self.pending, OPEN)
-            sendable = self.pending[: len(self.pending) - keep].rstrip()
-            out += sendable
-            self.pending = self.pending[len(sendable) :]
-            break
-        self.content += out
-        return out, calls
-
-    def finish(self) -> str:
-        """What was held back, as content (an unclosed call, or trailing whitespace after text)."""
-        out = self.pending
-        if self.calls and not out.strip():
-            out = ""
-        self.pending = ""
-        self.content += out
-        return out
-
-
-def _partial_suffix(text: str, tag: str) -> int:
-    """Length of the longest tail of `text` that is a proper prefix of `tag`."""
-    for n in range(min(len(tag) - 1, len(text)), 0, -1):
-        if tag.startswith(text[-n:]):
-            return n
-    return 0
-
-
-def parse_tool_calls(text: str) -> tuple[str | None, list[dict]]:
-    """A whole answer as (content or None, tool calls)."""
-    parser = ToolCallParser()
-    content, calls = parser.feed(text)
-    content += parser.finish()
-    return (content if content or not calls else None), calls
-
-
 def render_messages(messages: list[ChatMessage], tools_in_template: bool) -> list[dict]:
     """Messages as the chat template takes them. Earlier calls go to the template as `tool_calls` with their
-    arguments as objects (what Hermes-style templates serialize); a template without tool support gets them as
-    Hermes text in the assistant's content, so the conversation still shows them."""
+    arguments as objects (what the families' templates serialize); an assistant's earlier reasoning as
+    `reasoning_content` (Qwen3's templates) and `thinking` (gpt-oss's). A template without tool support gets the
+    generic format (server/api/parsers/generic.py): calls as the JSON answer that made them, tool results as user
+    messages."""
     out = []
+    names: dict[str, str] = {}  # call id -> function name, for the generic format's tool results
     for i, m in enumerate(messages):
         role = "system" if m.role == "developer" else m.role
         msg: dict = {"role": role, "content": m.text()}
+        reasoning = m.reasoning_content if m.reasoning_content is not None else m.reasoning
+        if reasoning and m.role == "assistant":
+            msg["reasoning_content"] = msg["thinking"] = reasoning
         if m.tool_calls:
             calls = []
             for j, c in enumerate(m.tool_calls):
@@ -231,16 +153,19 @@ def render_messages(messages: list[ChatMessage], tools_in_template: bool) -> lis
                     raise APIError(400, too_deep(param), param=param)
                 calls.append({"id": c.id, "type": "function", "function": {"name": c.function.name,
                                                                           "arguments": args}})
+                names[c.id] = c.function.name
             if tools_in_template:
                 msg["tool_calls"] = calls
             else:
-                text = "\n".join(f"{OPEN}\n" + json.dumps({"name": c["function"]["name"],
-                                                           "arguments": c["function"]["arguments"]},
-                                                          ensure_ascii=False) + f"\n{CLOSE}" for c in calls)
+                text = generic.render_call(calls)
                 msg["content"] = (msg["content"] + "\n" if msg["content"] else "") + text
         if m.role == "tool":
-            msg["tool_call_id"] = m.tool_call_id
-            if m.name:
-                msg["name"] = m.name
+            if tools_in_template:
+                msg["tool_call_id"] = m.tool_call_id
+                if m.name:
+                    msg["name"] = m.name
+            else:
+                msg = {"role": "user", "content": generic.render_result(m.name or names.get(m.tool_call_id),
+                                                                         msg["content"])}
         out.append(msg)
     return out

@@ -16,7 +16,8 @@ import threading
 import time
 
 from loaders import envs
-from server.defaults import DEFAULT_COMPILE_WORKERS, DEFAULT_STORE_KEY_SHARE, MAX_RUNTIME_LORAS  # (light)
+from server.defaults import (DEFAULT_COMPILE_WORKERS, DEFAULT_STORE_KEY_SHARE, MAX_RUNTIME_LORAS,  # (light)
+                             REASONING_PARSER_NAMES, TOOL_PARSER_NAMES)
 from sharding import numa  # (light: no torch)
 
 logger = logging.getLogger("tpserve")
@@ -258,12 +259,13 @@ def serve(args) -> int:
         engine.enable_lora(loras)
     state = ServerState(engine, tokenizer, name, runner.vocab_size, api_key=api_key, metrics_key=args.metrics_key,
                         max_queued_requests=args.max_queued_requests, max_body_bytes=args.max_body_bytes,
-                        tool_call_parser=args.tool_call_parser,
+                        tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
                         pooling=pooling, responses=ResponseStore(args.responses_store_max_bytes,
                                                                  args.responses_store_max_count,
                                                                  key_share=args.responses_store_key_share),
                         loras=loras)
     engine.step_listeners.append(lambda dt, _: state.metrics.step_seconds.observe(dt))
+    log_parsers(state, args)
     state.metrics.show_placements(dist.placements)
     supervisor = None
     if workers.procs:  # ranks this process spawned: a dead or hung replica is isolated and (by default) restarted
@@ -425,6 +427,23 @@ def positive_seconds(text: str) -> float:
     return value
 
 
+def log_parsers(state, args) -> None:
+    """The start line of the output parsers: which tool format `auto` found in the chat template."""
+    parsers = state.parsers
+    if args.tool_call_parser == "auto":
+        if parsers.tool_name is not None:
+            logger.info("tool calls: %s format (--tool-call-parser auto, from the chat template)", parsers.tool_name)
+        elif "tools" in state.template:
+            raise SystemExit("tpserve: error: --tool-call-parser auto: the chat template renders tools in no format "
+                             f"this server reads; name one of {', '.join(TOOL_PARSER_NAMES)}")
+        else:
+            logger.info("tool calls: the chat template has no tool support; the generic JSON format serves them")
+    elif args.tool_call_parser:
+        logger.info("tool calls: %s format", args.tool_call_parser)
+    if args.reasoning_parser:
+        logger.info("reasoning: %s parser (reasoning_content apart from content)", args.reasoning_parser)
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="tpserve", description="A readable tensor-parallel LLM server")
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -450,10 +469,15 @@ def build_parser() -> argparse.ArgumentParser:
                         "several --api-key keys only): past it, that key's own least recently used are evicted")
     s.add_argument("--max-queued-requests", type=int, default=256, help="waiting sequences before answering 429")
     s.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024, help="largest request body (413 above)")
-    s.add_argument("--tool-call-parser", choices=["hermes"], default=None,
-                   help='read tool calls out of the model\'s text for tool_choice "auto" (hermes: <tool_call>{...}'
-                        '</tool_call>, as Qwen2/Qwen3 and SmolLM-style templates teach); without it, "auto" is '
-                        'refused and "required" or a named function still force a call')
+    s.add_argument("--tool-call-parser", choices=[*TOOL_PARSER_NAMES, "auto"], default=None,
+                   help='read tool calls out of the answer for tool_choice "auto", in the format of the model\'s '
+                        "family (vLLM's names; auto: the one the chat template teaches, named at start); without it, "
+                        '"auto" is refused and "required" or a named function still force a call. A template '
+                        "without tool support gets the generic JSON format, with or without this flag")
+    s.add_argument("--reasoning-parser", choices=list(REASONING_PARSER_NAMES), default=None,
+                   help="return the model's reasoning apart from its answer (message.reasoning_content, a Responses "
+                        "reasoning item), in its family's markup: qwen3 and deepseek_r1 <think>...</think>, gpt_oss "
+                        "harmony channels; structured outputs and forced calls then constrain only what follows it")
     s.add_argument("--grammar-compile-timeout", type=float, default=10.0, metavar="SECONDS",
                    help="longest a structured-output grammar may take to compile before the request is refused "
                         "(default 10), counted from when a compile thread takes it up")

@@ -164,7 +164,8 @@ def test_an_abandoned_compile_counts_against_its_owner_only(grammars):
 
 @pytest.fixture(scope="module")
 def keyed_api(tok):
-    engine, runner = make_engine(tok, num_blocks=96)
+    # (room for the generic tool format's system message: the fake model's template has no tool support)
+    engine, runner = make_engine(tok, num_blocks=512, max_model_len=2048)
     engine.start()
     state = ServerState(engine, tok[0], "fake", runner.vocab, api_key="key-a,key-b")
     yield build_app(state), engine

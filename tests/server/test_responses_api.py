@@ -20,7 +20,7 @@ KEY, OTHER = "key-one", "key-two"
 
 @pytest.fixture(scope="module")
 def srv(server_factory, checkpoints):
-    return server_factory(checkpoints("llama"), 1, "--max-model-len", "256", "--max-num-seqs", "8",
+    return server_factory(checkpoints("llama_long"), 1, "--max-model-len", "768", "--max-num-seqs", "8",
                           "--api-key", f"{KEY},{OTHER}", "--responses-store-max-count", "6",
                           "--responses-store-key-share", "1")  # (each key's share: in process, below)
 
@@ -172,7 +172,8 @@ def test_cancel_a_streaming_response(client, srv):
     ({"background": True}, "background"),
     ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
     ({"tools": [{"type": "file_search", "vector_store_ids": ["x"]}]}, "tools[0].type"),
-    ({"reasoning": {"effort": "high"}}, "reasoning"),
+    ({"reasoning": {"effort": "high"}}, "reasoning.effort"),  # (this model's template has no effort to set)
+    ({"reasoning": {"summary": "verbose"}}, "reasoning.summary"),
     ({"input": [{"type": "mystery"}]}, "input[0].type"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}]},
      "input[0].content[0].type"),

@@ -200,7 +200,7 @@ def test_forced_tool_calls_validate(client, smol):
         finish = chunk.choices[0].finish_reason or finish
     assert names == ["get_time"] and finish == "tool_calls"
     jsonschema.validate(json.loads(args), schemas["get_time"])
-    # the call goes back in the history (this template has no tool support: it is rendered as Hermes text)
+    # the call goes back in the history (this template has no tool support: it is rendered in the generic format)
     r = client.chat.completions.create(model=smol.model_name, temperature=0, max_tokens=20, tools=[WEATHER, TIME],
                                        tool_choice="none", messages=msgs + [
                                            {"role": "assistant", "tool_calls": [c.model_dump() for c in calls]},
@@ -247,7 +247,6 @@ BAD = [
     ({"structured_outputs": {"structural_tag": "{}"}}, "structured_outputs.structural_tag", "not supported"),
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice",
      "nope"),
-    ({"tools": [WEATHER]}, "tools", "no tool support"),
     ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}},
      "response_format", "cannot be combined"),
     ({"tool_choice": "required"}, "tool_choice", "no tools"),
@@ -313,3 +312,67 @@ def test_slow_compile_is_refused_then_cached(server_factory, checkpoints):
             break
         time.sleep(0.5)
     assert r.status_code == 200 and re.fullmatch("[a-z]{3}", r.json()["choices"][0]["text"]), r.text
+
+
+def test_generic_tools_on_a_template_without_tool_support(client, smol):
+    """SmolLM2's template cannot describe tools: the generic format does (server/api/parsers/generic.py). Under
+    tool_choice "auto" the model answers with a call whose arguments validate, streamed and not; the call and the
+    tool's result go back through the same format, and a final answer comes as text."""
+    msgs = [{"role": "user", "content": "What is the weather in Paris?"}]
+    r = client.chat.completions.create(model=smol.model_name, messages=msgs, tools=[WEATHER], temperature=0,
+                                       max_tokens=60)
+    (call,) = r.choices[0].message.tool_calls
+    assert r.choices[0].finish_reason == "tool_calls" and r.choices[0].message.content is None
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments)["city"] == "Paris"
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
+    chunks = list(client.chat.completions.create(model=smol.model_name, messages=msgs, tools=[WEATHER], temperature=0,
+                                                 max_tokens=60, stream=True))
+    deltas = [d for c in chunks for d in c.choices[0].delta.tool_calls or []]
+    assert deltas[0].function.name == "get_weather" and "".join(d.function.arguments for d in deltas) == \
+        call.function.arguments
+    follow = msgs + [r.choices[0].message.model_dump(exclude_none=True),
+                     {"role": "tool", "tool_call_id": call.id, "content": "sunny, 24 C"}]
+    r2 = client.chat.completions.create(model=smol.model_name, messages=follow, tools=[WEATHER], temperature=0,
+                                        max_tokens=60)
+    again = r2.choices[0].message.tool_calls  # (a 135M model calls again: whatever it answers is in the format)
+    for c in again or []:
+        jsonschema.validate(json.loads(c.function.arguments), WEATHER["function"]["parameters"])
+    assert again or r2.choices[0].message.content
+    final = client.chat.completions.create(model=smol.model_name, messages=follow, tools=[WEATHER], temperature=0,
+                                           max_tokens=30, tool_choice="none")
+    assert final.choices[0].message.content and final.choices[0].message.tool_calls is None
+    # a question no tool answers: a {"response": ...} answer comes back as text, streamed as it is decoded
+    q = [{"role": "user", "content": "Say hello."}]
+    plain = client.chat.completions.create(model=smol.model_name, messages=q, tools=[WEATHER], temperature=0,
+                                           max_tokens=40)
+    text = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+        model=smol.model_name, messages=q, tools=[WEATHER], temperature=0, max_tokens=40, stream=True))
+    assert text == (plain.choices[0].message.content or "") and "{" not in text[:1]
+
+
+def test_an_agent_loop_with_generic_tools(smol):
+    """The OpenAI Agents SDK over chat completions on SmolLM2 with a function tool: its call comes with arguments
+    that validate; the tool's output ends the run (stop_on_first_tool: a 135M model does not reliably answer after
+    a tool result)."""
+    from agents import Agent, ModelSettings, OpenAIChatCompletionsModel, Runner, function_tool, set_tracing_disabled
+
+    set_tracing_disabled(True)
+    seen: list[str] = []
+
+    @function_tool
+    def get_weather(city: str) -> str:
+        """Current weather in a city"""
+        seen.append(city)
+        return "sunny, 24 C"
+
+    async def run():
+        client = openai.AsyncOpenAI(base_url=smol.v1, api_key="x", max_retries=0, timeout=120)
+        try:
+            agent = Agent(name="weather", model=OpenAIChatCompletionsModel(model=smol.model_name, openai_client=client),
+                          tools=[get_weather], tool_use_behavior="stop_on_first_tool",
+                          model_settings=ModelSettings(temperature=0, max_tokens=60))
+            return (await Runner.run(agent, "What is the weather in Paris?", max_turns=3)).final_output
+        finally:
+            await client.close()
+
+    assert asyncio.run(run()) == "sunny, 24 C" and seen == ["Paris"]

@@ -228,6 +228,8 @@ class Speculator:
         room = min(seq.params.max_tokens - len(seq.output_ids), max_model_len - len(seq.token_ids), budget + 1) - 1
         drafts = self.propose(seq, running, room)
         if drafts and seq.grammar is not None:
+            if seq.grammar.gate is not None:  # (no drafts until the grammar applies: see GrammarState)
+                return []
             m = seq.grammar.matcher
             n = m.try_consume_tokens(drafts)
             m.rollback(n)

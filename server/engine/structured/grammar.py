@@ -76,24 +76,62 @@ class Constraint:
 
 
 class GrammarState:
-    """One sequence's matcher: which tokens may come next, and advancing over the one that came."""
+    """One sequence's matcher: which tokens may come next, and advancing over the one that came.
 
-    __slots__ = ("matcher",)
+    With a reasoning model the constraint holds only for what follows the reasoning (as vLLM does): a `Gate` keeps
+    the matcher waiting, unconstrained, until the sequence's output ends with the reasoning's end marker (token ids),
+    and from the next token on the grammar applies. A gate in the "maybe" phase (the model may open its reasoning
+    or answer at once) lets the first token be either the opening marker or what the grammar allows."""
 
-    def __init__(self, matcher) -> None:
+    __slots__ = ("matcher", "gate")
+
+    def __init__(self, matcher, gate: "Gate | None" = None) -> None:
         self.matcher = matcher
+        self.gate = gate
+
+    @property
+    def active(self) -> bool:
+        """The grammar applies to the next token (no gate, or its reasoning has ended)."""
+        return self.gate is None or self.gate.phase == "maybe"
 
     def accept(self, token: int) -> bool:
+        gate = self.gate
+        if gate is not None:
+            if gate.phase == "maybe":
+                if token == gate.start:
+                    gate.phase = "reasoning"
+                    return True
+                self.gate = None
+            else:
+                gate.seen.append(token)
+                end = gate.end
+                if len(gate.seen) >= len(end) and tuple(gate.seen[-len(end):]) == end:
+                    self.gate = None
+                elif len(gate.seen) > 4 * len(end):
+                    del gate.seen[: -len(end)]
+                return True
         return self.matcher.consume_token(token)
 
     @property
     def done(self) -> bool:
         """The grammar is complete and allows nothing more (not even whitespace): the answer is whole."""
-        return self.matcher.is_stopped()
+        return self.gate is None and self.matcher.is_stopped()
 
     @property
     def error(self) -> str | None:
         return self.matcher.get_error() if self.matcher.is_error() else None
+
+
+@dataclass(slots=True)
+class Gate:
+    """Where a constrained sequence's grammar begins: after `end` (token ids) in its output. phase "reasoning": the
+    output is inside the reasoning; "maybe": its first token may be `start` (which opens the reasoning) or the
+    grammar's."""
+
+    end: tuple[int, ...]
+    phase: str = "reasoning"
+    start: int | None = None
+    seen: list[int] = field(default_factory=list)
 
 
 class _Job:
@@ -351,8 +389,9 @@ class Grammars:
         return matcher
 
     @staticmethod
-    def state(compiled) -> GrammarState:
-        return GrammarState(compiled.deep_copy())
+    def state(compiled, gate: Gate | None = None) -> GrammarState:
+        """A new sequence's matcher in its start state (`gate`: its own, a new one per sequence)."""
+        return GrammarState(compiled.deep_copy(), gate)
 
     def compile_sync(self, c: Constraint) -> GrammarState:
         """Compile in the caller's thread (the offline LLM path) and return a fresh state; a ValueError if the
@@ -370,11 +409,18 @@ class Grammars:
         than it saves at these batch sizes on a 2-core host), numpy unpacks the bits, and the bias goes through a
         buffer kept between steps: a fresh [rows, vocab] float tensor per step paid more in page faults than in
         arithmetic (BENCHMARKS.md, "Structured outputs")."""
+        if any(not st.active for st in states):  # (inside their reasoning: nothing forbidden yet)
+            rows, states = [r for r, st in zip(rows, states) if st.active], [st for st in states if st.active]
+            if not rows:
+                return
         words = (self.vocab_size + 31) // 32
         bitmask = torch.empty(len(rows), words, dtype=torch.int32)
         base, stride = bitmask.data_ptr(), words * 4
         for i, st in enumerate(states):
             st.matcher.unsafe_compute_mask_ptr(base + i * stride, stride)
+            if st.gate is not None and st.gate.start is not None:  # "maybe": the reasoning may open here
+                w, b = divmod(st.gate.start, 32)
+                bitmask.numpy().view(np.uint32)[i, w] |= np.uint32(1 << b)
         vocab = min(logits.shape[-1], words * 32)
         bits = torch.from_numpy(np.unpackbits(bitmask.numpy().view(np.uint8), axis=-1, count=vocab,
                                               bitorder="little"))
