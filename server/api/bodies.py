@@ -90,6 +90,9 @@ class AnswerReader:
     def new(self):
         return self.state.parsers.parser(self.plan.parser if self.plan else None, self.start_state, self.tools)
 
+    def reasoning_tokens(self, seq: Sequence, reasoning: str) -> int:
+        return self.state.parsers.reasoning_tokens(seq.output_ids, reasoning)
+
     @property
     def parses(self) -> bool:
         return self.reasoning or self.plan is not None
@@ -112,9 +115,6 @@ def answer_reader(state: ServerState, plan: ToolPlan | None, prompt_ids: list[in
     if reader.parses and (state.parsers.needs_special_tokens or (cls is not None and cls.needs_special_tokens)):
         params.skip_special_tokens = False
     return reader
-
-    def reasoning_tokens(self, seq: Sequence, reasoning: str) -> int:
-        return self.state.parsers.reasoning_tokens(seq.output_ids, reasoning)
 
 
 def token_str(state: ServerState, t: int) -> str:

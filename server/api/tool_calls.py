@@ -31,8 +31,27 @@ from server.engine.structured.constraint import (COMPACT_JSON, check_metaschema,
 from server.engine.structured.grammar import Constraint
 
 
+PROBE_TOOL = {"type": "function", "function": {"name": "tpserve_probe_tool", "description": "probe",
+                                               "parameters": {"type": "object", "properties": {}}}}
+_PROBED: dict[str, bool] = {}
+
+
 def template_supports_tools(tokenizer) -> bool:
-    return "tools" in template_text(tokenizer)
+    """Whether the chat template tells the model about tools: rendering a conversation with a probe tool shows the
+    tool's name (as llama.cpp probes a template's capabilities). A template that merely mentions tools, or renders
+    only earlier calls (DeepSeek-R1's), does not; it gets the generic format. Once per template text."""
+    text = template_text(tokenizer)
+    if text not in _PROBED:
+        ok = False
+        if "tools" in text:
+            try:
+                rendered = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tools=[PROBE_TOOL],
+                                                         add_generation_prompt=True, tokenize=False)
+                ok = "tpserve_probe_tool" in rendered
+            except Exception:  # noqa: BLE001 - a template that cannot render this probe: no tool support to use
+                ok = False
+        _PROBED[text] = ok
+    return _PROBED[text]
 
 
 @dataclass(frozen=True)

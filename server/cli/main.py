@@ -428,16 +428,17 @@ def positive_seconds(text: str) -> float:
 
 
 def log_parsers(state, args) -> None:
-    """The start line of the output parsers: which tool format `auto` found in the chat template."""
+    """The start line of the output parsers: which tool format serves calls (`auto`: the one the template teaches)."""
+    from server.api.tool_calls import template_supports_tools
+
     parsers = state.parsers
-    if args.tool_call_parser == "auto":
-        if parsers.tool_name is not None:
-            logger.info("tool calls: %s format (--tool-call-parser auto, from the chat template)", parsers.tool_name)
-        elif "tools" in state.template:
+    if not template_supports_tools(state.tokenizer):
+        logger.info("tool calls: the chat template does not describe tools; the generic JSON format serves them")
+    elif args.tool_call_parser == "auto":
+        if parsers.tool_name is None:
             raise SystemExit("tpserve: error: --tool-call-parser auto: the chat template renders tools in no format "
                              f"this server reads; name one of {', '.join(TOOL_PARSER_NAMES)}")
-        else:
-            logger.info("tool calls: the chat template has no tool support; the generic JSON format serves them")
+        logger.info("tool calls: %s format (--tool-call-parser auto, from the chat template)", parsers.tool_name)
     elif args.tool_call_parser:
         logger.info("tool calls: %s format", args.tool_call_parser)
     if args.reasoning_parser:

@@ -59,8 +59,6 @@ def template_text(tokenizer) -> str:
 def auto_tool_parser(tokenizer) -> str | None:
     """The tool format the model's chat template teaches, or None when it teaches none this server reads."""
     text = template_text(tokenizer)
-    if "tools" not in text:
-        return None
     for name in AUTO_ORDER:
         markers = tool_parser_class(name).template_markers
         if markers and all(m in text for m in markers):
