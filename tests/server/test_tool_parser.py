@@ -173,3 +173,14 @@ def test_the_grammar_gate_waits_for_the_end_of_the_reasoning():
     assert st.accept(3) and m.got == [3]
     st = GrammarState(m := Matcher(), Gate((7,), "maybe", 5))
     assert st.accept(4) and st.gate is None and m.got == [4]  # no reasoning: the grammar held from the first token
+
+
+def test_the_cli_names_every_parser_and_each_loads():
+    from server.api.parsers import REASONING_PARSERS, TOOL_PARSERS, reasoning_parser_class, tool_parser_class
+    from server.defaults import REASONING_PARSER_NAMES, TOOL_PARSER_NAMES
+
+    assert set(TOOL_PARSERS) == set(TOOL_PARSER_NAMES) and set(REASONING_PARSERS) == set(REASONING_PARSER_NAMES)
+    for name in TOOL_PARSERS:
+        assert tool_parser_class(name).name == name or name == "openai"
+    for name in REASONING_PARSERS:
+        assert reasoning_parser_class(name).name == name or name == "gpt_oss"
