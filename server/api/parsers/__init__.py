@@ -131,15 +131,18 @@ class ParserConfig:
         return Gate(self._end_ids)
 
     def reasoning_tokens(self, output_ids: list[int], reasoning: str) -> int:
-        """How many of an answer's tokens were reasoning: up to and including the end marker; all of them when the
-        reasoning never ended; none when there was none."""
-        if not reasoning or not self._end_ids:
+        """How many of an answer's tokens were reasoning: up to and including the end marker when the reasoning
+        ended in one; else (cut off, or a harmony answer that went on to a call) its text's own tokens."""
+        if not reasoning:
             return 0
-        end, n = self._end_ids, len(self._end_ids)
-        for i in range(len(output_ids) - n + 1):
-            if output_ids[i] == end[0] and tuple(output_ids[i : i + n]) == end:
-                return i + n
-        return len(output_ids)
+        if self._end_ids:
+            end, n = self._end_ids, len(self._end_ids)
+            for i in range(len(output_ids) - n + 1):
+                if output_ids[i] == end[0] and tuple(output_ids[i : i + n]) == end:
+                    return i + n
+        if self.tokenizer is None:
+            return 0
+        return min(len(output_ids), len(self.tokenizer.encode(reasoning, add_special_tokens=False)))
 
     def parser(self, tool_cls: type | None, start_state: str | None, tools: list[dict] | None = None):
         """A new answer's parser, reading its calls with `tool_cls` (None: calls are not read); None when there is
