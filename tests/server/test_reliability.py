@@ -187,10 +187,10 @@ def test_api_key_on_every_v1_endpoint(server_factory, checkpoints):
                                ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]}),
                                ("GET", "/openapi.json", None), ("GET", "/docs", None)]:
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "sekrit"}):
-            r = httpx.request(method, s.url + path, json=body, headers=headers)
+            r = httpx.request(method, s.url + path, json=body, headers=headers, timeout=60)
             assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error", (path, headers)
         for auth in ("Bearer sekrit", "bearer sekrit"):  # (the scheme is case-insensitive, RFC 7235)
-            r = httpx.request(method, s.url + path, json=body, headers={"Authorization": auth})
+            r = httpx.request(method, s.url + path, json=body, headers={"Authorization": auth}, timeout=60)
             assert r.status_code == 200, (path, auth, r.text)
     assert httpx.get(s.url + "/health").status_code == 200
     assert httpx.get(s.url + "/metrics").status_code == 200
