@@ -67,10 +67,11 @@ def auto_tool_parser(tokenizer) -> str | None:
 
 
 def special_atom(tokenizer):
-    """How a grammar spells a marker: a special token of the tokenizer by its id (llguidance matches special tokens
-    only so), any other text as a quoted string."""
+    """How a grammar spells a marker: an added token of the tokenizer (special or not: llguidance treats every added
+    token as special, Qwen's non-special `<tool_call>` too) by its id, as llguidance matches them only so; any other
+    text as a quoted string."""
     special = set(getattr(tokenizer, "all_special_ids", ()))
-    added = {t.content: i for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items() if t.special}
+    added = {t.content: i for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items()}
 
     def atom(marker: str) -> str:
         if marker in added:

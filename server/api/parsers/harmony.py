@@ -53,6 +53,11 @@ _RECIPIENT = re.compile(r"to=([^\s<]+)(?=\s|<\||\Z)")
 _CHANNEL = re.compile(r"<\|channel\|>\s*([A-Za-z_]+)")
 FUNCTIONS = "functions."
 
+
+def compact(schema: dict) -> dict:
+    """The arguments as gpt-oss writes them: JSON without spaces after `,` and `:` (as OpenAI's harmony examples)."""
+    return {**schema, "x-guidance": {**schema.get("x-guidance", {}), "item_separator": ",", "key_separator": ":"}}
+
 HEADER, BODY = "header", "body"
 REASONING, CONTENT, TOOL = "reasoning", "content", "call"
 
@@ -214,7 +219,7 @@ class HarmonyParser:
         for i, (name, schema) in enumerate(calls):
             rules.append(f"call_{i}: {atom(CHANNEL)} {json.dumps('commentary to=' + FUNCTIONS + name + ' ')} "
                          f"{atom(CONSTRAIN)} \"json\" {atom(MESSAGE)} args_{i}\n"
-                         f"args_{i}: %json {json.dumps(arguments_schema(schema))}\n")
+                         f"args_{i}: %json {json.dumps(compact(arguments_schema(schema)))}\n")
         return ("start: analysis? call\n"
                 f'analysis: {atom(CHANNEL)} "analysis" {atom(MESSAGE)} THOUGHT {atom(END)} {atom(START)} "assistant"\n'
                 "THOUGHT: /(?s:.*)/\n"

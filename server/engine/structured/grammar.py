@@ -178,18 +178,29 @@ class Grammars:
         self._llg = None
         self._tokenizer = None
         self._bias: torch.Tensor | None = None  # the engine thread's buffer for the logit bias
+        self._unusable: str | None = None  # why llguidance could not load the tokenizer, once it failed
 
     # ---- compiling (worker thread) ---------------------------------------------------------------------------
     def _setup(self) -> None:
         """The tokenizer tables (~0.5 s for a 49k vocabulary): built on first use, in a compile thread."""
         with self._setup_lock:
+            if self._unusable is not None:
+                raise APIError(400, self._unusable, param="response_format", code="grammar_unavailable")
             if self._tokenizer is None:
                 import llguidance
                 import llguidance.hf
 
                 self._llg = llguidance
-                self._tokenizer = llguidance.hf.from_tokenizer(self.hf_tokenizer, n_vocab=self.vocab_size,
-                                                               eos_token=self.eos_ids or None)
+                try:
+                    self._tokenizer = llguidance.hf.from_tokenizer(self.hf_tokenizer, n_vocab=self.vocab_size,
+                                                                   eos_token=self.eos_ids or None)
+                except BaseException as e:  # noqa: BLE001 - a Rust panic is a BaseException (pyo3's PanicException)
+                    if isinstance(e, (KeyboardInterrupt, SystemExit)):
+                        raise
+                    logger.error("llguidance cannot load this model's tokenizer: %s", e)
+                    self._unusable = ("structured outputs and forced tool calls are unavailable on this server: the "
+                                      f"grammar engine cannot load the model's tokenizer ({short_error(str(e))})")
+                    raise APIError(400, self._unusable, param="response_format", code="grammar_unavailable") from None
 
     def _grammar_text(self, c: Constraint) -> str:
         llg = self._llg
