@@ -433,7 +433,11 @@ def log_parsers(state, args) -> None:
 
     parsers = state.parsers
     if not template_supports_tools(state.tokenizer):
-        logger.info("tool calls: the chat template does not describe tools; the generic JSON format serves them")
+        if args.tool_call_parser not in (None, "auto"):
+            logger.warning("--tool-call-parser %s is not used: the chat template does not describe tools, so the "
+                           "generic JSON format serves them (docs/reasoning-and-tools.md)", args.tool_call_parser)
+        else:
+            logger.info("tool calls: the chat template does not describe tools; the generic JSON format serves them")
     elif args.tool_call_parser == "auto":
         if parsers.tool_name is None:
             raise SystemExit("tpserve: error: --tool-call-parser auto: the chat template renders tools in no format "
