@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import re
-import time
 from functools import cache
 
 import pytest
@@ -538,18 +537,19 @@ def test_harmony_forced_grammar():
     atom = ByteTokenizer.atom
     lark = HarmonyParser.forced_lark(forced_schemas(), True, atom)
     call = ('<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>'
-            '{"city": "Paris", "days": 3}')
+            '{"city":"Paris","days":3}')  # (compact, as gpt-oss writes its arguments)
     thought = "<|channel|>analysis<|message|>Weather, so <the> tool.\n<|end|><|start|>assistant"
     for text in (call, thought + call):
         assert accepts(lark, text, True)
         result = whole(harmony(), text)
         assert args_of(result) == [("get_weather", DS_WEATHER)]
     assert not accepts(lark, call.replace("get_weather", "nope"), True)
-    assert not accepts(lark, call.replace('"days": 3', '"days": true'), True)
+    assert not accepts(lark, call.replace('"days":3', '"days":true'), True)
+    assert not accepts(lark, call.replace('"days":3', '"days": 3'), True)
     assert accepts(HarmonyParser.forced_lark(forced_schemas(), False, json.dumps), call, False)  # as text markers
 
 
-# ---- cost --------------------------------------------------------------------------------------------------------
+# ---- long answers --------------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("make,text", [
     (qwen(), "Some content here. " * 200 + recorded("Qwen3-Coder", QWEN_TURN, end="<|im_end|>\n")),
@@ -558,14 +558,7 @@ def test_harmony_forced_grammar():
     (harmony(), "<|channel|>analysis<|message|>" + "thinking <hard> " * 200 + "<|end|><|start|>assistant"
      "<|channel|>final<|message|>" + "The answer <b>is</b> this. " * 200),
 ])
-def test_feeding_a_token_costs_little(make, text):
+def test_long_answers_stream_as_they_gather(make, text):
+    """Long answers fed ~a token at a time read as they do whole (their cost per token: scripts/bench_parsers.py)."""
     pieces = [text[i : i + 4] for i in range(0, len(text), 4)]  # ~ a token each
-    best = float("inf")
-    for _ in range(3):
-        parser = make()
-        start = time.perf_counter()
-        for piece in pieces:
-            parser.feed(piece)
-        parser.finish()
-        best = min(best, (time.perf_counter() - start) / len(pieces))
-    assert best < 50e-6, f"{best * 1e6:.1f} µs per feed"
+    assert summary(streamed(make, pieces)) == whole(make, text)

@@ -317,7 +317,8 @@ def test_slow_compile_is_refused_then_cached(server_factory, checkpoints):
 def test_generic_tools_on_a_template_without_tool_support(client, smol):
     """SmolLM2's template cannot describe tools: the generic format does (server/api/parsers/generic.py). Under
     tool_choice "auto" the model answers with a call whose arguments validate, streamed and not; the call and the
-    tool's result go back through the same format, and a final answer comes as text."""
+    tool's result go back through the same format, and a final answer comes as text. (A {"response": ...} answer
+    streamed as its decoded text: tests/server/test_tool_parser.py, at every split.)"""
     msgs = [{"role": "user", "content": "What is the weather in Paris?"}]
     r = client.chat.completions.create(model=smol.model_name, messages=msgs, tools=[WEATHER], temperature=0,
                                        max_tokens=60)
@@ -339,15 +340,8 @@ def test_generic_tools_on_a_template_without_tool_support(client, smol):
         jsonschema.validate(json.loads(c.function.arguments), WEATHER["function"]["parameters"])
     assert again or r2.choices[0].message.content
     final = client.chat.completions.create(model=smol.model_name, messages=follow, tools=[WEATHER], temperature=0,
-                                           max_tokens=30, tool_choice="none")
+                                           max_tokens=12, tool_choice="none")
     assert final.choices[0].message.content and final.choices[0].message.tool_calls is None
-    # a question no tool answers: a {"response": ...} answer comes back as text, streamed as it is decoded
-    q = [{"role": "user", "content": "Say hello."}]
-    plain = client.chat.completions.create(model=smol.model_name, messages=q, tools=[WEATHER], temperature=0,
-                                           max_tokens=40)
-    text = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
-        model=smol.model_name, messages=q, tools=[WEATHER], temperature=0, max_tokens=40, stream=True))
-    assert text == (plain.choices[0].message.content or "") and "{" not in text[:1]
 
 
 def test_an_agent_loop_with_generic_tools(smol):

@@ -151,7 +151,10 @@ class ParserConfig:
         if self.harmony and (tool_cls is None or tool_cls is self.tool_cls):
             cls = self.tool_cls if self.tool_cls is not None else self.reasoning_cls
             return cls(parse_tools=tool_cls is not None, tools=tools)
-        reasoning = self.reasoning_cls(start_state) if self.reasoning_cls is not None and not self.harmony else None
+        # (a prompt that closed the reasoning, thinking switched off: a model that thinks anyway still has its
+        # reasoning read, as vLLM's; only a grammar holds from the first token then)
+        state = ReasoningParser.MAYBE if start_state in (None, ReasoningParser.CONTENT) else start_state
+        reasoning = self.reasoning_cls(state) if self.reasoning_cls is not None and not self.harmony else None
         calls = tool_cls(tools) if tool_cls is not None else None
         if reasoning is None and calls is None:
             return None
