@@ -13,8 +13,9 @@ For each family (one server per family, started by a module-scope fixture):
 - tool_choice "required" and a named function: the grammar-forced call in the family's format;
 - the same loop over the Responses API (a reasoning item, a function_call item; then function_call_output ->
   message);
-- the Agents SDK over chat completions (OpenAIChatCompletionsModel) with a get_weather function tool, run and
-  run_streamed, with what it sent checked through a logging proxy.
+- the Agents SDK over chat completions (OpenAIChatCompletionsModel) and over the Responses API (OpenAIResponsesModel)
+  with a get_weather function tool, run and run_streamed, with what it sent checked through a logging proxy;
+- a JSON schema that holds after the reasoning only, and Qwen3's enable_thinking switch.
 
 What is asserted is deterministic (greedy decoding of an overfitted model). The fast tier runs qwen3, gpt-oss and
 mistral; the other families are marked slow.
@@ -406,3 +407,47 @@ def test_thinking_switched_off(served):
     # counted; the grammar of a constrained request would hold from the first token (tests/server/test_tool_parser.py)
     assert reasoning_of(msg) == REASONING_CALL and not msg.content.startswith("<think>")
     assert r.usage.completion_tokens_details.reasoning_tokens > 0
+
+@pytest.mark.parametrize("streamed", [False, True], ids=["run", "run_streamed"])
+def test_agents_sdk_over_the_responses_api(served, streamed):
+    """The SDK's default model (OpenAIResponsesModel): a function_call item, the tool run, function_call_output, the
+    answer; a reasoning family's reasoning item goes back with its turn. The template's default mode (the Responses
+    API carries no chat_template_kwargs)."""
+    import openai
+    from agents import Agent, ModelSettings, OpenAIResponsesModel, Runner, set_tracing_disabled
+
+    from wire_log import WireLog
+
+    set_tracing_disabled(True)
+    mode = served.family.mode_without_kwargs()
+    calls: list[str] = []
+
+    async def run(base_url: str):
+        client = openai.AsyncOpenAI(base_url=base_url, api_key="x", max_retries=0, timeout=TIMEOUT)
+        agent = Agent(name="weather", model=OpenAIResponsesModel(model=served.model, openai_client=client),
+                      tools=[_weather_tool(calls)], model_settings=ModelSettings(temperature=0, max_tokens=MAX_TOKENS))
+        try:
+            if not streamed:
+                return (await Runner.run(agent, QUESTION_TEXT, max_turns=4)).final_output
+            result = Runner.run_streamed(agent, QUESTION_TEXT, max_turns=4)
+            text, reasoning = "", ""
+            async for event in result.stream_events():
+                kind = getattr(event.data, "type", "") if event.type == "raw_response_event" else ""
+                if kind == "response.output_text.delta":
+                    text += event.data.delta
+                elif kind == "response.reasoning_text.delta":
+                    reasoning += event.data.delta
+            assert text == result.final_output
+            assert reasoning == ((REASONING_CALL + REASONING_ANSWER) if mode.reasoning else "")
+            return result.final_output
+        finally:
+            await client.close()
+
+    with WireLog(served.server.url) as wire:
+        output = asyncio.run(asyncio.wait_for(run(wire.v1), 3 * TIMEOUT))
+    assert (output, calls) == (ANSWER, ["Paris"])
+    posts = wire.to("/v1/responses")
+    assert [(e.status, e.body.get("stream", False)) for e in posts] == [(200, streamed)] * 2
+    kinds = [item.get("type", "message") for item in posts[1].body["input"]]
+    assert kinds == (["message", "reasoning", "function_call", "function_call_output"] if mode.reasoning else
+                     ["message", "function_call", "function_call_output"])
