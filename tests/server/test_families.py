@@ -312,44 +312,57 @@ def _weather_tool(calls: list):
     return get_weather
 
 
-@pytest.mark.parametrize("streamed", [False, True], ids=["run", "run_streamed"])
-def test_agents_sdk_over_chat_completions(served, streamed):
-    """OpenAIChatCompletionsModel with a function tool: the call, the tool run, the answer. The SDK replays an
-    assistant's reasoning as reasoning_content when told to (by default only for DeepSeek's models): the model was
-    trained with its reasoning sent back. A logging proxy (tests/wire_log.py) shows what the SDK sent."""
+def run_agent(served: Served, make_model, streamed: bool, calls: list[str]):
+    """Run an Agents SDK agent with the get_weather tool on the model `make_model(client)` makes, through a logging
+    proxy: (final output, the streamed text and reasoning deltas, the proxy's log)."""
     import openai
-    from agents import Agent, ModelSettings, OpenAIChatCompletionsModel, Runner, set_tracing_disabled
+    from agents import Agent, Runner, set_tracing_disabled
 
     from wire_log import WireLog
 
     set_tracing_disabled(True)
     mode = served.family.modes[0]
-    calls: list[str] = []
+    deltas = {"response.output_text.delta": "", "response.reasoning_text.delta": ""}
 
     async def run(base_url: str):
         client = openai.AsyncOpenAI(base_url=base_url, api_key="x", max_retries=0, timeout=TIMEOUT)
-        model = OpenAIChatCompletionsModel(model=served.model, openai_client=client,
-                                           should_replay_reasoning_content=lambda context: True)
-        settings = ModelSettings(temperature=0, max_tokens=MAX_TOKENS, extra_body={
-            "chat_template_kwargs": mode.template_kwargs} if mode.template_kwargs else None)
+        model, settings = make_model(client, mode)
         agent = Agent(name="weather", model=model, tools=[_weather_tool(calls)], model_settings=settings)
         try:
             if not streamed:
                 return (await Runner.run(agent, QUESTION_TEXT, max_turns=4)).final_output
             result = Runner.run_streamed(agent, QUESTION_TEXT, max_turns=4)
-            text = ""
             async for event in result.stream_events():
                 kind = getattr(event.data, "type", "") if event.type == "raw_response_event" else ""
-                if kind == "response.output_text.delta":
-                    text += event.data.delta
-            assert text == result.final_output  # the streamed deltas add up to the answer
+                if kind in deltas:
+                    deltas[kind] += event.data.delta
             return result.final_output
         finally:
             await client.close()
 
     with WireLog(served.server.url) as wire:
         output = asyncio.run(asyncio.wait_for(run(wire.v1), 3 * TIMEOUT))
+    return output, deltas["response.output_text.delta"], deltas["response.reasoning_text.delta"], wire
+
+
+@pytest.mark.parametrize("streamed", [False, True], ids=["run", "run_streamed"])
+def test_agents_sdk_over_chat_completions(served, streamed):
+    """OpenAIChatCompletionsModel with a function tool: the call, the tool run, the answer. The SDK replays an
+    assistant's reasoning as reasoning_content when told to (by default only for DeepSeek's models): the model was
+    trained with its reasoning sent back. A logging proxy (tests/wire_log.py) shows what the SDK sent."""
+    from agents import ModelSettings, OpenAIChatCompletionsModel
+
+    def make(client, mode):
+        model = OpenAIChatCompletionsModel(model=served.model, openai_client=client,
+                                           should_replay_reasoning_content=lambda context: True)
+        return model, ModelSettings(temperature=0, max_tokens=MAX_TOKENS, extra_body={
+            "chat_template_kwargs": mode.template_kwargs} if mode.template_kwargs else None)
+
+    calls: list[str] = []
+    output, text, _, wire = run_agent(served, make, streamed, calls)
     assert (output, calls) == (ANSWER, ["Paris"])
+    assert text == (output if streamed else "")  # the streamed deltas add up to the answer
+    mode = served.family.modes[0]
     posts = wire.to("/v1/chat/completions")
     assert [(e.status, e.body.get("stream", False), e.body["tool_choice"] if "tool_choice" in e.body else "auto")
             for e in posts] == [(200, streamed, "auto")] * 2
@@ -413,39 +426,18 @@ def test_agents_sdk_over_the_responses_api(served, streamed):
     """The SDK's default model (OpenAIResponsesModel): a function_call item, the tool run, function_call_output, the
     answer; a reasoning family's reasoning item goes back with its turn. The template's default mode (the Responses
     API carries no chat_template_kwargs)."""
-    import openai
-    from agents import Agent, ModelSettings, OpenAIResponsesModel, Runner, set_tracing_disabled
+    from agents import ModelSettings, OpenAIResponsesModel
 
-    from wire_log import WireLog
+    def make(client, _mode):
+        return (OpenAIResponsesModel(model=served.model, openai_client=client),
+                ModelSettings(temperature=0, max_tokens=MAX_TOKENS))
 
-    set_tracing_disabled(True)
-    mode = served.family.mode_without_kwargs()
     calls: list[str] = []
-
-    async def run(base_url: str):
-        client = openai.AsyncOpenAI(base_url=base_url, api_key="x", max_retries=0, timeout=TIMEOUT)
-        agent = Agent(name="weather", model=OpenAIResponsesModel(model=served.model, openai_client=client),
-                      tools=[_weather_tool(calls)], model_settings=ModelSettings(temperature=0, max_tokens=MAX_TOKENS))
-        try:
-            if not streamed:
-                return (await Runner.run(agent, QUESTION_TEXT, max_turns=4)).final_output
-            result = Runner.run_streamed(agent, QUESTION_TEXT, max_turns=4)
-            text, reasoning = "", ""
-            async for event in result.stream_events():
-                kind = getattr(event.data, "type", "") if event.type == "raw_response_event" else ""
-                if kind == "response.output_text.delta":
-                    text += event.data.delta
-                elif kind == "response.reasoning_text.delta":
-                    reasoning += event.data.delta
-            assert text == result.final_output
-            assert reasoning == ((REASONING_CALL + REASONING_ANSWER) if mode.reasoning else "")
-            return result.final_output
-        finally:
-            await client.close()
-
-    with WireLog(served.server.url) as wire:
-        output = asyncio.run(asyncio.wait_for(run(wire.v1), 3 * TIMEOUT))
+    mode = served.family.mode_without_kwargs()
+    output, text, reasoning, wire = run_agent(served, make, streamed, calls)
     assert (output, calls) == (ANSWER, ["Paris"])
+    if streamed:
+        assert text == output and reasoning == ((REASONING_CALL + REASONING_ANSWER) if mode.reasoning else "")
     posts = wire.to("/v1/responses")
     assert [(e.status, e.body.get("stream", False)) for e in posts] == [(200, streamed)] * 2
     kinds = [item.get("type", "message") for item in posts[1].body["input"]]

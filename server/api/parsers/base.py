@@ -122,6 +122,30 @@ class ToolParser:
         return call
 
 
+class LeadingCallsParser(ToolParser):
+    """A format whose calls open the answer (Llama 3 JSON, pythonic): the subclass scans `buf` in `mode` and, once it
+    knows the rest is not calls, turns to CONTENT: then the held text goes out, but the whitespace after a call (the
+    answer may end there)."""
+
+    CONTENT: ClassVar[str] = "content"
+
+    def __init__(self, tools: list[dict] | None = None) -> None:
+        super().__init__(tools)
+        self.buf = ""  # text not handed out yet
+        self.scan = None  # the call being read
+
+    def _content(self) -> str:
+        """Everything from here on is content; what was held goes out as text."""
+        self.mode, self.scan = self.CONTENT, None
+        return self._flush()
+
+    def _flush(self) -> str:
+        keep = len(self.buf) - len(self.buf.rstrip()) if self.calls else 0
+        out = self.buf[: len(self.buf) - keep]
+        self.buf = self.buf[len(self.buf) - keep :]
+        return out
+
+
 ALNUM = string.ascii_letters + string.digits
 
 

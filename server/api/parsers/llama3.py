@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import re
 
-from server.api.parsers.base import ToolParser, loads
+from server.api.parsers.base import LeadingCallsParser, loads
 from server.api.parsers.hermes import cut_json_call, json_call
 
 TAG = "<|python_tag|>"
@@ -85,7 +85,7 @@ def json_schema_renamed(schema_text: str, key: str) -> str:
     return json.dumps(schema)
 
 
-class Llama3JsonParser(ToolParser):
+class Llama3JsonParser(LeadingCallsParser):
     name = "llama3_json"
     needs_special_tokens = True  # <|python_tag|>
     # the instruction the Llama 3.1/3.2/3.3 templates give when tools are passed
@@ -108,18 +108,6 @@ class Llama3JsonParser(ToolParser):
                         for i, (_, schema) in enumerate(calls))
         repeat = ' ("; " call)*' if parallel else ""
         return f"start: call{repeat}\ncall: {alternatives}\n" + rules
-
-    def _content(self) -> str:
-        """Everything from here on is content; what was held goes out as text."""
-        self.mode, self.scan = self.CONTENT, None
-        return self._flush()
-
-    def _flush(self) -> str:
-        # after a call, trailing whitespace waits: the answer may end there
-        keep = len(self.buf) - len(self.buf.rstrip()) if self.calls else 0
-        out = self.buf[: len(self.buf) - keep]
-        self.buf = self.buf[len(self.buf) - keep :]
-        return out
 
     def feed(self, text: str) -> tuple[str, list[dict]]:
         self.buf += text

@@ -16,7 +16,7 @@ import ast
 import json
 import re
 
-from server.api.parsers.base import ToolParser
+from server.api.parsers.base import LeadingCallsParser
 
 WRAPPERS = {"<|python_start|>": "<|python_end|>", "<|tool_call_start|>": "<|tool_call_end|>"}
 WS = " \t\r\n"
@@ -166,7 +166,7 @@ def cut_arguments(text: str) -> str:
     return head + (", " if args else "") + partial if partial else head
 
 
-class PythonicParser(ToolParser):
+class PythonicParser(LeadingCallsParser):
     name = "pythonic"
     # the instruction of the pythonic Llama 3.2 / Llama 4 templates
     template_markers = ("[func_name1(",)
@@ -180,16 +180,6 @@ class PythonicParser(ToolParser):
         self.buf = ""
         self.close = ""  # the wrapper's closing marker, when the list was wrapped
         self.scan: PyScan | None = None
-
-    def _content(self) -> str:
-        self.mode, self.scan = self.CONTENT, None
-        return self._flush()
-
-    def _flush(self) -> str:
-        keep = len(self.buf) - len(self.buf.rstrip()) if self.calls else 0
-        out = self.buf[: len(self.buf) - keep]
-        self.buf = self.buf[len(self.buf) - keep :]
-        return out
 
     def _start(self) -> str | None:
         """Whether the answer is a list of calls: None to wait, "" when it may be (the scan begins), else content."""
