@@ -25,7 +25,7 @@ from server.api.parsers import generic
 from server.api.parsers.generic import GenericToolParser
 from server.api.parsers.hermes import HermesParser
 from server.api.tool_calls import (ToolPlan, check_tool_schemas, check_tools, generic_constraint, render_messages,
-                                   template_supports_tools, tools_constraint)
+                                   tools_constraint)
 
 REASONING_EFFORTS = ("low", "medium", "high")
 
@@ -133,7 +133,7 @@ def render_chat(state: ServerState, body: ChatCompletionRequest, refuse_long: bo
     (state.cpu.run)."""
     if body.tools:  # (their cheap checks were made on the event loop: output_constraint, check_tools)
         check_tool_schemas(body.tools, skip=tools_in_grammar(body))
-    in_template = template_supports_tools(state.tokenizer)
+    in_template = state.tools_in_template
     messages = render_messages(body.messages, in_template)
     extra = dict(body.chat_template_kwargs or {})  # no key the server sets itself (protocol.CHAT_TEMPLATE_RESERVED)
     if body.continue_final_message:
@@ -292,7 +292,7 @@ def output_constraint(state: ServerState, body: SamplingFields) -> tuple[Constra
         if name not in {t.function.name for t in body.tools}:
             raise APIError(400, f"tool_choice names the function {name!r}, which is not among the request's tools",
                            param="tool_choice")
-    if not template_supports_tools(state.tokenizer):  # the generic format (server/api/parsers/generic.py)
+    if not state.tools_in_template:  # the generic format (server/api/parsers/generic.py)
         return (generic_constraint(body.tools, name, body.parallel_tool_calls, choice != "auto"),
                 ToolPlan(GenericToolParser, generic=True, forced=choice != "auto"))
     fmt = state.parsers.tool_cls

@@ -71,6 +71,9 @@ class ServerState:
         self.parsers = ParserConfig(self.reasoning_parser, self.tool_call_parser, self.tokenizer)
         self.template = template_text(self.tokenizer)
         self.atom = special_atom(self.tokenizer)
+        from server.api.tool_calls import template_supports_tools  # (renders a probe tool once: not on the loop)
+
+        self.tools_in_template = template_supports_tools(self.tokenizer)
 
     def min_tokens(self, text: str) -> int:
         """A number of tokens `text` encodes to at least (0 when the tokenizer gives no bound): O(1) for most
