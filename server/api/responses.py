@@ -574,6 +574,8 @@ class ResponseStream:
                 self.event("response.output_item.done", output_index=k, item=item)]
 
     def open_reasoning(self) -> list[dict]:
+        if self.reasoning:  # (reasoning again after the answer began, as harmony may: an item of its own)
+            self.rs_id, self.reasoning = _new_id("rs"), []
         self.rs_index = k = len(self.output)
         item = reasoning_item(self.rs_id, "", "in_progress", False)
         self.output.append(item)
