@@ -204,3 +204,12 @@ def test_decode_plan_declarations_match_the_overrides():
             if cls.llama_shaped and changed:
                 wrong.append(f"{arch}: {cls.__name__} overrides {changed} but declares llama_shaped")
     assert not wrong, wrong
+
+
+def test_every_package_ships_in_the_wheel():
+    """Each folder with an __init__.py under loaders/, sharding/ and server/ is in pyproject.toml's package list (a
+    package left out installs without it: the Docker image's server then fails to start)."""
+    text = (ROOT / "pyproject.toml").read_text()
+    listed = set(re.findall(r'"([a-z_.]+)"', re.search(r"\npackages = \[(.*?)\]", text, re.S).group(1)))
+    found = {".".join(p.parent.relative_to(ROOT).parts) for pkg in PACKAGES for p in (ROOT / pkg).rglob("__init__.py")}
+    assert found == listed, (found - listed, listed - found)
