@@ -106,8 +106,12 @@ def check_call_id(served: Served, call_id: str) -> None:
 # ---- the model speaks its format ---------------------------------------------------------------------------------
 def test_server_renders_and_the_model_writes_the_family_format(served):
     """/tokenize renders both conversations to the ids the model was trained on, and a raw completion of them (special
-    tokens kept) is the family's trained answer, its end-of-turn token stripped: the parsers get the real format."""
+    tokens kept) is the family's trained answer, its end-of-turn token stripped: the parsers get the real format.
+    A family served with `--tool-call-parser auto` has the format the template teaches named at start."""
     fam, tok = served.family, _tokenizer(served.folder)
+    if "auto" in fam.flags:
+        assert f"tool calls: {fam.name} format (--tool-call-parser auto, from the chat template)" in \
+            served.server.log.read_text()
     mode = fam.modes[0]
     for messages, expected in [(QUESTION, fam.call_text(mode)),
                                (fm.follow_up(fam.call_ids[0], REASONING_CALL if mode.reasoning else None),
