@@ -63,6 +63,7 @@ def check_answer(url, folder):
     assert r["choices"][0]["logprobs"]["tokens"] == [tok.decode([t]) for t in expected]
 
 
+@pytest.mark.slow  # (the Docker check runs two compose nodes at -pp 2 too)
 def test_a_pipeline_stage_per_node_and_sigterm_to_every_rank(checkpoints, tmp_path):
     """PP=2 across two torchrun nodes equals transformers. Then every rank gets SIGTERM at once (what torchrun
     forwards when it is stopped): a stream in flight still completes, and both nodes exit 0."""

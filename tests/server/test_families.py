@@ -17,8 +17,8 @@ For each family (one server per family, started by a module-scope fixture):
   with a get_weather function tool, run and run_streamed, with what it sent checked through a logging proxy;
 - a JSON schema that holds after the reasoning only, and Qwen3's enable_thinking switch.
 
-What is asserted is deterministic (greedy decoding of an overfitted model). The fast tier runs qwen3, gpt-oss and
-mistral; the other families are marked slow.
+What is asserted is deterministic (greedy decoding of an overfitted model). The fast tier runs qwen3 and gpt-oss;
+the other families are marked slow.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from family_model import ANSWER, ARGUMENTS, FAMILIES, QUESTION, QUESTION_TEXT, R
 
 os.environ["OPENAI_AGENTS_DISABLE_TRACING"] = "1"  # the Agents SDK exports traces to OpenAI unless told not to
 
-FAST = ("qwen3", "gpt-oss", "mistral")
+FAST = ("qwen3", "gpt-oss")
 TIMEOUT = 60  # seconds, every request
 MAX_TOKENS = 120
 
@@ -110,7 +110,8 @@ def test_server_renders_and_the_model_writes_the_family_format(served):
     A family served with `--tool-call-parser auto` has the format the template teaches named at start."""
     fam, tok = served.family, _tokenizer(served.folder)
     if "auto" in fam.flags:
-        assert f"tool calls: {fam.name} format (--tool-call-parser auto, from the chat template)" in \
+        found = {"qwen3": "hermes"}.get(fam.name, fam.name)
+        assert f"tool calls: {found} format (--tool-call-parser auto, from the chat template)" in \
             served.server.log.read_text()
     mode = fam.modes[0]
     for messages, expected in [(QUESTION, fam.call_text(mode)),

@@ -274,6 +274,7 @@ def test_sigterm_drains_requests_in_flight_and_leaves_no_process(server_factory,
         assert not os.path.exists(f"/proc/{pid}") or "zombie" in open(f"/proc/{pid}/status").read().lower()
 
 
+@pytest.mark.slow  # (the drain itself: test_sigterm_drains_requests_in_flight_and_leaves_no_process)
 def test_sigterm_to_the_whole_process_group_drains_too(server_factory, checkpoints):
     """systemd (KillMode=control-group), `kill -- -PGID` and torchrun signal every rank at once: the ranks > 0 leave
     the shutdown to rank 0, so a stream in flight still gets every token and the server exits 0."""
