@@ -294,7 +294,7 @@ def output_constraint(state: ServerState, body: SamplingFields) -> tuple[Constra
                            param="tool_choice")
     if not state.tools_in_template:  # the generic format (server/api/parsers/generic.py)
         return (generic_constraint(body.tools, name, body.parallel_tool_calls, choice != "auto"),
-                ToolPlan(GenericToolParser, generic=True, forced=choice != "auto"))
+                ToolPlan(GenericToolParser, forced=choice != "auto"))
     fmt = state.parsers.tool_cls
     if choice == "auto":
         if fmt is None:

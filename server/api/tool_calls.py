@@ -33,35 +33,30 @@ from server.engine.structured.grammar import Constraint
 
 PROBE_TOOL = {"type": "function", "function": {"name": "tpserve_probe_tool", "description": "probe",
                                                "parameters": {"type": "object", "properties": {}}}}
-_PROBED: dict[str, bool] = {}
 
 
 def template_supports_tools(tokenizer) -> bool:
     """Whether the chat template tells the model about tools: rendering a conversation with a probe tool shows the
     tool's name (as llama.cpp probes a template's capabilities). A template that merely mentions tools, or renders
-    only earlier calls (DeepSeek-R1's), does not; it gets the generic format. Once per template text."""
-    text = template_text(tokenizer)
-    if text not in _PROBED:
-        ok = False
-        if "tools" in text:
-            try:
-                rendered = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tools=[PROBE_TOOL],
-                                                         add_generation_prompt=True, tokenize=False)
-                ok = "tpserve_probe_tool" in rendered
-            except Exception:  # noqa: BLE001 - a template that cannot render this probe: no tool support to use
-                ok = False
-        _PROBED[text] = ok
-    return _PROBED[text]
+    only earlier calls (DeepSeek-R1's), does not; it gets the generic format. The server asks once, at start
+    (ServerState.tools_in_template)."""
+    if "tools" not in template_text(tokenizer):
+        return False
+    try:
+        rendered = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tools=[PROBE_TOOL],
+                                                 add_generation_prompt=True, tokenize=False)
+    except Exception:  # noqa: BLE001 - a template that cannot render this probe: no tool support to use
+        return False
+    return "tpserve_probe_tool" in rendered
 
 
 @dataclass(frozen=True)
 class ToolPlan:
-    """How a chat request's tools are served: `parser` reads the calls out of the answer (a ToolParser class);
-    `generic`: the template cannot describe tools, so the generic format (a system message and a grammar);
-    `forced`: a grammar makes the answer calls (tool_choice "required" or a named function)."""
+    """How a chat request's tools are served: `parser` reads the calls out of the answer (a ToolParser class;
+    GenericToolParser when the template cannot describe tools); `forced`: a grammar makes the answer calls
+    (tool_choice "required" or a named function)."""
 
     parser: type
-    generic: bool = False
     forced: bool = False
 
 

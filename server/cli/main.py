@@ -429,10 +429,8 @@ def positive_seconds(text: str) -> float:
 
 def log_parsers(state, args) -> None:
     """The start line of the output parsers: which tool format serves calls (`auto`: the one the template teaches)."""
-    from server.api.tool_calls import template_supports_tools
-
     parsers = state.parsers
-    if not template_supports_tools(state.tokenizer):
+    if not state.tools_in_template:
         if args.tool_call_parser not in (None, "auto"):
             logger.warning("--tool-call-parser %s is not used: the chat template does not describe tools, so the "
                            "generic JSON format serves them (docs/reasoning-and-tools.md)", args.tool_call_parser)

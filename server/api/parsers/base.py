@@ -169,6 +169,7 @@ class BlockToolParser(ToolParser):
         self.pending = ""
         self.in_block = False
         self.ws_before = ""
+        self.scanned = 0  # in a block: where the search for its closing marker goes on
 
     def parse_block(self, body: str) -> list[tuple[str, object]] | None:
         """[(name, arguments)] of the calls in a block body, or None if it does not parse."""
@@ -189,9 +190,11 @@ class BlockToolParser(ToolParser):
             if self.in_block:
                 if self.close is None:
                     break  # the block runs to the end of the answer
-                end = self.pending.find(self.close)
-                if end < 0:
+                end = self.pending.find(self.close, self.scanned)
+                if end < 0:  # (the next search starts where this one could not have missed the marker)
+                    self.scanned = max(len(self.open), len(self.pending) - len(self.close) + 1)
                     break
+                self.scanned = 0
                 raw = self.pending[: end + len(self.close)]
                 parsed = self.parse_block(self.pending[len(self.open) : end])
                 self.pending = self.pending[end + len(self.close) :]
