@@ -30,6 +30,7 @@ SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
     "I8": torch.int8,
     "U8": torch.uint8,
     "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,  # FP8 checkpoints' weights (loaders/hf_quant.py)
 }
 
 RUN_DTYPES: dict[str, torch.dtype] = {
@@ -247,6 +248,15 @@ class Checkpoint:
         """The tpserve mode ("int8", "int4") a tensor is stored in, None for a float tensor (all of a safetensors
         checkpoint's; a GGUF file's Q8_0 and Q4_0 tensors are read as blocks, sharding/layers/quant.py)."""
         return None
+
+    def stored(self, name: str):
+        """How a linear's weight `name` is stored when the folder holds it quantized (loaders/hf_quant.py: a Stored,
+        read with `read_grouped`), else None."""
+        return None
+
+    def read_grouped(self, name: str, dim: int = 0, ranges: list[tuple[int, int]] | None = None,
+                     index: int | None = None):
+        raise CheckpointError(f"{name} is not stored quantized")
 
     def _read_info(self, info: TensorInfo, dim: int = 0, ranges: list[tuple[int, int]] | None = None,
                    index: int | None = None) -> torch.Tensor:

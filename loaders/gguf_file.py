@@ -26,6 +26,7 @@ copy. Every other type is refused at start, by name and tensor count.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from collections import Counter
@@ -35,6 +36,7 @@ from pathlib import Path
 import torch
 
 from loaders.checkpoint import Checkpoint, CheckpointError, TensorInfo
+from loaders.hf_quant import QuantizedCheckpoint
 
 FLOAT_TYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 # served block types: (inputs, bytes) per block. Q8_0 / Q4_0 become tpserve's int8 / int4, the others keep their own
@@ -141,8 +143,16 @@ def find_gguf(path: str | os.PathLike) -> Path | None:
 
 
 def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
-    """The model at `path`: a GGUFCheckpoint when it names a GGUF file (find_gguf), else a safetensors Checkpoint."""
-    return GGUFCheckpoint(path) if find_gguf(path) is not None else Checkpoint(path)
+    """The model at `path`: a GGUFCheckpoint when it names a GGUF file (find_gguf); a QuantizedCheckpoint for a
+    folder whose config.json has a `quantization_config` (loaders/hf_quant.py); else a safetensors Checkpoint."""
+    if find_gguf(path) is not None:
+        return GGUFCheckpoint(path)
+    config = Path(path).expanduser() / "config.json"
+    try:
+        quantized = config.is_file() and "quantization_config" in json.loads(config.read_text())
+    except (OSError, json.JSONDecodeError):
+        quantized = False  # (Checkpoint says what is wrong with it)
+    return QuantizedCheckpoint(path) if quantized else Checkpoint(path)
 
 
 def split_parts(first: Path) -> list[Path]:

@@ -20,7 +20,7 @@ from torch import nn
 from loaders.checkpoint import Checkpoint
 from loaders.partition import split_evenly
 from sharding.cpu import kernels
-from sharding.layers import quant
+from sharding.layers import quant, stored
 from sharding.layers.interface import Loadable, Packable
 from sharding.dist import Dist
 from sharding.cpu.kernels import can_pack, pack, packed_linear
@@ -142,7 +142,7 @@ class ColumnParallelLinear(_Linear):
 
     def load(self, ckpt: Checkpoint) -> None:
         ws, bs = [], []
-        self.qweight = quant.read_blocks(ckpt, [(p.name + ".weight", 0, [(p.start, p.stop)]) for p in self.pieces])
+        self.qweight = stored.read_weight(ckpt, [(p.name + ".weight", 0, [(p.start, p.stop)]) for p in self.pieces])
         if self.qweight is not None:  # stored quantized (GGUF): the weight is the blocks, never a float copy
             self.weight = None
         for p in self.pieces:
@@ -189,7 +189,7 @@ class RowParallelLinear(_Linear):
         if self.pad is not None:
             logger.info("%s: the tensor-parallel split cuts its blocks; this rank reads inputs [%d, %d) for its [%d, %d) "
                         "and zero-pads the rest", p.name, start, stop, p.start, p.stop)
-        self.qweight = quant.read_blocks(ckpt, [(p.name + ".weight", 1, [(start, stop)])])
+        self.qweight = stored.read_weight(ckpt, [(p.name + ".weight", 1, [(start, stop)])])
         if self.qweight is not None:  # stored quantized (GGUF): this rank's blocks of every row
             self.weight = None
         elif p.transposed:
@@ -275,10 +275,10 @@ class ParallelLMHead(_Linear):
 
     def load(self, ckpt: Checkpoint) -> None:
         if self.tied and ckpt.quant_type(self.tied_name) is not None:  # the embedding's blocks, for the matmul
-            self.qweight = quant.read_blocks(ckpt, [(self.tied_name, 0, [(self.start, self.stop)])])
+            self.qweight = stored.read_weight(ckpt, [(self.tied_name, 0, [(self.start, self.stop)])])
             self.weight = None
         if not self.tied:
-            self.qweight = quant.read_blocks(ckpt, [(self.name + ".weight", 0, [(self.start, self.stop)])])
+            self.qweight = stored.read_weight(ckpt, [(self.name + ".weight", 0, [(self.start, self.stop)])])
             if self.qweight is not None:  # stored quantized (GGUF): served in its own blocks
                 self.weight = None
             else:

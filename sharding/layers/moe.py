@@ -38,7 +38,7 @@ from loaders.checkpoint import Checkpoint
 from loaders.partition import split_evenly
 from sharding.cpu import kernels
 from sharding.dist import Dist
-from sharding.layers import quant
+from sharding.layers import quant, stored
 from sharding.layers.linear import _empty, _Linear
 
 
@@ -84,8 +84,10 @@ class ExpertLinear(_Linear):
 
     def load(self, ckpt: Checkpoint) -> None:
         plain = all(b.index is None and not b.transposed and not b.interleaved for b in self.blocks)
-        if plain:  # a GGUF file's expert (one 2-D tensor per expert) in blocks: its blocks, never a float copy
-            self.qweight = quant.read_blocks(ckpt, [(b.tensor, b.dim, self._block_range(ckpt, b)) for b in self.blocks])
+        if plain:  # one 2-D tensor per expert stored quantized (a GGUF file's, a Hugging Face one's): never a float copy
+            self.qweight = stored.read_weight(ckpt, [(b.tensor, b.dim, self._block_range(ckpt, b)) for b in self.blocks])
+        else:  # an expert of fused tensors stored quantized (gpt-oss's MXFP4)
+            self.qweight, self.pad = stored.read_rows(ckpt, self.blocks)
         if self.qweight is not None:
             self.weight = None
         else:

@@ -134,11 +134,6 @@ def check_gpt_oss_config(config) -> None:
     """Refuse, with the field's name, what this implementation does not compute as transformers does."""
     name = "GptOssForCausalLM"
     check_moe_config(config, name)
-    quant = getattr(config, "quantization_config", None)
-    if quant:
-        method = quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", quant)
-        raise ValueError(f"{name}: config field quantization_config (quant_method={method!r}) is not supported: "
-                         "serve a dequantized (bfloat16) checkpoint")
     layer_types = getattr(config, "layer_types", None)
     if layer_types is None or len(layer_types) != config.num_hidden_layers:
         raise ValueError(f"{name}: config field layer_types must name each of the {config.num_hidden_layers} layers")

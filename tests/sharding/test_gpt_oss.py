@@ -255,7 +255,6 @@ def test_refused_configs(reference, tmp_path):
     assert kernels.build_kernels() and kernels.decode_glue_ops() is not None
     assert start("plain")._decode_plan() is None
     cases = [
-        (dict(quantization_config={"quant_method": "mxfp4"}), "quantization_config (quant_method='mxfp4')"),
         (dict(num_experts_per_tok=6), "num_experts_per_tok (6)"),
         (dict(layer_types=["sliding_attention", "chunked_attention"] * 2), "layer_types holds ['chunked_attention']"),
         (dict(sliding_window=None), "sliding_window=None"),

@@ -1,0 +1,115 @@
+"""Hugging Face quantized weights laid out for the kernels (sharding/layers/stored.py): every kind of stored group
+becomes a weight whose values are the stored ones, and whose kernel multiplies by them.
+
+The reading of each format (its packing, zero points, orientation) is checked against the libraries in
+tests/loaders/test_hf_quant.py; here a Grouped is made directly, so every layout is covered on its own."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from loaders.hf_quant import E2M1, Grouped
+from sharding.cpu import kernels
+from sharding.layers import quant, stored
+from test_quant import as_kernel_sees
+
+
+def grouped(kind: str, bits: int, group: int, rows: int = 37, cols: int = 256, asym: bool = False,
+            seed: int = 0) -> Grouped:
+    """Random codes and bfloat16-valued scales (as checkpoints store them) of one kind."""
+    torch.manual_seed(seed)
+    n = cols // group
+    scale = (torch.rand(rows, n) * 0.02 + 0.001).bfloat16().float()
+    if kind == "mxfp4":
+        return Grouped("mxfp4", torch.randint(0, 16, (rows, cols), dtype=torch.uint8),
+                       torch.ldexp(torch.ones(rows, n), torch.randint(-10, 2, (rows, n))), 32, 4)
+    if kind == "fp8":
+        codes = (torch.randn(rows, cols) * 100).clamp(-448, 448).to(torch.float8_e4m3fn).view(torch.uint8)
+        return Grouped("fp8", codes, scale, group, 8)
+    codes = torch.randint(0, 1 << bits, (rows, cols), dtype=torch.uint8)
+    zero = torch.randint(0, 1 << bits, (rows, n), dtype=torch.uint8) if asym else None
+    return Grouped("int", codes, scale, group, bits, zero)
+
+
+CASES = {
+    # name: (Grouped, the mode it is served in, exact values)
+    "int4 group 128": (dict(kind="int", bits=4, group=128), "int4", True),
+    "int4 group 64": (dict(kind="int", bits=4, group=64), "int4", True),
+    "int4 group 32": (dict(kind="int", bits=4, group=32), "int4", True),
+    "int4 channel": (dict(kind="int", bits=4, group=256), "int4", True),
+    "int4 asymmetric": (dict(kind="int", bits=4, group=128, asym=True), "Q4_1", False),  # m = -s * z in float16
+    "int8 channel": (dict(kind="int", bits=8, group=256), "int8", False),  # (-128 -> -127)
+    "int8 group 128": (dict(kind="int", bits=8, group=128), "int8", False),
+    "int8 asymmetric": (dict(kind="int", bits=8, group=128, asym=True), "bf16", False),
+    "fp8 channel": (dict(kind="fp8", bits=8, group=256), "bf16", False),
+    "mxfp4": (dict(kind="mxfp4", bits=4, group=32), "Q5_0", True),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_served_values_are_the_stored_ones(case):
+    spec, mode, exact = CASES[case]
+    g = grouped(**spec)
+    qw = stored.convert(g)
+    assert qw.mode == mode
+    want = g.dequantize()
+    got = quant.dequantize(qw)
+    if exact:
+        assert torch.equal(got, want)
+    elif mode == "bf16":  # each value rounded to bfloat16, nothing more
+        assert torch.equal(got, want.bfloat16().float())
+    elif mode == "int8":  # every stored value but -128, which is served as -127
+        edge = (g.codes == 0).repeat(1, 1)
+        assert torch.equal(got[~edge], want[~edge])
+        step = g.scale.repeat_interleave(g.group, dim=1)
+        assert torch.equal(got[edge], want[edge] + step[edge])
+    else:  # Q4_1: d * q + m with m = -s * z rounded to float16
+        scale = g.scale.repeat_interleave(g.group, dim=1)
+        assert ((got - want).abs() <= scale * 16 * 2 ** -11).all()
+        assert (got != want).float().mean() < 0.5
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_kernel_multiplies_by_the_stored_values(case):
+    """The compiled kernel of each served layout against the product of the same values (activations rounded as the
+    kernel rounds them), at the row counts of its blocks and tails."""
+    assert kernels.build_kernels()
+    spec, mode, _ = CASES[case]
+    g = grouped(**spec, rows=45)
+    qw = stored.convert(g)
+    assert qw.kernel is not None, "served off the compiled kernels"
+    w = quant.dequantize(qw).double()
+    torch.manual_seed(1)
+    for m in (1, 3, 4, 7, 16, 33):
+        x = torch.randn(m, 256)
+        kind = "int8" if mode in ("int4", "int8", "Q4_1", "Q5_0") else "bf16"
+        want = (as_kernel_sees(x, kind).double() @ w.T).float()
+        got = quant.linear(x, qw)
+        close = torch.isclose(got, want, atol=2e-4, rtol=1e-4).all(dim=1)
+        # an activation within float32 rounding of a rounding boundary may go the other way in the kernel (its
+        # products summed in another order): one step of that row's rounding, times the weights, at most
+        assert int((~close).sum()) <= 1, (m, (got - want).abs().max())
+        step = x.abs().amax(dim=1) / 127 if kind == "int8" else x.abs().amax(dim=1) * 2 ** -8
+        bound = step[:, None] * w.abs().amax(dim=1).float()[None, :] + 2e-4
+        assert ((got - want).abs() <= bound).all()
+
+
+def test_parts_stored_alike_are_one_weight_and_others_side_by_side():
+    a, b = grouped("int", 4, 128, rows=16), grouped("int", 4, 128, rows=8, seed=1)
+    one = stored.from_grouped([a, b])
+    assert one.mode == "int4" and one.out_features == 24
+    assert torch.equal(quant.dequantize(one), torch.cat([a.dequantize(), b.dequantize()]))
+    c = grouped("int", 4, 128, rows=8, asym=True, seed=2)
+    both = stored.from_grouped([a, c])  # a symmetric part joins an asymmetric one: zero 8 made explicit (Q4_1)
+    assert both.mode == "Q4_1"
+    m = stored.from_grouped([a, grouped("mxfp4", 4, 32, rows=8)])
+    assert m.mode == "mixed" and [p.mode for p in m.parts] == ["int4", "Q5_0"]
+
+
+def test_mxfp4_values_are_e2m1_times_a_power_of_two():
+    g = grouped("mxfp4", 4, 32, rows=4, cols=64)
+    w = g.dequantize()
+    values = set(torch.tensor(E2M1).abs().tolist())
+    ratio = (w / g.scale.repeat_interleave(32, dim=1)).abs()
+    assert set(ratio.unique().tolist()) <= values
