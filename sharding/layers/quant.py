@@ -187,10 +187,12 @@ def from_blocks(mode: str, values: torch.Tensor, scale: torch.Tensor, rows: int 
     run = VNNI_RUN if rows == VNNI_ROWS else RUN[mode]
     if mode == "int8":
         in_features = values.shape[1]
-        # -128 -> -127: the AVX2 kernel flips each weight's sign by its activation's (vpsignb), which -128 survives
-        # as -128. llama-quantize never writes -128 (its Q8_0 scale is max|x| / 127); a file that holds one is
-        # served with that weight off by one step of its block's scale.
-        packed = values.clamp(min=-127) if bool((values == -128).any()) else values
+        # -128 -> -127 for the compiled kernels: the AVX2 one flips each weight's sign by its activation's
+        # (vpsignb), which -128 survives as -128. llama-quantize never writes -128 (its Q8_0 scale is max|x| / 127);
+        # a file that holds one (compressed-tensors' symmetric int8, whose scale is max|x| / 127.5, holds many) is
+        # served with that weight off by one step of its block's scale. torch's path keeps it.
+        clamp = kernels.quant_linear_ops() is not None and values.device.type == "cpu"
+        packed = values.clamp(min=-127) if clamp and bool((values == -128).any()) else values
     elif mode == "int4":
         in_features = values.shape[1] * 32
         if run == 16:  # byte j of a run of 32 inputs holds j and j + 16: Q4_0's block
@@ -281,7 +283,8 @@ def whole_blocks(ckpt, name: str, start: int, stop: int) -> tuple[int, int, tupl
     zeros to pad its inputs with on each side (None: none). Where the split cuts a block (GGUF K-quants: 256 inputs,
     TP 3 over 4096), the rank reads the whole blocks its inputs fall in and multiplies them by its inputs with zeros
     around them, so the other ranks' weights add nothing."""
-    block = block_inputs(ckpt.quant_type(name))
+    stored = ckpt.stored(name)  # a Hugging Face quantized linear (loaders/hf_quant.py): whole groups
+    block = stored.split_unit if stored is not None else block_inputs(ckpt.quant_type(name))
     if start % block == 0 and stop % block == 0:
         return start, stop, None
     a, z = start // block * block, -(-stop // block) * block
@@ -392,3 +395,39 @@ def linear(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None = Non
                        for a in range(0, qw.out_features, DEQUANT_CHUNK)], dim=-1)
     y = y.to(dtype).reshape(*shape[:-1], qw.out_features)
     return y + bias if bias is not None else y
+
+
+# ---- the quantized-weights cache (sharding/quant_cache.py): a weight as tensors and fields, and back ------------------
+
+
+def to_tensors(qw: QuantizedWeight) -> tuple[dict[str, torch.Tensor], dict[str, int | str]]:
+    """A weight `quantize` made, as its tensors ("data", "scale") and the fields that say how to read them. GGUF block
+    types and "mixed" weights are never cached (read from their files as stored, they cost no quantizing)."""
+    if qw.mode not in MODES or qw.parts:
+        raise ValueError(f"a {qw.mode} weight is not cached, only {', '.join(MODES)} ones")
+    fields = {"mode": qw.mode, "in": qw.in_features, "out": qw.out_features, "group": qw.group, "rows": qw.rows}
+    return {"data": qw.data, "scale": qw.scale}, fields
+
+
+def from_tensors(tensors: dict[str, torch.Tensor], fields: dict) -> QuantizedWeight:
+    """to_tensors' inverse, bound to this process's kernel. Raises ValueError where the fields are not those of a
+    weight `quantize` makes or the tensors not what they imply (a damaged cache file: rebuilt, never served)."""
+    mode, k, n, group, rows = (fields.get(f) for f in ("mode", "in", "out", "group", "rows"))
+    groups = {"int8": (INT8_GROUP,), "int4": INT4_GROUP_SIZES, "bf16": (0,)}.get(mode, ())
+    if (group not in groups or rows not in (ROW_BLOCK, VNNI_ROWS)
+            or not all(isinstance(v, int) and v > 0 for v in (k, n)) or k % (group or 16)):
+        raise ValueError(f"not the fields of a quantized weight: {fields}")
+    qw = QuantizedWeight(mode=mode, data=tensors["data"], scale=tensors["scale"], in_features=k, out_features=n,
+                         group=group, rows=rows)
+    blocks = -(-n // rows)
+    want = [("data", torch.int8 if mode == "int8" else torch.uint8, (blocks, rows * qw.row_bytes))]
+    if mode != "bf16":
+        want.append(("scale", torch.float16, (blocks, k // group, rows)))
+    elif qw.scale.numel():
+        raise ValueError(f"a bf16 weight has no scales, this one has {qw.scale.numel()}")
+    for name, dtype, shape in want:
+        t = tensors[name]
+        if t.dtype != dtype or tuple(t.shape) != shape:
+            raise ValueError(f"{mode} weight [{n}, {k}]: {name} is {t.dtype} {list(t.shape)}, not {dtype} "
+                             f"{list(shape)}")
+    return bind(qw)

@@ -7,7 +7,7 @@ them exactly (same values, same scales):
 | stored | served as | how |
 |---|---|---|
 | int4, symmetric (zero 8) | int4 (group 128 where the groups are whole multiples of 128, else 32) | nibbles kept; float16 scales repeated over the layout's groups |
-| int4 with zero points (AWQ, GPTQ sym=false, compressed-tensors asymmetric) | Q4_1 (d = s, m = -s * z per 32 inputs) | nibbles kept |
+| int4 with zero points (AWQ, GPTQ sym=false, compressed-tensors asymmetric) | Q5_0 (d = s, q - z + 16 in 5 bits) | exact: q - z is an integer in [-15, 15] |
 | int8, symmetric | int8 (Q8_0's blocks of 32) | bytes kept (-128 becomes -127, as for GGUF's Q8_0) |
 | int8 with zero points | bf16 | s * (q - z) rounded to bfloat16 (no int8 kernel takes zero points) |
 | float8 e4m3 (per tensor, channel or block) | bf16 | q * s rounded to bfloat16 |
@@ -95,9 +95,11 @@ def convert(g: Grouped) -> QuantizedWeight:
     if symmetric:
         group = 128 if g.group % 128 == 0 else 32
         return int4(g.codes, _half(g.scale.repeat_interleave(g.group // group, dim=1)), group)
-    scale = g.scale.repeat_interleave(per32, dim=1)
-    zero = g.zero.float().repeat_interleave(per32, dim=1)
-    return quant.from_gguf("Q4_1", g.codes, {"d": _half(scale), "m": _half(-scale * zero)})
+    # q - z + 16 lies in [1, 31]: Q5_0's values, its d the scale. Exact, where Q4_1 (d * q + m) would round m = -s * z
+    # to float16 and move the weights by up to 2^-11 of it: enough to change a greedy token of a tiny test model.
+    zero = g.zero.to(torch.int16).repeat_interleave(g.group, dim=1)
+    codes = (g.codes.to(torch.int16) - zero + 16).to(torch.uint8)
+    return quant.from_gguf("Q5_0", codes, {"d": _half(g.scale.repeat_interleave(per32, dim=1))})
 
 
 def int4(codes: torch.Tensor, scale: torch.Tensor, group: int, rows: int | None = None) -> QuantizedWeight:
