@@ -166,3 +166,27 @@ def test_served_at_tp_equals_transformers(folders, references, tp):
 @pytest.mark.parametrize("tp", sorted(SLOW))
 def test_served_at_tp_equals_transformers_all_formats(folders, references, tp):
     _serve(folders, references, tp, SLOW[tp])
+
+
+@pytest.fixture(scope="module")
+def gpt_oss(tmp_path_factory):
+    """gpt-oss with its experts in MXFP4 as released, and transformers' greedy tokens on a float32 copy of its values
+    (transformers' own Mxfp4Config(dequantize=True) gives the same values: test_quantized_fixtures.py)."""
+    root = tmp_path_factory.mktemp("oss")
+    folder = hq.make_gpt_oss_mxfp4(root / "mxfp4")
+    ref = hq.reference_float(folder, root / "f32")
+    return folder, {"oss": (ref, [hf_greedy(ref, p, 16) for p in PROMPTS])}
+
+
+@pytest.mark.parametrize("tp,ep", [(1, False), (2, False), pytest.param(2, True, marks=pytest.mark.slow),
+                                   pytest.param(3, False, marks=pytest.mark.slow)])
+def test_gpt_oss_mxfp4_served_as_released(gpt_oss, tp, ep):
+    """The experts' blocks and scales are read per expert and per rank (an expert's rows under tensor parallelism,
+    whole experts under expert parallelism) and served exactly (Q5_0); the rest is bfloat16 as stored."""
+    folder, ref = gpt_oss
+    with open_checkpoint(folder) as ckpt:
+        assert {s.fmt for s in ckpt.linears.values()} == {"mxfp4"} and len(ckpt.linears) == 4
+    job = {"model": str(folder), "prompts": PROMPTS, "max_tokens": 16, "logprobs": 5, "dtype": "float32",
+           "llm": {"enable_expert_parallel": ep}}
+    (result,) = run_llm(tp, [job], timeout=300, env={"TPSERVE_KERNELS": "none"})
+    check_greedy("oss", result, ref)
