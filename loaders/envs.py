@@ -94,8 +94,12 @@ ALLOW_RUNTIME_LORA_UPDATING = _var(
 
 # --- every rank: the files it reads and writes ---
 HOME = _var("TPSERVE_HOME", "path", "~/.cache/tpserve", None, USER,
-            "the cache folder: the converted default model (`models/`) and kernels compiled at start (`kernels/`)",
-            lambda raw: Path(raw).expanduser())
+            "the cache folder: the converted default model (`models/`), kernels compiled at start (`kernels/`) and "
+            "quantized weights (`quantized/`)", lambda raw: Path(raw).expanduser())
+QUANTIZED_CACHE = _var("TPSERVE_QUANTIZED_CACHE", "path", None, "`$TPSERVE_HOME/quantized`", USER,
+                       "where each rank keeps its linears as `--quantization` made them, for later starts to read "
+                       "instead of quantizing again (`--no-quantized-cache`: off; docs/quantization.md)",
+                       lambda raw: Path(raw).expanduser())
 PROGRESS_INTERVAL = _var("TPSERVE_PROGRESS_INTERVAL", "float (s)", "10", None, USER,
                          "seconds between the plain progress lines of a load when stderr is not a terminal", float)
 

@@ -66,14 +66,14 @@ class LLM:
                  max_num_batched_tokens: int | None = None,
                  enable_prefix_caching: bool = True, max_prefill_tokens_while_decoding: int | None = None,
                  pipeline_parallel_size: int = 1, data_parallel_size: int = 1, sequence_parallel: bool = False,
-                 quantization: str | None = None, quantization_group_size: int = 32,
+                 quantization: str | None = None, quantization_group_size: int = 32, quantized_cache: bool = True,
                  speculative_config: dict | str | None = None, enable_expert_parallel: bool = False,
                  tokenizer: str | None = None):
         self.cfg = EngineConfig(resolve_model(model), dtype, max_num_seqs, max_model_len, block_size=block_size,
                                 kv_cache_memory=kv_cache_memory, gpu_memory_utilization=gpu_memory_utilization,
                                 pipeline_parallel_size=pipeline_parallel_size, data_parallel_size=data_parallel_size,
                                 sequence_parallel=sequence_parallel, quantization=quantization,
-                                quantization_group_size=quantization_group_size,
+                                quantization_group_size=quantization_group_size, quantized_cache=quantized_cache,
                                 enable_expert_parallel=enable_expert_parallel)
         # the same --speculative-config as the server: a dict or its JSON (server/engine/spec_decode/proposers.py)
         speculative = parse_speculative_config(

@@ -31,6 +31,7 @@ from sharding.layers.linear import ParallelLMHead
 from sharding.models import model_class
 from sharding.models.interface import CausalLM
 from sharding.progress import LoadProgress, StartPhases
+from sharding.quant_cache import QuantCache
 from sharding.wire import Step
 
 if TYPE_CHECKING:
@@ -60,6 +61,7 @@ class EngineConfig:
     sequence_parallel: bool = False  # prefill steps split the token axis between layers (Megatron SP)
     quantization: str | None = None  # weight-only int8 / int4 linears (sharding/layers/quant.py)
     quantization_group_size: int = 32  # int4: inputs per scale
+    quantized_cache: bool = True  # --quantization: keep each rank's quantized linears on disk (sharding/quant_cache.py)
     enable_expert_parallel: bool = False  # MoE: each TP rank owns whole experts instead of a slice of each
     enable_lora: bool = False  # LoRA adapter slots on every linear (sharding/layers/lora.py)
     max_cpu_loras: int = 1  # adapters kept loaded at once: the slots
@@ -176,6 +178,13 @@ def build_model(cfg: EngineConfig, dist: Dist, ckpt: Checkpoint | None = None
     return model, config, dtype
 
 
+def lm_head_mode(mode: str | None) -> str | None:
+    """The LM head's quantization under --quantization `mode` (see ModelRunner._quantizer)."""
+    from loaders import envs
+
+    return {"0": None, "same": mode}.get(envs.QUANTIZE_LM_HEAD.get(), "int8" if mode in ("int8", "int4") else mode)
+
+
 def resolve_max_model_len(model: CausalLM, config: PretrainedConfig, requested: int | None) -> int:
     """--max-model-len, or its default min(max_position_embeddings, 2048); checked against the model's own limits
     (`check_max_model_len`). Runs on rank 0 before any other rank is spawned."""
@@ -200,11 +209,19 @@ class ModelRunner:
             with phases.phase("kernels"):
                 kernels.build_kernels()  # the compiled CPU kernels: a prebuilt variant or a build for this CPU
         with open_checkpoint(cfg.model) as ckpt:
+            asked = cfg.quantization is not None  # (the bf16 of cpu_precision keeps weights as stored: no cache)
             self.cfg = cfg = cpu_precision(cfg, ckpt, dist.device)
             quantize = self._quantizer()
             with phases.phase("building the model"):
                 self.model, self.config, self.dtype = build_model(cfg, dist, ckpt)
-            loaders = [m for m in self.model.modules() if isinstance(m, Loadable)]
+            cache = (QuantCache.for_rank(ckpt, dist, cfg.quantization, cfg.quantization_group_size,
+                                         lm_head_mode(cfg.quantization), self.dtype)
+                     if asked and cfg.quantized_cache else None)
+            cached = None
+            if cache is not None:
+                with phases.phase("reading the quantized cache"):
+                    cached = cache.read(self.model)  # the linears it restored, nothing of theirs to read (None: a miss)
+            loaders = [m for m in self.model.modules() if isinstance(m, Loadable) and m not in (cached or ())]
             itemsize = ckpt.checkpoint_dtype().itemsize
             to_read = itemsize * sum(p.numel() for m in loaders if not m.tied  # (read once)
                                      for p in m.parameters(recurse=False))
@@ -222,6 +239,9 @@ class ModelRunner:
         with phases.phase("quantizing"):
             for m in self.model.modules():
                 quantize(m)  # what the loop could not do yet (an LM head tied to an embedding loaded after it)
+        if cache is not None and cached is None:
+            with phases.phase("writing the quantized cache"):
+                cache.write(self.model)
         with phases.phase("packing"):
             for m in self.model.modules():
                 if isinstance(m, Packable):
@@ -253,10 +273,7 @@ class ModelRunner:
         int4 perplexity loss from +2.76 to +4.11; BENCHMARKS.md section 9) and bf16 under bf16; it stays unquantized
         with TPSERVE_QUANTIZE_LM_HEAD=0, or follows the mode with =same (for measurements). Embeddings stay."""
         mode, group = self.cfg.quantization, self.cfg.quantization_group_size
-        default_head = "int8" if mode in ("int8", "int4") else mode
-        from loaders import envs
-
-        head_mode = {"0": None, "same": mode}.get(envs.QUANTIZE_LM_HEAD.get(), default_head)
+        head_mode = lm_head_mode(mode)
 
         def apply(m: torch.nn.Module, loaded: bool = True) -> None:
             """loaded=False while the loop still reads: a tied LM head waits, its embedding may come later."""

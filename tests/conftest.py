@@ -1,5 +1,7 @@
 import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -7,6 +9,21 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))  # `import tiny` from any test folder
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def quantized_cache():
+    """The quantized-weights cache (sharding/quant_cache.py) of the suite's -q servers in a folder of this session's,
+    removed after it, not the developer's ~/.cache/tpserve/quantized (every tiny checkpoint is an entry); the
+    compiled kernels stay under TPSERVE_HOME."""
+    if os.environ.get("TPSERVE_QUANTIZED_CACHE"):
+        yield
+        return
+    folder = tempfile.mkdtemp(prefix="tpserve-quantized-")
+    os.environ["TPSERVE_QUANTIZED_CACHE"] = folder
+    yield
+    del os.environ["TPSERVE_QUANTIZED_CACHE"]
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

@@ -57,6 +57,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantization-group-size", type=int, default=32, choices=[32, 128],
                    help="int4: inputs per scale (default 32, as llama.cpp's Q4_0; 32 for layers whose input size is "
                         "not a multiple of 128)")
+    p.add_argument("--no-quantized-cache", dest="quantized_cache", action="store_false",
+                   help="with --quantization, neither read nor write the quantized-weights cache (by default the "
+                        "first start keeps each rank's quantized linears under $TPSERVE_HOME/quantized and later "
+                        "starts read them instead of quantizing again)")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="longest prompt + completion in tokens (default: min(model maximum, 2048))")
     p.add_argument("--max-num-seqs", type=int, default=32,
@@ -131,7 +135,7 @@ def engine_config(args):
                         gpu_memory_utilization=args.gpu_memory_utilization,
                         pipeline_parallel_size=args.pipeline_parallel_size, data_parallel_size=args.data_parallel_size,
                         sequence_parallel=args.sequence_parallel, quantization=args.quantization,
-                        quantization_group_size=args.quantization_group_size,
+                        quantization_group_size=args.quantization_group_size, quantized_cache=args.quantized_cache,
                         enable_expert_parallel=args.enable_expert_parallel, **lora_config(args))
 
 
@@ -373,8 +377,9 @@ def generate(args) -> int:
               max_prefill_tokens_while_decoding=args.max_prefill_tokens_while_decoding,
               pipeline_parallel_size=cfg.pipeline_parallel_size, data_parallel_size=cfg.data_parallel_size,
               sequence_parallel=cfg.sequence_parallel, quantization=cfg.quantization,
-              quantization_group_size=cfg.quantization_group_size, speculative_config=args.speculative_config,
-              enable_expert_parallel=cfg.enable_expert_parallel, tokenizer=args.tokenizer)
+              quantization_group_size=cfg.quantization_group_size, quantized_cache=cfg.quantized_cache,
+              speculative_config=args.speculative_config, enable_expert_parallel=cfg.enable_expert_parallel,
+              tokenizer=args.tokenizer)
     try:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
         if args.chat:
