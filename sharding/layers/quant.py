@@ -143,23 +143,40 @@ def kernel_rows(mode: str, device: torch.device) -> int:
     return VNNI_ROWS if dot else ROW_BLOCK
 
 
+QUANTIZE_CHUNK = 4096  # output rows quantized at a time: a 128256 x 4096 LM head's float temporaries stay ~0.3 GB
+
+
 def quantize(weight: torch.Tensor, mode: str, group: int = 32, rows: int | None = None) -> QuantizedWeight:
-    """`rows`: the layout's rows per block (default: kernel_rows, what this device's kernel reads)."""
+    """`rows`: the layout's rows per block (default: kernel_rows, what this device's kernel reads). A large weight is
+    quantized QUANTIZE_CHUNK rows at a time (whole blocks of the layout), so its float temporaries (a float32 copy, the
+    magnitudes, the scaled values) never take more than a chunk's worth: the same bytes as at once."""
+    rows = rows or kernel_rows(mode, weight.device)
+    if weight.shape[0] <= QUANTIZE_CHUNK:
+        return bind(_quantize(weight, mode, group, rows))
+    parts = [_quantize(weight[a:a + QUANTIZE_CHUNK], mode, group, rows)
+             for a in range(0, weight.shape[0], QUANTIZE_CHUNK)]
+    first = parts[0]
+    scale = torch.cat([p.scale for p in parts]) if first.scale.numel() else first.scale
+    return bind(QuantizedWeight(mode, torch.cat([p.data for p in parts]), scale, first.in_features,
+                                weight.shape[0], first.group, rows))
+
+
+def _quantize(weight: torch.Tensor, mode: str, group: int, rows: int) -> QuantizedWeight:
+    """quantize's work on one chunk of rows, not yet bound to its kernel."""
     w = weight.detach().float()
     out_features, in_features = w.shape
-    rows = rows or kernel_rows(mode, w.device)
     run = VNNI_RUN if rows == VNNI_ROWS else RUN[mode]
     if mode == "bf16":
         data = w.to(torch.bfloat16).view(torch.int16).view(torch.uint8)  # [out, 2 * in], little-endian values
-        return bind(QuantizedWeight(mode, pack_rows(data, run, rows), w.new_zeros(0), in_features, out_features,
-                                    rows=rows))
+        return QuantizedWeight(mode, pack_rows(data, run, rows), w.new_zeros(0), in_features, out_features,
+                                    rows=rows)
     if mode == "int8":
         g = w.reshape(out_features, in_features // INT8_GROUP, INT8_GROUP)
         scale = (g.abs().amax(dim=-1) / 127.0).clamp(max=65504).half().float()  # stored as float16
         inv = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
         q = torch.round(g * inv[..., None]).clamp_(-127, 127).to(torch.int8).reshape(out_features, in_features)
-        return bind(QuantizedWeight(mode, pack_rows(q, run, rows), block_scales(scale, rows), in_features,
-                                    out_features, INT8_GROUP, rows))
+        return QuantizedWeight(mode, pack_rows(q, run, rows), block_scales(scale, rows), in_features,
+                                    out_features, INT8_GROUP, rows)
     group = group_for(in_features, group)
     g = w.reshape(out_features, in_features // group, group)
     idx = g.abs().argmax(dim=-1, keepdim=True)
@@ -169,8 +186,8 @@ def quantize(weight: torch.Tensor, mode: str, group: int = 32, rows: int | None 
     span = 2 * run  # inputs per run of bytes: j and j + run share byte j
     q = q.reshape(out_features, in_features // span, 2, run)
     packed = q[:, :, 0, :] | (q[:, :, 1, :] << 4)
-    return bind(QuantizedWeight(mode, pack_rows(packed.reshape(out_features, in_features // 2), run, rows),
-                                block_scales(scale, rows), in_features, out_features, group, rows))
+    return QuantizedWeight(mode, pack_rows(packed.reshape(out_features, in_features // 2), run, rows),
+                                block_scales(scale, rows), in_features, out_features, group, rows)
 
 
 def from_blocks(mode: str, values: torch.Tensor, scale: torch.Tensor, rows: int | None = None) -> QuantizedWeight:

@@ -238,3 +238,17 @@ def test_auto_dtype_on_cpu_keeps_a_bfloat16_checkpoints_weights(tmp_path):
             llm.close()
     for a, b in zip(answers["auto"], answers["float32"]):
         assert a.token_ids == b.token_ids and a.logprobs == b.logprobs
+
+
+@pytest.mark.parametrize("mode,group", MODES)
+def test_a_large_weight_is_quantized_by_chunks_of_rows_to_the_same_bytes(mode, group, monkeypatch):
+    """quant.quantize takes QUANTIZE_CHUNK rows at a time (bounded float temporaries): the result is the one of the
+    whole weight at once, a partial last block of rows included."""
+    torch.manual_seed(2)
+    w = torch.randn(100, 256).bfloat16()
+    whole = quant.quantize(w, mode, group)
+    monkeypatch.setattr(quant, "QUANTIZE_CHUNK", 32)
+    chunked = quant.quantize(w, mode, group)
+    assert torch.equal(chunked.data, whole.data) and torch.equal(chunked.scale, whole.scale)
+    assert (chunked.out_features, chunked.group, chunked.rows) == (whole.out_features, whole.group, whole.rows)
+    assert (chunked.kernel is None) == (whole.kernel is None)
