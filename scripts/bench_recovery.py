@@ -4,6 +4,7 @@ streams of the dead replica see, and the throughput of the surviving replica mea
     python scripts/bench_recovery.py                      # SmolLM2 (the default model), -dp 2, 3 rounds
     python scripts/bench_recovery.py --size 1gb           # the ~1 GB random Llama of scripts/bench_tp.py
     python scripts/bench_recovery.py --layout tp2         # -tp 2 -dp 1: the only way back is the respawn
+    python scripts/bench_recovery.py --model /work/bench/llama3-8b-shapes --serve-args "-q int4" --tokens 96
 
 Each round streams --streams completions (ignore_eos) at once, SIGKILLs rank 1 once every stream has 16 chunks, and
 records every chunk's arrival: the longest pause of each stream after the kill (under -dp 2 the dead replica's
@@ -109,6 +110,8 @@ def main() -> None:
     ap.add_argument("--streams", type=int, default=4)
     ap.add_argument("--tokens", type=int, default=768)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--serve-args", default="", help="more `tpserve serve` arguments, e.g. '-q int4' (a respawn then "
+                    "reads the quantized cache the first start wrote)")
     args = ap.parse_args()
     from bench_tp import bench_model  # noqa: E402 (scripts/bench_tp.py)
     from conftest import free_port  # noqa: E402 (tests/server/conftest.py)
@@ -120,7 +123,7 @@ def main() -> None:
     log.parent.mkdir(exist_ok=True)
     cmd = [sys.executable, "-m", "server.cli.main", "serve", *([model] if model else []), *layout, "--host", "127.0.0.1",
            "--port", str(port), "--max-model-len", "1024", "--log-level", "info", "--max-rank-restarts",
-           str(args.rounds + 1)]
+           str(args.rounds + 1), *args.serve_args.split()]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=open(log, "w"), stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -148,10 +151,11 @@ def main() -> None:
     server_s = [float(x) for x in re.findall(r"restarted in ([0-9.]+) s", log.read_text())]
     cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
     name = Path(model).name if model else "SmolLM2-135M-Instruct"
-    out = dict(model=name, layout=args.layout, cpu=cpu, streams=args.streams, tokens=args.tokens,
+    out = dict(model=name, layout=args.layout, serve_args=args.serve_args, cpu=cpu, streams=args.streams, tokens=args.tokens,
                server_restart_s=server_s, rounds=rounds,
                median_serving_again_s=statistics.median(r["serving_again_s"] for r in rounds))
-    path = Path("results") / f"recovery_{name}_{args.layout}.json"
+    suffix = "".join(args.serve_args.split()).replace("-", "_")
+    path = Path("results") / f"recovery_{name}_{args.layout}{suffix}.json"
     path.write_text(json.dumps(out, indent=1))
     print(f"{name} {args.layout} on {cpu}: server restart {server_s} s; median kill -> serving again "
           f"{out['median_serving_again_s']:.2f} s; saved {path}")

@@ -90,3 +90,26 @@ def test_parallel_layers_equal_dense(tmp_path, world):
     for rank in range(world):
         assert isinstance(results[rank], dict), results[rank]
         assert results[rank] == dict(col=True, fused=True, row=True, emb=True, head=True), (rank, results[rank])
+
+
+def test_a_16_bit_embedding_table_stays_16_bit_unless_a_head_multiplies_by_it(tmp_path):
+    """A bfloat16 table served in float32 keeps its stored bytes (half of float32's); its looked-up rows are the
+    float32 of them exactly. A table an LM head is tied to is the head's weight too: it stays float32."""
+    from sharding.dist import Dist
+
+    table = torch.randn(VOCAB, IN, generator=torch.Generator().manual_seed(3)).bfloat16()
+    save_file({"emb.weight": table}, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text("{}")
+    ids = torch.tensor([[0, 5, 100], [99, 33, 1]])
+    cpu = torch.device("cpu")
+    with Checkpoint(tmp_path) as ck:
+        emb = VocabParallelEmbedding("emb.weight", VOCAB, IN, Dist(), torch.float32, cpu)
+        emb.load(ck)
+        assert emb.weight.dtype == torch.bfloat16
+        out = emb(ids)
+        assert out.dtype == torch.float32 and torch.equal(out, F.embedding(ids, table.float()))
+        tied = VocabParallelEmbedding("emb.weight", VOCAB, IN, Dist(), torch.float32, cpu)
+        head = ParallelLMHead("head", VOCAB, IN, Dist(), torch.float32, cpu, tied_to=tied)
+        tied.load(ck)
+        assert tied.weight.dtype == torch.float32 and head.weight is tied.weight
+        assert torch.equal(tied(ids), out)
