@@ -153,12 +153,18 @@ def quantize(weight: torch.Tensor, mode: str, group: int = 32, rows: int | None 
     rows = rows or kernel_rows(mode, weight.device)
     if weight.shape[0] <= QUANTIZE_CHUNK:
         return bind(_quantize(weight, mode, group, rows))
-    parts = [_quantize(weight[a:a + QUANTIZE_CHUNK], mode, group, rows)
-             for a in range(0, weight.shape[0], QUANTIZE_CHUNK)]
-    first = parts[0]
-    scale = torch.cat([p.scale for p in parts]) if first.scale.numel() else first.scale
-    return bind(QuantizedWeight(mode, torch.cat([p.data for p in parts]), scale, first.in_features,
-                                weight.shape[0], first.group, rows))
+    n = weight.shape[0]
+    first = _quantize(weight[:QUANTIZE_CHUNK], mode, group, rows)
+    blocks = -(-n // rows)  # the result's blocks of rows, filled chunk by chunk (no second copy at the end)
+    data = first.data.new_empty(blocks, first.data.shape[1])
+    scale = first.scale.new_empty(blocks, *first.scale.shape[1:]) if first.scale.numel() else first.scale
+    for a in range(0, n, QUANTIZE_CHUNK):
+        part = first if a == 0 else _quantize(weight[a:a + QUANTIZE_CHUNK], mode, group, rows)
+        b0, b1 = a // rows, a // rows + part.data.shape[0]
+        data[b0:b1] = part.data
+        if part.scale.numel():
+            scale[b0:b1] = part.scale
+    return bind(QuantizedWeight(mode, data, scale, first.in_features, n, first.group, rows))
 
 
 def _quantize(weight: torch.Tensor, mode: str, group: int, rows: int) -> QuantizedWeight:
