@@ -23,6 +23,13 @@ from tiny import check_greedy, hf_greedy
 SERVED = ["W4A16", "W4A16_ASYM", "W4A16_G64", "W4A16_CHANNEL", "W8A16", "W8A16_ASYM", "FP8", "FP8_TENSOR",
           "NAIVE_INT8", "AWQ", "GPTQ", "GPTQ_ASYM", "GPTQ_V2", "GPTQ_ACT_ORDER_SEQUENTIAL"]
 BF16_SERVED = {"W8A16_ASYM", "FP8", "FP8_TENSOR"}  # served as bfloat16 weights: the reference rounds them alike
+# the fast tier: one of each way of being served (int4 as stored, int4 with zero points from two formats, int8,
+# float8 as bfloat16); the slow tier every format
+FAST_FORMATS = ["W4A16", "W4A16_ASYM", "W8A16", "FP8", "AWQ", "GPTQ_ASYM"]
+
+
+def tier(names: list[str]) -> list:
+    return [n if n in FAST_FORMATS else pytest.param(n, marks=pytest.mark.slow) for n in names]
 
 
 def make(name: str, src, dst):
@@ -39,14 +46,26 @@ def make(name: str, src, dst):
     return hq.make_compressed_tensors(src, dst, name)
 
 
+class Made(dict):
+    """Each format's folder, written at its first use (a test of the fast tier writes only what it uses)."""
+
+    def __init__(self, root, src):
+        super().__init__()
+        self.root, self.src = root, src
+
+    def __missing__(self, name: str):
+        self[name] = make(name, self.src, self.root / name)
+        return self[name]
+
+
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
     root = tmp_path_factory.mktemp("hfq")
     src = hq.make_source(root / "src")
-    return src, {name: make(name, src, root / name) for name in SERVED}
+    return src, Made(root, src)
 
 
-@pytest.mark.parametrize("name", SERVED)
+@pytest.mark.parametrize("name", tier(SERVED))
 def test_every_linear_reads_as_its_exact_values_by_byte_ranges(folders, name):
     """The stand-in `X.weight` of each quantized linear reads as the format's exact dequantization (the helpers'
     formulas, themselves checked against the libraries' unpacking in test_quantized_fixtures.py), whole or by
@@ -131,8 +150,8 @@ def test_refused_schemes_say_why(folders, tmp_path):
 
 PROMPTS = [[5, 6, 7, 8, 9, 10], list(range(30, 50))]
 # TP 2 and 3 split the rows of q/k/v and gate/up and the inputs of o_proj and down_proj (at TP 3: 128 of down's 384)
-FAST = {1: SERVED, 2: ["W4A16_ASYM", "AWQ", "GPTQ"], 3: ["W4A16", "FP8", "GPTQ_ASYM"]}
-SLOW = {2: [n for n in SERVED if n not in FAST[2]], 3: [n for n in SERVED if n not in FAST[3]]}
+FAST = {1: FAST_FORMATS, 2: ["AWQ", "FP8"], 3: ["W4A16_ASYM"]}
+SLOW = {tp: [n for n in SERVED if n not in FAST[tp]] for tp in (1, 2, 3)}
 
 
 @pytest.fixture(scope="module")
@@ -141,11 +160,14 @@ def references(folders, tmp_path_factory):
     server serves bfloat16 weights)."""
     _, made = folders
     root = tmp_path_factory.mktemp("hfq_ref")
-    out = {}
-    for name in SERVED:
-        ref = hq.reference_float(made[name], root / name, rounding=torch.bfloat16 if name in BF16_SERVED else None)
-        out[name] = (ref, [hf_greedy(ref, p, 16) for p in PROMPTS])
-    return out
+
+    class References(dict):  # made at first use, as the folders are
+        def __missing__(self, name: str):
+            ref = hq.reference_float(made[name], root / name, rounding=torch.bfloat16 if name in BF16_SERVED else None)
+            self[name] = (ref, [hf_greedy(ref, p, 16) for p in PROMPTS])
+            return self[name]
+
+    return References()
 
 
 def _serve(folders, references, tp: int, names: list[str]) -> None:
@@ -178,7 +200,8 @@ def gpt_oss(tmp_path_factory):
     return folder, {"oss": (ref, [hf_greedy(ref, p, 16) for p in PROMPTS])}
 
 
-@pytest.mark.parametrize("tp,ep", [(1, False), (2, False), pytest.param(2, True, marks=pytest.mark.slow),
+@pytest.mark.parametrize("tp,ep", [(2, False), pytest.param(1, False, marks=pytest.mark.slow),
+                                   pytest.param(2, True, marks=pytest.mark.slow),
                                    pytest.param(3, False, marks=pytest.mark.slow)])
 def test_gpt_oss_mxfp4_served_as_released(gpt_oss, tp, ep):
     """The experts' blocks and scales are read per expert and per rank (an expert's rows under tensor parallelism,

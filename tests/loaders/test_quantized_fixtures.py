@@ -72,7 +72,13 @@ def test_every_scheme_is_checked():
     assert set(CT_EXPECT) == set(Q.CT_SCHEMES)
 
 
-@pytest.mark.parametrize("scheme", list(CT_EXPECT))
+# the fast tier: transformers' own loading of the two int4 schemes and FP8 (the formats' readers are checked against
+# these helpers in test_hf_quant.py); the slow tier every scheme
+FAST_SCHEMES = {"W4A16", "W4A16_ASYM", "FP8"}
+
+
+@pytest.mark.parametrize("scheme", [s if s in FAST_SCHEMES else pytest.param(s, marks=pytest.mark.slow)
+                                    for s in CT_EXPECT])
 def test_compressed_tensors(source, tmp_path, scheme):
     from transformers import CompressedTensorsConfig
 
@@ -172,6 +178,7 @@ def test_compressed_tensors_default_route_and_reference(source, tmp_path):
 # ---------------------------------------------------------------------------------------------------------------- AWQ
 
 
+@pytest.mark.slow  # (test_hf_quant.py checks the fast tier's AWQ against AutoAWQ's own unpacking)
 @pytest.mark.parametrize("group,zero_point", [(128, True), (64, True), (128, False)])
 def test_awq(source, tmp_path, group, zero_point):
     src, src_state = source
@@ -209,6 +216,7 @@ def test_awq(source, tmp_path, group, zero_point):
 # --------------------------------------------------------------------------------------------------------------- GPTQ
 
 
+@pytest.mark.slow  # (test_hf_quant.py checks the fast tier's GPTQ against GPTQModel's own unpacking)
 @pytest.mark.parametrize("group,sym,desc_act,version", [(128, True, False, 1), (128, False, True, 1),
                                                          (64, True, True, 1), (128, False, False, 2)])
 def test_gptq(source, tmp_path, group, sym, desc_act, version):

@@ -152,12 +152,13 @@ def test_every_kernel_of_the_build_matches_the_reference(name, tmp_root):
     assert set(kernels) == {"quantize_rows", "int8", "int4", "bf16", "f32", "rms_norm", "rotary", "attention", "argmax",
                             "kq"}
     # the int8 / int4 linears over int8 activations, and the float32 one on builds with FMAs, are exact; so are the
-    # GGUF block types' (int8 activations on every build), all six of them
+    # GGUF block types' (int8 activations on every build), all eight of them (MXFP4 and Q4_Z included)
     exact = {c.split()[0] for c, (_, scheme, ex, _) in cases.items() if ex}
     assert ({"int8", "int4"} <= exact) == int8_act
     kq = [c for c, (_, scheme, ex, _) in cases.items() if c.startswith("kq ")]
     assert all(cases[c][1:3] == ("int8-act-kq", True) for c in kq)
-    assert {re.search(r"type=(\S+)", c).group(1) for c in kq} == {"Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"}
+    assert {re.search(r"type=(\S+)", c).group(1) for c in kq} == {"Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K",
+                                                                  "MXFP4", "Q4_Z"}
     assert ("f32" in exact) == (name != "x86-64")
 
 
