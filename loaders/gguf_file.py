@@ -19,14 +19,15 @@ its byte range (`row_views`), under the names of a checkpoint with one tensor pe
 experts' bytes, or only its rows / input blocks of each, and an expert stored in blocks is served in them as any
 linear is.
 
-Served types: F32, F16, BF16 (read as float tensors), and the block types Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K
-and Q6_K, read as their blocks (`read_blocks`), which sharding/layers/quant.py lays out for its kernels with no float
-copy. Every other type is refused at start, by name and tensor count.
+Served types: F32, F16, BF16 (read as float tensors), and the block types Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K,
+Q6_K and MXFP4 (gpt-oss's experts), read as their blocks (`read_blocks`), which sharding/layers/quant.py lays out for
+its kernels with no float copy. Every other type is refused at start, by name and tensor count.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 from collections import Counter
@@ -38,11 +39,16 @@ import torch
 from loaders.checkpoint import Checkpoint, CheckpointError, TensorInfo
 from loaders.hf_quant import QuantizedCheckpoint
 
+logger = logging.getLogger(__name__)
+
 FLOAT_TYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 # served block types: (inputs, bytes) per block. Q8_0 / Q4_0 become tpserve's int8 / int4, the others keep their own
 # blocks (sharding/layers/gguf_quant.py)
 BLOCK_TYPES = {"Q8_0": (32, 34), "Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q5_1": (32, 24),
-               "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210)}
+               "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210), "MXFP4": (32, 17)}
+# MXFP4's e8m0 scales e (W = kvalues_mxfp4[q] * 2^(e - 128)) whose 2^(e - 128) float16, the layout's scale, holds
+# exactly (read_blocks checks them)
+MXFP4_EXACT_E = (104, 143)
 SERVED_TYPES = ", ".join([*FLOAT_TYPES, *BLOCK_TYPES])
 # HF architecture name and transformers config class, by general.architecture
 ARCHITECTURES = {"llama": ("LlamaForCausalLM", "LlamaConfig"), "qwen2": ("Qwen2ForCausalLM", "Qwen2Config"),
@@ -243,8 +249,8 @@ class GGUFCheckpoint(Checkpoint):
             kinds = ", ".join(f"{k} ({n} tensor{'s' if n > 1 else ''})" for k, n in sorted(refused.items()))
             raise CheckpointError(
                 f"{first.name} holds GGUF types tpserve does not serve: {kinds}. Served: {SERVED_TYPES} (llama-quantize "
-                "types F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K_S/M, Q5_K_S/M, Q6_K); re-quantize the model to "
-                "one of those")
+                "types F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K_S/M, Q5_K_S/M, Q6_K, MXFP4_MOE); re-quantize "
+                "the model to one of those")
         arch = self.meta.get("general.architecture")
         if arch not in ARCHITECTURES:
             raise CheckpointError(f"{first.name}: GGUF architecture {arch!r} is not served; served: "
@@ -486,7 +492,24 @@ class GGUFCheckpoint(Checkpoint):
             ranges = [(start // block, stop // block) for start, stop in ranges]
         elif dim != 0:
             raise CheckpointError(f"{name}: dimension {dim} of a 2-D tensor")
-        return self._rows(raw, dim, ranges)
+        blocks = self._rows(raw, dim, ranges)
+        if type_name == "MXFP4":
+            self._check_mxfp4_scales(name, blocks[..., 0])
+        return blocks
+
+    def _check_mxfp4_scales(self, name: str, e: torch.Tensor) -> None:
+        """MXFP4 blocks are served with d = 2^(e - 128) as float16 (sharding/layers/gguf_quant.py): exact for e in
+        MXFP4_EXACT_E. Below, d is 0: weights under 12 x 2^-25 served as zero (warned, as stored.py warns of a Hugging
+        Face MXFP4 scale that small); above, weights of 2^16 and more, which float16 cannot scale: refused."""
+        if not e.numel():
+            return
+        lo, hi = MXFP4_EXACT_E
+        if int(e.max()) > hi:
+            raise CheckpointError(f"{self.path.name}: {name} has an MXFP4 scale of 2^{int(e.max()) - 128}, beyond the "
+                                  f"float16 scales it is served with (2^{hi - 128} at most)")
+        small = int((e < lo).sum())
+        if small:
+            logger.warning("%s: %d MXFP4 scales below float16's smallest (2^-24) served as zero", name, small)
 
 
 TOKENIZER_VERSION = 2  # 2: llama.cpp's digit split for `smollm` (match_pre_tokenizer)

@@ -1,5 +1,7 @@
-"""GGUF's block types served in their own blocks: llama.cpp's Q4_1, Q5_0, Q5_1, Q4_K, Q5_K and Q6_K (its Q8_0 and Q4_0
-are tpserve's int8 and int4: quant.from_blocks).
+"""GGUF's block types served in their own blocks: llama.cpp's Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K and MXFP4 (its Q8_0
+and Q4_0 are tpserve's int8 and int4: quant.from_blocks); and Q4_Z, 4-bit values with an integer zero point per 32
+inputs (W = d * (q - z)), which no file stores: sharding/layers/stored.py makes it from Hugging Face's asymmetric int4
+(`pack`, from values and scales).
 
 A tensor's blocks, as the file stores them (ggml-common.h), are split at load into their unsigned values q (one byte
 each, transient) and their scales, and packed for the kernel (sharding/cpu/csrc/core/kquant_linear.cpp: the layout
@@ -9,7 +11,12 @@ as gguf-py's `gguf.quants.dequantize` does (the tests check it bit for bit), for
 kernels, another device) and for tests.
 
 Each type is one row of TYPES: its code in the kernel, bits per value, inputs per block and bytes per block in the
-file.
+file (0: none, Q4_Z).
+
+MXFP4 (ggml type 39: per 32 inputs a byte e, e8m0, then Q4_0's 16 bytes of nibbles; W = KV[q] * 2^(e - 128), KV
+llama.cpp's kvalues_mxfp4, the e2m1 values doubled) keeps its codes as its values, and its scale as a float16
+d = 2^(e - 128): exact for e in [104, 143]; outside, clamped (_e8m0_half; loaders/gguf_file.py refuses e > 143 and
+warns of e < 104).
 """
 
 from __future__ import annotations
@@ -34,7 +41,7 @@ class BlockType:
 
     @property
     def scale_bytes(self) -> int:  # the layout's scale bytes per `block` inputs of a 16-row block
-        return {1: 64, 2: 32, 3: 64, 4: 320, 5: 320, 6: 288}[self.code]
+        return {1: 64, 2: 32, 3: 64, 4: 320, 5: 320, 6: 288, 7: 32, 8: 48}[self.code]
 
 
 TYPES = {
@@ -44,7 +51,12 @@ TYPES = {
     "Q4_K": BlockType(4, 4, 256, 144),
     "Q5_K": BlockType(5, 5, 256, 176),
     "Q6_K": BlockType(6, 6, 256, 210),
+    "MXFP4": BlockType(7, 4, 32, 17),
+    "Q4_Z": BlockType(8, 4, 32, 0),  # no file form: pack only (scales: d float16, then z uint8, per 32 inputs)
 }
+
+# MXFP4's values by code: llama.cpp's kvalues_mxfp4 (gguf-py's MXFP4.kvalues), the e2m1 values doubled
+MXFP4_VALUES = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
 
 
 def _half(b: torch.Tensor) -> torch.Tensor:
@@ -71,14 +83,27 @@ def _k_scale_min(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return sc, mn
 
 
+def _e8m0_half(e: torch.Tensor) -> torch.Tensor:
+    """MXFP4's e8m0 scales (uint8) as float16 d = 2^(e - 128), exact for e in [104, 143]; clamped outside, as
+    kquant_pack.cpp's e8m0_half: 0 below (what rounding to float16 gives), 2^15 above (no larger power of two)."""
+    k = e.to(torch.int32) - 128
+    bits = torch.where(k < -14, torch.where(k < -24, 0, 1 << (k + 24).clamp(0, 9)), (k.clamp(max=15) + 15) << 10)
+    return bits.to(torch.int16).view(torch.float16)
+
+
 def unpack(type_name: str, raw: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """A tensor's blocks, uint8 [rows, blocks, block_bytes] -> (q uint8 [rows, blocks * block] in input order,
     scales): d (and m / dmin) float16 [rows, blocks]; sc, mn uint8 [rows, blocks * 8] (Q4_K, Q5_K); sc int8
-    [rows, blocks * 16] (Q6_K)."""
+    [rows, blocks * 16] (Q6_K). MXFP4: q its codes, d from e (_e8m0_half)."""
     t = TYPES[type_name]
+    if not t.block_bytes:
+        raise ValueError(f"{type_name} has no file blocks")
     rows, nb, nbytes = raw.shape
     assert nbytes == t.block_bytes, (type_name, nbytes)
     s: dict[str, torch.Tensor] = {}
+    if type_name == "MXFP4":  # e, then Q4_0's nibbles
+        s["d"] = _e8m0_half(raw[..., 0])
+        return _nibbles(raw[..., 1:17]).reshape(rows, nb * 32).contiguous(), s
     if type_name in ("Q4_1", "Q5_1"):
         s["d"], s["m"] = _half(raw[..., 0:2]), _half(raw[..., 2:4])
     elif type_name == "Q5_0":
@@ -107,14 +132,20 @@ def unpack(type_name: str, raw: torch.Tensor) -> tuple[torch.Tensor, dict[str, t
 
 
 def dequantize_unpacked(type_name: str, q: torch.Tensor, s: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Float32 [rows, K] from unpack's values and scales, in gguf-py's order of operations (bit-equal to it)."""
+    """Float32 [rows, K] from unpack's values and scales, in gguf-py's order of operations (bit-equal to it; MXFP4:
+    d * KV[q], every product exact; Q4_Z: d * (q - z), exact)."""
     rows, k = q.shape
     t = TYPES[type_name]
-    if type_name in ("Q4_1", "Q5_1", "Q5_0"):
+    if type_name == "MXFP4":
+        values = torch.tensor(MXFP4_VALUES, dtype=torch.float32)[q.long()].reshape(rows, -1, 32)
+        return (s["d"].float()[..., None] * values).reshape(rows, k)
+    if type_name in ("Q4_1", "Q5_1", "Q5_0", "Q4_Z"):
         qf = q.reshape(rows, -1, 32).float()
         d = s["d"].float()[..., None]
         if type_name == "Q5_0":
             return (d * (qf - 16)).reshape(rows, k)
+        if type_name == "Q4_Z":
+            return (d * (qf - s["z"].float()[..., None])).reshape(rows, k)
         return (d * qf + s["m"].float()[..., None]).reshape(rows, k)
     d = s["d"].float().repeat_interleave(t.block // (16 if type_name == "Q6_K" else 32), dim=1)
     if type_name == "Q6_K":
@@ -126,7 +157,8 @@ def dequantize_unpacked(type_name: str, q: torch.Tensor, s: dict[str, torch.Tens
 
 
 def pack(type_name: str, q: torch.Tensor, s: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """unpack's values and scales -> (w, s) uint8 [ceil(rows / 16), ...] as kquant_linear.cpp reads them."""
+    """unpack's values and scales -> (w, s) uint8 [ceil(rows / 16), ...] as kquant_linear.cpp reads them. Q4_Z, which
+    unpack never gives: q uint8 [rows, K] (0..15), d float16 and z uint8 (0..15) [rows, K / 32]."""
     t = TYPES[type_name]
     rows, k = q.shape
     pad = -rows % NR
@@ -155,6 +187,8 @@ def pack(type_name: str, q: torch.Tensor, s: dict[str, torch.Tensor]) -> tuple[t
         return x.view(torch.uint8).reshape(nb, x.shape[1], -1)
 
     parts = [rowwise(s["d"], 1)]
+    if type_name == "Q4_Z":
+        parts.append(rowwise(s["z"].to(torch.uint8), 1))
     if "m" in s:
         parts.append(rowwise(s["m"], 1))
     if "dmin" in s:
@@ -192,6 +226,8 @@ def unpack_packed(type_name: str, w: torch.Tensor, scales: torch.Tensor, k: int
     s = {"d": field(0, 1, torch.float16)}
     if type_name in ("Q4_1", "Q5_1"):
         s["m"] = field(32, 1, torch.float16)
+    elif type_name == "Q4_Z":
+        s["z"] = field(32, 1, torch.uint8)
     elif type_name in ("Q4_K", "Q5_K"):
         s["dmin"] = field(32, 1, torch.float16)
         s["sc"], s["mn"] = field(64, 8, torch.uint8), field(192, 8, torch.uint8)

@@ -7,11 +7,15 @@ them exactly (same values, same scales):
 | stored | served as | how |
 |---|---|---|
 | int4, symmetric (zero 8) | int4 (group 128 where the groups are whole multiples of 128, else 32) | nibbles kept; float16 scales repeated over the layout's groups |
-| int4 with zero points (AWQ, GPTQ sym=false, compressed-tensors asymmetric) | Q5_0 (d = s, q - z + 16 in 5 bits) | exact: q - z is an integer in [-15, 15] |
+| int4 with zero points (AWQ, GPTQ sym=false, compressed-tensors asymmetric) | Q4_Z (d = s, z per 32 inputs; q kept) | exact: W = d * (q - z), the kernel's int32 dot is sum(x q) - z sum(x) |
 | int8, symmetric | int8 (Q8_0's blocks of 32) | bytes kept (-128 becomes -127, as for GGUF's Q8_0) |
 | int8 with zero points | bf16 | s * (q - z) rounded to bfloat16 (no int8 kernel takes zero points) |
 | float8 e4m3 (per tensor, channel or block) | bf16 | q * s rounded to bfloat16 |
-| MXFP4 (e2m1 values, e8m0 scales per 32) | Q5_0 (d = 2^(e - 128), q = 2 * value + 16) | exact: every e2m1 value doubled is an integer in [-12, 12] |
+| MXFP4 (e2m1 values, e8m0 scales per 32) | MXFP4 (codes kept; d = 2^(e - 128) in float16) | exact: every e2m1 value doubled is an integer in [-12, 12], the kernel's table; scales below 2^-24 (e < 104) are served as zero, with a warning |
+
+MXFP4 takes 4.5 bits per weight in its layout (4 + a float16 d per 32; the checkpoint's 4.25 has a byte e) and Q4_Z
+4.75 (4 + d and a byte z per 32), where Q5_0, which served both exactly before them (2 * value + 16; q - z + 16),
+takes 5.5; Q5_0 stays the fallback for zero points beyond 4 bits.
 
 Scales are stored as float16 by these layouts: a bfloat16 or float16 scale converts exactly (within float16's range),
 a float32 one rounds to 11 bits. The conversions run once, at load, on this rank's block of each weight.
@@ -23,14 +27,11 @@ import logging
 
 import torch
 
-from loaders.hf_quant import E2M1, Grouped
+from loaders.hf_quant import Grouped
 from sharding.layers import gguf_quant, quant
 from sharding.layers.quant import QuantizedWeight
 
 logger = logging.getLogger(__name__)
-
-# an MXFP4 code's value doubled, plus Q5_0's offset of 16
-MXFP4_AS_Q5_0 = torch.tensor([int(2 * v) + 16 for v in E2M1], dtype=torch.uint8)
 
 
 def read_weight(ckpt, parts: list[tuple[str, int, list[tuple[int, int]]]]) -> QuantizedWeight | None:
@@ -82,7 +83,8 @@ def convert(g: Grouped) -> QuantizedWeight:
         small = (d == 0) & (g.scale != 0)
         if bool(small.any()):
             logger.warning("%d MXFP4 scales below float16's smallest (2^-24) served as zero", int(small.sum()))
-        return quant.from_gguf("Q5_0", MXFP4_AS_Q5_0[g.codes.long()], {"d": d})
+        # the codes as they are: MXFP4's kernel maps them to kvalues_mxfp4 (E2M1 doubled), so d is half the scale
+        return quant.from_gguf("MXFP4", g.codes.contiguous(), {"d": d})
     if g.kind == "fp8":
         return quant.quantize(g.dequantize(), "bf16")
     per32 = g.group // 32 if g.group % 32 == 0 else 0
@@ -95,11 +97,18 @@ def convert(g: Grouped) -> QuantizedWeight:
     if symmetric:
         group = 128 if g.group % 128 == 0 else 32
         return int4(g.codes, _half(g.scale.repeat_interleave(g.group // group, dim=1)), group)
-    # q - z + 16 lies in [1, 31]: Q5_0's values, its d the scale. Exact, where Q4_1 (d * q + m) would round m = -s * z
-    # to float16 and move the weights by up to 2^-11 of it: enough to change a greedy token of a tiny test model.
+    # Q4_Z: the codes and zero points as they are, d the scale, W = d * (q - z). Exact, where Q4_1 (d * q + m) would
+    # round m = -s * z to float16 and move the weights by up to 2^-11 of it: enough to change a greedy token of a
+    # tiny test model.
+    d = _half(g.scale.repeat_interleave(per32, dim=1))
+    if g.bits == 4 and bool((g.zero < 16).all()):
+        return quant.from_gguf("Q4_Z", g.codes.contiguous(), {"d": d, "z": g.zero.repeat_interleave(per32, dim=1)})
+    # (a zero point beyond 4 bits, which no 4-bit format writes) q - z + 16 in Q5_0's 5 bits, where it fits
     zero = g.zero.to(torch.int16).repeat_interleave(g.group, dim=1)
-    codes = (g.codes.to(torch.int16) - zero + 16).to(torch.uint8)
-    return quant.from_gguf("Q5_0", codes, {"d": _half(g.scale.repeat_interleave(per32, dim=1))})
+    codes = g.codes.to(torch.int16) - zero + 16
+    if bool(((codes < 0) | (codes > 31)).any()):
+        return quant.quantize(g.dequantize(), "bf16")
+    return quant.from_gguf("Q5_0", codes.to(torch.uint8), {"d": d})
 
 
 def int4(codes: torch.Tensor, scale: torch.Tensor, group: int, rows: int | None = None) -> QuantizedWeight:

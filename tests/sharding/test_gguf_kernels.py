@@ -1,9 +1,11 @@
 """GGUF block types served in their own blocks (sharding/layers/gguf_quant.py, core/kquant_linear.cpp,
-core/kquant_pack.cpp), on random blocks (any bytes are valid blocks; the float16 fields are set to sane scales):
+core/kquant_pack.cpp), on random blocks (any bytes are valid blocks; the float16 fields are set to sane scales, MXFP4's
+e8m0 ones to those a float16 d holds):
 
 - the values and scales split from the file's blocks dequantize bit-equal to gguf-py's `dequantize`;
 - the kernel's layout holds them losslessly (unpacked again: the same values and scales), and the compiled packer
-  writes the same bytes as the torch one;
+  writes the same bytes as the torch one (MXFP4: for every e, the clamped ones included);
+- Q4_Z, which has no file form, from random values, scales and zero points: packed losslessly, W = d * (q - z);
 - the compiled kernel equals a float64 product of the dequantized weights with the activations rounded as it
   rounds them (int8 per row and block of 32), within float32 rounding, at 1 to 9 rows and output sizes with tails;
 - a weight mixing types (quant.mixed) is its parts side by side.
@@ -20,13 +22,18 @@ from sharding.layers import gguf_quant, quant
 
 gguf = pytest.importorskip("gguf")
 
-HALF_FIELDS = {"Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}
+HALF_FIELDS = {"Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208],
+               "MXFP4": []}
+FILE_TYPES = [name for name, t in gguf_quant.TYPES.items() if t.block_bytes]  # all but Q4_Z
+MXFP4_EXACT_E = (104, 143)  # e8m0 scales whose 2^(e - 128) a float16 holds
 
 
 def random_blocks(name: str, rows: int, blocks: int, seed: int = 0) -> torch.Tensor:
     t = gguf_quant.TYPES[name]
     rng = np.random.default_rng(seed)
     raw = rng.integers(0, 256, (rows, blocks, t.block_bytes), dtype=np.uint8)
+    if name == "MXFP4":  # e: 2^(e - 128) from float16's smallest subnormal to 2^15
+        raw[..., 0] = rng.integers(MXFP4_EXACT_E[0], MXFP4_EXACT_E[1] + 1, (rows, blocks))
     for o in HALF_FIELDS[name]:
         h = (rng.uniform(0.5, 1.5, (rows, blocks)) * 2.0 ** -8 * rng.choice([-1, 1], (rows, blocks))).astype(np.float16)
         raw[..., o:o + 2] = h.view(np.uint8).reshape(rows, blocks, 2)
@@ -40,7 +47,16 @@ def int8_rounded(x: torch.Tensor) -> torch.Tensor:
     return (q * (amax / 127)).reshape(x.shape)
 
 
-@pytest.mark.parametrize("name", list(gguf_quant.TYPES))
+def random_q4_z(rows: int, k: int, seed: int = 0) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Q4_Z's values (0..15) and scales: d float16 of either sign, z 0..15, per 32 inputs."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 16, (rows, k), generator=g, dtype=torch.uint8)
+    sign = torch.randint(0, 2, (rows, k // 32), generator=g) * 2 - 1
+    d = ((torch.rand(rows, k // 32, generator=g) + 0.5) * 2.0 ** -8 * sign).half()
+    return q, {"d": d, "z": torch.randint(0, 16, (rows, k // 32), generator=g, dtype=torch.uint8)}
+
+
+@pytest.mark.parametrize("name", FILE_TYPES)
 def test_blocks_split_and_packed_losslessly(name):
     t = gguf_quant.TYPES[name]
     rows, blocks = 21, 512 // t.block
@@ -59,6 +75,66 @@ def test_blocks_split_and_packed_losslessly(name):
         assert torch.equal(w, w2) and torch.equal(sc, sc2)
 
 
+def test_mxfp4_scales_outside_float16_are_clamped_alike():
+    """Every e8m0 byte: d = 2^(e - 128) exactly for e in [104, 143] (gguf-py's values), 0 below, 2^15 above, the same
+    in the torch unpacker and the compiled packer (loaders/gguf_file.py refuses e > 143 and warns of e < 104)."""
+    e = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    d = gguf_quant._e8m0_half(e).float()
+    want = torch.ldexp(torch.ones(256, dtype=torch.float64), e.long() - 128)
+    inside = (e >= MXFP4_EXACT_E[0]) & (e <= MXFP4_EXACT_E[1])
+    assert torch.equal(d[inside].double(), want[inside])
+    assert not d[e < MXFP4_EXACT_E[0]].any() and (d[e > MXFP4_EXACT_E[1]] == 2.0 ** 15).all()
+    raw = random_blocks("MXFP4", 16, 16)
+    raw[..., 0] = e.reshape(16, 16)
+    q, s = gguf_quant.unpack("MXFP4", raw)
+    assert torch.equal(s["d"].float(), d.reshape(16, 16))
+    if kernels.build_kernels():
+        w, sc = gguf_quant.pack("MXFP4", q, s)
+        w2, sc2 = torch.ops.tpserve.kq_pack(raw.contiguous(), gguf_quant.TYPES["MXFP4"].code, 512)
+        assert torch.equal(w, w2) and torch.equal(sc, sc2)
+
+
+def test_gguf_file_checks_mxfp4_scales(caplog):
+    """loaders/gguf_file.py serves MXFP4 (gguf-py's block size) and checks its scales as it reads them: a float16 d
+    holds e in [104, 143]; below, a warning (served as zero); above, refused."""
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    from loaders.checkpoint import CheckpointError
+    from loaders.gguf_file import GGUFCheckpoint
+
+    assert gguf_quant.TYPES["MXFP4"].block_bytes == 17 and gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType.MXFP4] == (
+        32, 17)
+    fake = SimpleNamespace(path=Path("oss.gguf"))
+    GGUFCheckpoint._check_mxfp4_scales(fake, "w", torch.tensor([104, 128, 143], dtype=torch.uint8))
+    assert not caplog.records
+    GGUFCheckpoint._check_mxfp4_scales(fake, "w", torch.tensor([103, 128], dtype=torch.uint8))
+    assert "1 MXFP4 scales below" in caplog.text
+    with pytest.raises(CheckpointError, match="2\\^16"):
+        GGUFCheckpoint._check_mxfp4_scales(fake, "w", torch.tensor([144], dtype=torch.uint8))
+
+
+def test_q4_z_packed_losslessly():
+    """Q4_Z (no file form): pack / unpack_packed keep every value, d and z; the weight is d * (q - z); the compiled
+    packer, which reads file blocks, refuses it."""
+    rows, k = 21, 512
+    q, s = random_q4_z(rows, k)
+    w, sc = gguf_quant.pack("Q4_Z", q, s)
+    t = gguf_quant.TYPES["Q4_Z"]
+    assert w.shape == (2, k // 32 * t.chunk_bytes) and sc.shape == (2, k // 32 * 48)
+    q2, s2 = gguf_quant.unpack_packed("Q4_Z", w, sc, k)
+    assert torch.equal(q2[:rows], q) and not q2[rows:].any()
+    for name in s:
+        assert torch.equal(s2[name][:rows].view(torch.uint8), s[name].view(torch.uint8)), name
+    want = s["d"].float().repeat_interleave(32, dim=1) * (q.float() - s["z"].float().repeat_interleave(32, dim=1))
+    assert torch.equal(gguf_quant.dequantize_unpacked("Q4_Z", q, s), want)
+    with pytest.raises(ValueError):
+        gguf_quant.unpack("Q4_Z", torch.zeros(1, 1, 19, dtype=torch.uint8))
+    if kernels.build_kernels():
+        with pytest.raises(RuntimeError, match="no file blocks"):
+            torch.ops.tpserve.kq_pack(torch.zeros(1, 1, 0, dtype=torch.uint8), t.code, 32)
+
+
 @pytest.mark.parametrize("name", list(gguf_quant.TYPES))
 def test_the_kernel_equals_the_dequantized_product(name):
     if not kernels.build_kernels():
@@ -68,11 +144,16 @@ def test_the_kernel_equals_the_dequantized_product(name):
     for rows, k, m in ((37, 512, 1), (16, 256, 3), (50, 1024, 9)):
         if k % t.block:
             continue
-        raw = random_blocks(name, rows, k // t.block, seed=rows)
-        qw = quant._one_type(name, [raw])
+        if t.block_bytes:
+            raw = random_blocks(name, rows, k // t.block, seed=rows)
+            qw = quant._one_type(name, [raw])
+            unpacked = gguf_quant.unpack(name, raw)
+        else:  # Q4_Z: from values and scales
+            unpacked = random_q4_z(rows, k, seed=rows)
+            qw = quant.from_gguf(name, *unpacked)
         assert qw.kernel is not None and qw.mode == name
         w = quant.dequantize(qw)
-        assert torch.equal(w, gguf_quant.dequantize_unpacked(name, *gguf_quant.unpack(name, raw)))
+        assert torch.equal(w, gguf_quant.dequantize_unpacked(name, *unpacked))
         x = torch.randn(m, k)
         y = quant.linear(x, qw)
         ref = (int8_rounded(x).double() @ w.double().T).float()

@@ -38,12 +38,13 @@ CASES = {
     "int4 group 64": (dict(kind="int", bits=4, group=64), "int4", True),
     "int4 group 32": (dict(kind="int", bits=4, group=32), "int4", True),
     "int4 channel": (dict(kind="int", bits=4, group=256), "int4", True),
-    "int4 asymmetric": (dict(kind="int", bits=4, group=128, asym=True), "Q5_0", True),
+    "int4 asymmetric": (dict(kind="int", bits=4, group=128, asym=True), "Q4_Z", True),
+    "int4 asymmetric group 32": (dict(kind="int", bits=4, group=32, asym=True), "Q4_Z", True),
     "int8 channel": (dict(kind="int", bits=8, group=256), "int8", False),  # (-128 -> -127)
     "int8 group 128": (dict(kind="int", bits=8, group=128), "int8", False),
     "int8 asymmetric": (dict(kind="int", bits=8, group=128, asym=True), "bf16", False),
     "fp8 channel": (dict(kind="fp8", bits=8, group=256), "bf16", False),
-    "mxfp4": (dict(kind="mxfp4", bits=4, group=32), "Q5_0", True),
+    "mxfp4": (dict(kind="mxfp4", bits=4, group=32), "MXFP4", True),
 }
 
 
@@ -82,7 +83,7 @@ def test_kernel_multiplies_by_the_stored_values(case):
     torch.manual_seed(1)
     for m in (1, 3, 4, 7, 16, 33):
         x = torch.randn(m, 256)
-        kind = "int8" if mode in ("int4", "int8", "Q5_0") else "bf16"
+        kind = "int8" if mode in ("int4", "int8", "Q4_Z", "MXFP4") else "bf16"
         want = (as_kernel_sees(x, kind).double() @ w.T).float()
         got = quant.linear(x, qw)
         close = torch.isclose(got, want, atol=2e-4, rtol=1e-4).all(dim=1)
@@ -101,9 +102,9 @@ def test_parts_stored_alike_are_one_weight_and_others_side_by_side():
     assert torch.equal(quant.dequantize(one), torch.cat([a.dequantize(), b.dequantize()]))
     c = grouped("int", 4, 128, rows=8, asym=True, seed=2)
     both = stored.from_grouped([a, c])  # a symmetric part joins an asymmetric one: zero 8 made explicit
-    assert both.mode == "Q5_0" and torch.equal(quant.dequantize(both), torch.cat([a.dequantize(), c.dequantize()]))
+    assert both.mode == "Q4_Z" and torch.equal(quant.dequantize(both), torch.cat([a.dequantize(), c.dequantize()]))
     m = stored.from_grouped([a, grouped("mxfp4", 4, 32, rows=8)])
-    assert m.mode == "mixed" and [p.mode for p in m.parts] == ["int4", "Q5_0"]
+    assert m.mode == "mixed" and [p.mode for p in m.parts] == ["int4", "MXFP4"]
 
 
 def test_mxfp4_values_are_e2m1_times_a_power_of_two():
@@ -112,3 +113,26 @@ def test_mxfp4_values_are_e2m1_times_a_power_of_two():
     values = set(torch.tensor(E2M1).abs().tolist())
     ratio = (w / g.scale.repeat_interleave(32, dim=1)).abs()
     assert set(ratio.unique().tolist()) <= values
+
+
+def test_mxfp4_scales_over_float16s_range(caplog):
+    """Every MXFP4 scale a float16 d (= scale / 2) holds is served exactly, 2^-23 to 2^16; one below is served as zero,
+    with a warning."""
+    rows, cols = 40, 64
+    codes = torch.randint(0, 16, (rows, cols), dtype=torch.uint8)
+    scale = torch.ldexp(torch.ones(rows, 2), torch.arange(-23, 17).view(rows, 1).expand(rows, 2))
+    g = Grouped("mxfp4", codes, scale, 32, 4)
+    qw = stored.convert(g)
+    assert qw.mode == "MXFP4" and torch.equal(quant.dequantize(qw), g.dequantize()) and not caplog.records
+    tiny = Grouped("mxfp4", codes[:1], torch.tensor([[2.0 ** -24, 1.0]]), 32, 4)
+    w = quant.dequantize(stored.convert(tiny))
+    assert not w[:, :32].any() and torch.equal(w[:, 32:], tiny.dequantize()[:, 32:])
+    assert "1 MXFP4 scales below" in caplog.text
+
+
+def test_zero_points_beyond_4_bits_fall_back_to_q5_0():
+    """A zero point no 4-bit format writes (16): Q4_Z cannot hold it, Q5_0's q - z + 16 does, exactly."""
+    g = grouped("int", 4, 128, asym=True)
+    g = Grouped("int", g.codes, g.scale, g.group, g.bits, torch.full_like(g.zero, 16))
+    qw = stored.convert(g)
+    assert qw.mode == "Q5_0" and torch.equal(quant.dequantize(qw), g.dequantize())

@@ -138,7 +138,7 @@ at::Tensor kq_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
 
 // GGUF blocks [rows, K / block, bytes] -> (w, s) as kq_linear reads them (core/kquant_pack.cpp)
 std::tuple<at::Tensor, at::Tensor> kq_pack(const at::Tensor& raw, int64_t type, int64_t K) {
-  TORCH_CHECK(kq_valid(type), "kq_pack: unknown block type ", type);
+  TORCH_CHECK(kq_valid(type) && kq_block_bytes(type) > 0, "kq_pack: block type ", type, " has no file blocks");
   TORCH_CHECK(raw.dim() == 3 && raw.scalar_type() == at::kByte && raw.is_contiguous() && K % kq_super(type) == 0 &&
                   raw.size(1) == K / kq_super(type) && raw.size(2) == kq_block_bytes(type),
               "kq_pack: uint8 blocks [rows, K / block, bytes per block]");

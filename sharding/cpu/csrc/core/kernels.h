@@ -98,16 +98,19 @@ void int4_range(const float* x, const Int8Rows* xq, int64_t M, int64_t K, const 
                 int64_t G, const float* bias, int64_t N, float* y, int64_t b0, int64_t b1);
 
 // core/kquant_linear.cpp: GGUF's other block types served in their own blocks (llama.cpp's Q4_1, Q5_0, Q5_1, Q4_K,
-// Q5_K, Q6_K; its Q8_0 and Q4_0 are int8 and int4 above), over int8 activations on every build (quantize_rows), in
-// blocks of 16 output rows (the layout: kquant_linear.cpp and sharding/layers/gguf_quant.py). `type`: a KQuant.
-enum KQuant : int64_t { KQ_Q4_1 = 1, KQ_Q5_0 = 2, KQ_Q5_1 = 3, KQ_Q4_K = 4, KQ_Q5_K = 5, KQ_Q6_K = 6 };
+// Q5_K, Q6_K, MXFP4; its Q8_0 and Q4_0 are int8 and int4 above), and Q4_Z (4-bit values with an integer zero point
+// per 32 inputs: Hugging Face's asymmetric int4, no file form), over int8 activations on every build (quantize_rows),
+// in blocks of 16 output rows (the layout: kquant_linear.cpp and sharding/layers/gguf_quant.py). `type`: a KQuant.
+enum KQuant : int64_t {
+  KQ_Q4_1 = 1, KQ_Q5_0 = 2, KQ_Q5_1 = 3, KQ_Q4_K = 4, KQ_Q5_K = 5, KQ_Q6_K = 6, KQ_MXFP4 = 7, KQ_Q4_Z = 8
+};
 bool kq_valid(int64_t type);
 int64_t kq_chunk_bytes(int64_t type);  // bytes of w per 32 inputs of a 16-row block
 int64_t kq_super(int64_t type);        // inputs per block of scales (32 or 256)
 int64_t kq_scale_bytes(int64_t type);  // bytes of s per `kq_super` inputs of a 16-row block
 // core/kquant_pack.cpp: the file's blocks (uint8 [rows, K / block, bytes per block]) -> w, s for 16-row blocks
 // [b0, b1) (sized [ceil(rows / 16), K / 32 * kq_chunk_bytes] and [ceil(rows / 16), K / kq_super * kq_scale_bytes])
-int64_t kq_block_bytes(int64_t type);
+int64_t kq_block_bytes(int64_t type);  // bytes per block in the file; 0 for Q4_Z, which has no file form
 void kq_pack_blocks(int64_t type, const uint8_t* raw, int64_t rows, int64_t K, uint8_t* w, uint8_t* s, int64_t b0,
                     int64_t b1);
 void kq_range(int64_t type, const Int8Rows* xq, int64_t M, int64_t K, const uint8_t* w, const uint8_t* s,

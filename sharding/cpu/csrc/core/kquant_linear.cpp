@@ -1,11 +1,18 @@
-// GGUF block types served in their own blocks: y = x @ dequant(W)^T for llama.cpp's Q4_1, Q5_0, Q5_1, Q4_K, Q5_K and
-// Q6_K weights (Q8_0 and Q4_0 are the int8 and int4 kernels of quant_linear.cpp); torch-free.
+// GGUF block types served in their own blocks: y = x @ dequant(W)^T for llama.cpp's Q4_1, Q5_0, Q5_1, Q4_K, Q5_K,
+// Q6_K and MXFP4 weights (Q8_0 and Q4_0 are the int8 and int4 kernels of quant_linear.cpp), and for Q4_Z, 4-bit values
+// with an integer zero point (Hugging Face's asymmetric int4: AWQ, GPTQ sym=false, compressed-tensors; no GGUF type
+// stores it, sharding/layers/stored.py makes it); torch-free.
 //
 // What each type stores (ggml-common.h; q unsigned, of `bits` bits; x the activations):
 //   Q4_1, Q5_1   per 32 inputs: d, m (float16)                              W = d * q + m
 //   Q5_0         per 32 inputs: d                                           W = d * (q - 16)
 //   Q4_K, Q5_K   per 256: d, dmin (float16); per 32: sc, mn (6 bits)        W = d * sc * q - dmin * mn
 //   Q6_K         per 256: d; per 16: sc (int8)                              W = d * sc * (q - 32)
+//   MXFP4        per 32 inputs: d (float16)                                 W = d * KV[q]
+//   Q4_Z         per 32 inputs: d (float16), z (a byte, 0..15)              W = d * (q - z)
+// MXFP4's q is an e2m1 code and KV llama.cpp's kvalues_mxfp4, the e2m1 values doubled (integers in [-12, 12]); the
+// file's e8m0 scale e (W = KV[q] * 2^(e - 128)) is d = 2^(e - 128), exact in float16 for e in [104, 143]
+// (kquant_pack.cpp clamps the rest).
 //
 // The activations are int8 per row and block of 32 inputs (quantize_rows, Q8_0's scheme: the int8 / int4 kernels'
 // own, so one quantized copy of a layer's input serves every type in it) on every build, and each block's dot
@@ -17,14 +24,16 @@
 // 16-row layout: line i, byte 4 * row + p holds input 8i + p in its low nibble and 8i + 4 + p in its high one; so
 // unpacked vector t = 0..7 holds inputs 4t..4t+3 of every row), then the high bits: Q5 types one line (bit t of
 // byte 4 * row + p: bit 4 of vector t's value), Q6_K two (line h, bits 2u..2u+1 of a byte: bits 4-5 of vector
-// 4h + u). `s` holds per 16-row block, for each `kq_super` inputs: the 16 rows' d (float16), then dmin (K types) or m
-// (Q4_1, Q5_1), then the 6-bit sc and mn unpacked to bytes [8][16] each (Q4_K, Q5_K) or Q6_K's int8 sc [16][16].
-// Bytes against the file: Q4_K 148 per 256 inputs and row (file 144), Q5_K 180 (176), Q6_K 210 (210), the others
-// equal.
+// 4h + u). MXFP4's nibbles are its codes, which the kernels map to KV[q] + 12 as they unpack them (a byte shuffle).
+// `s` holds per 16-row block, for each `kq_super` inputs: the 16 rows' d (float16), then dmin (K types) or m (Q4_1,
+// Q5_1) or z (Q4_Z, one byte each), then the 6-bit sc and mn unpacked to bytes [8][16] each (Q4_K, Q5_K) or Q6_K's
+// int8 sc [16][16]. Bytes against the file: Q4_K 148 per 256 inputs and row (file 144), Q5_K 180 (176), Q6_K 210
+// (210), MXFP4 18 per 32 (17: d as float16 where the file has e's byte), Q4_Z 19 per 32 (no file), the others equal.
 //
 // The float steps per block of 32 and row lane, the same on every build (the SIMD loops do them lane by lane, so
 // every build's outputs are the same bits; tests/harness.cpp):
-//   t = float(dot) * sa          (sa = d * sc, exact in float32; Q4_1 / Q5_x: d; dot from -16 * sum for Q5_0)
+//   t = float(dot) * sa          (sa = d * sc, exact in float32; Q4_1 / Q5_x / MXFP4 / Q4_Z: d; dot from -16 * sum
+//                                 for Q5_0, from -12 * sum for MXFP4 (values KV[q] + 12), from -z * sum for Q4_Z)
 //   t = fma(nm, float(sum), t)   (Q4_K, Q5_K: nm = -(dmin * mn); Q4_1, Q5_1: nm = m)
 //   t = fma(float(dot_b), sb, t) (Q6_K: the block's two groups of 16, each dot from -32 * its sum)
 //   acc = fma(t, xs, acc)        (xs: the activations' block scale)
@@ -41,32 +50,65 @@ namespace {
 constexpr int64_t NR = tpserve::VNNI_BLOCK;  // output rows per block
 constexpr int64_t MR = 4;                    // activation rows per pass (the portable kernel)
 
+// Per type: bits of a value in the layout; inputs per block of scales and its bytes per 16-row block; vmax, the
+// largest unsigned value the dot products multiply (the AVX2 loops' int16 bounds); offset, what the dot starts at per
+// unit of the activations' sum (-offset * sum: the values' offset; Q6_K's 32 is per group of 16, on its own path);
+// nm, whether t takes the fma(nm, float(sum), t) step (an m or dmin term)
 template <int64_t T>
 struct Traits;
 template <>
 struct Traits<tpserve::KQ_Q4_1> {
-  static constexpr int bits = 4, super = 32, scale_bytes = 64;
+  static constexpr int bits = 4, super = 32, scale_bytes = 64, vmax = 15, offset = 0;
+  static constexpr bool nm = true;
 };
 template <>
 struct Traits<tpserve::KQ_Q5_0> {
-  static constexpr int bits = 5, super = 32, scale_bytes = 32;
+  static constexpr int bits = 5, super = 32, scale_bytes = 32, vmax = 31, offset = 16;
+  static constexpr bool nm = false;
 };
 template <>
 struct Traits<tpserve::KQ_Q5_1> {
-  static constexpr int bits = 5, super = 32, scale_bytes = 64;
+  static constexpr int bits = 5, super = 32, scale_bytes = 64, vmax = 31, offset = 0;
+  static constexpr bool nm = true;
 };
 template <>
 struct Traits<tpserve::KQ_Q4_K> {
-  static constexpr int bits = 4, super = 256, scale_bytes = 64 + 2 * 8 * 16;
+  static constexpr int bits = 4, super = 256, scale_bytes = 64 + 2 * 8 * 16, vmax = 15, offset = 0;
+  static constexpr bool nm = true;
 };
 template <>
 struct Traits<tpserve::KQ_Q5_K> {
-  static constexpr int bits = 5, super = 256, scale_bytes = 64 + 2 * 8 * 16;
+  static constexpr int bits = 5, super = 256, scale_bytes = 64 + 2 * 8 * 16, vmax = 31, offset = 0;
+  static constexpr bool nm = true;
 };
 template <>
 struct Traits<tpserve::KQ_Q6_K> {
-  static constexpr int bits = 6, super = 256, scale_bytes = 32 + 16 * 16;
+  static constexpr int bits = 6, super = 256, scale_bytes = 32 + 16 * 16, vmax = 63, offset = 32;
+  static constexpr bool nm = false;
 };
+template <>
+struct Traits<tpserve::KQ_MXFP4> {  // values KV[q] + 12 (MXFP4_U below)
+  static constexpr int bits = 4, super = 32, scale_bytes = 32, vmax = 24, offset = 12;
+  static constexpr bool nm = false;
+};
+template <>
+struct Traits<tpserve::KQ_Q4_Z> {  // scales: the 16 rows' d (32 bytes), then their z (16); the offset is z, per row
+  static constexpr int bits = 4, super = 32, scale_bytes = 32 + 16, vmax = 15, offset = 0;
+  static constexpr bool nm = false;
+};
+
+// MXFP4's values as the kernels multiply them: llama.cpp's kvalues_mxfp4 (the e2m1 values doubled, so integers), plus
+// 12, so that every one is unsigned ([0, 24]: the x86 loops' vpdpbusd / vpmaddubsw take the weights as unsigned
+// bytes); the dot starts at -12 * sum to take the 12 back off. The x86 loops map a vector of codes with one byte
+// shuffle through MXFP4_U.
+constexpr int8_t MXFP4_KV[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+alignas(16) constexpr uint8_t MXFP4_U[16] = {12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0};
+constexpr bool mxfp4_table_ok() {
+  for (int i = 0; i < 16; ++i)
+    if (MXFP4_U[i] != MXFP4_KV[i] + Traits<tpserve::KQ_MXFP4>::offset) return false;
+  return true;
+}
+static_assert(mxfp4_table_ok(), "MXFP4_U is kvalues_mxfp4 + 12");
 
 template <int64_t T>
 constexpr int64_t chunk_bytes() {
@@ -90,7 +132,7 @@ inline void block_scales(const uint8_t* s, int64_t b, float (&sa)[NR], float (&n
     if constexpr (T == tpserve::KQ_Q4_1 || T == tpserve::KQ_Q5_1) {
       sa[l] = d;
       nm[l] = half_at(sp + 32, l);
-    } else if constexpr (T == tpserve::KQ_Q5_0) {
+    } else if constexpr (T == tpserve::KQ_Q5_0 || T == tpserve::KQ_MXFP4 || T == tpserve::KQ_Q4_Z) {
       sa[l] = d;
     } else if constexpr (T == tpserve::KQ_Q6_K) {
       const int8_t* sc = reinterpret_cast<const int8_t*>(sp + 32);
@@ -104,7 +146,12 @@ inline void block_scales(const uint8_t* s, int64_t b, float (&sa)[NR], float (&n
   }
 }
 
-// The 16 rows' unsigned values of one 32-input chunk, q[row][input]
+// Q4_Z's zero points of 32-input block b: the 16 rows' z, after their d
+inline const uint8_t* block_zeros(const uint8_t* s, int64_t b) {
+  return s + b * Traits<tpserve::KQ_Q4_Z>::scale_bytes + 32;
+}
+
+// The 16 rows' unsigned values of one 32-input chunk, q[row][input] (MXFP4: KV[code] + 12)
 template <int64_t T>
 inline void unpack_chunk(const uint8_t* c, uint8_t (&q)[NR][32]) {
   for (int64_t l = 0; l < NR; ++l)
@@ -117,6 +164,7 @@ inline void unpack_chunk(const uint8_t* c, uint8_t (&q)[NR][32]) {
         } else if constexpr (Traits<T>::bits == 6) {
           v |= ((c[256 + (t / 4) * 64 + 4 * l + p] >> (2 * (t % 4))) & 3) << 4;
         }
+        if constexpr (T == tpserve::KQ_MXFP4) v = MXFP4_U[v];
         q[l][4 * t + p] = v;
       }
 }
@@ -147,10 +195,12 @@ void kq_block_portable(const tpserve::Int8Rows& xq, int64_t m0, const uint8_t* w
           t = static_cast<float>(da) * sa[l];
           t = std::fma(static_cast<float>(db), sb[l], t);
         } else {
-          int32_t dot = T == tpserve::KQ_Q5_0 ? -16 * sum : 0;
+          // (exact in int32: the products add up to at most 32 x 31 x 127 in magnitude, the offset's term to 16 x 4064)
+          int32_t dot = -Traits<T>::offset * sum;
+          if constexpr (T == tpserve::KQ_Q4_Z) dot = -static_cast<int32_t>(block_zeros(s, b)[l]) * sum;
           for (int i = 0; i < 32; ++i) dot += q[l][i] * x[i];
           t = static_cast<float>(dot) * sa[l];
-          if constexpr (T != tpserve::KQ_Q5_0) t = std::fma(nm[l], static_cast<float>(sum), t);
+          if constexpr (Traits<T>::nm) t = std::fma(nm[l], static_cast<float>(sum), t);
         }
         acc[r][l] = std::fma(t, xs, acc[r][l]);
       }
@@ -204,7 +254,7 @@ void range_of(const tpserve::Int8Rows& xq, int64_t M, int64_t K, const uint8_t* 
 
 namespace tpserve {
 
-bool kq_valid(int64_t type) { return type >= KQ_Q4_1 && type <= KQ_Q6_K; }
+bool kq_valid(int64_t type) { return type >= KQ_Q4_1 && type <= KQ_Q4_Z; }
 
 int64_t kq_chunk_bytes(int64_t type) {
   switch (type) {
@@ -213,11 +263,13 @@ int64_t kq_chunk_bytes(int64_t type) {
     case KQ_Q5_1: return chunk_bytes<KQ_Q5_1>();
     case KQ_Q4_K: return chunk_bytes<KQ_Q4_K>();
     case KQ_Q5_K: return chunk_bytes<KQ_Q5_K>();
-    default: return chunk_bytes<KQ_Q6_K>();
+    case KQ_Q6_K: return chunk_bytes<KQ_Q6_K>();
+    case KQ_MXFP4: return chunk_bytes<KQ_MXFP4>();
+    default: return chunk_bytes<KQ_Q4_Z>();
   }
 }
 
-int64_t kq_super(int64_t type) { return type >= KQ_Q4_K ? 256 : 32; }
+int64_t kq_super(int64_t type) { return type == KQ_Q4_K || type == KQ_Q5_K || type == KQ_Q6_K ? 256 : 32; }
 
 int64_t kq_scale_bytes(int64_t type) {
   switch (type) {
@@ -226,7 +278,9 @@ int64_t kq_scale_bytes(int64_t type) {
     case KQ_Q5_1: return Traits<KQ_Q5_1>::scale_bytes;
     case KQ_Q4_K: return Traits<KQ_Q4_K>::scale_bytes;
     case KQ_Q5_K: return Traits<KQ_Q5_K>::scale_bytes;
-    default: return Traits<KQ_Q6_K>::scale_bytes;
+    case KQ_Q6_K: return Traits<KQ_Q6_K>::scale_bytes;
+    case KQ_MXFP4: return Traits<KQ_MXFP4>::scale_bytes;
+    default: return Traits<KQ_Q4_Z>::scale_bytes;
   }
 }
 
@@ -238,7 +292,9 @@ void kq_range(int64_t type, const Int8Rows* xq, int64_t M, int64_t K, const uint
     case KQ_Q5_1: return range_of<KQ_Q5_1>(*xq, M, K, w, s, bias, N, y, b0, b1);
     case KQ_Q4_K: return range_of<KQ_Q4_K>(*xq, M, K, w, s, bias, N, y, b0, b1);
     case KQ_Q5_K: return range_of<KQ_Q5_K>(*xq, M, K, w, s, bias, N, y, b0, b1);
-    default: return range_of<KQ_Q6_K>(*xq, M, K, w, s, bias, N, y, b0, b1);
+    case KQ_Q6_K: return range_of<KQ_Q6_K>(*xq, M, K, w, s, bias, N, y, b0, b1);
+    case KQ_MXFP4: return range_of<KQ_MXFP4>(*xq, M, K, w, s, bias, N, y, b0, b1);
+    default: return range_of<KQ_Q4_Z>(*xq, M, K, w, s, bias, N, y, b0, b1);
   }
 }
 

@@ -1,10 +1,12 @@
 // GGUF blocks -> the layout core/kquant_linear.cpp reads (described there), at load: each file block's values and
 // scales decoded (as ggml-common.h stores them) and scattered into the 16-row block they belong to. The same bytes as
 // sharding/layers/gguf_quant.py's pack (the tests compare them), at memory speed instead of torch's ~100 uint8 ops
-// per tensor. Torch-free; the op (kq_pack) is in quant_linear.cpp.
+// per tensor. Torch-free; the op (kq_pack) is in quant_linear.cpp. (Q4_Z has no file form: only gguf_quant.py's
+// pack makes it.)
 
 #include "kernels.h"
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 
@@ -14,11 +16,24 @@ constexpr int64_t NR = tpserve::VNNI_BLOCK;
 
 struct Decoded {  // one file block of one row
   uint8_t q[256];
-  uint8_t d[2], m[2];   // float16 bits: d, and m (Q4_1, Q5_1) or dmin (Q4_K, Q5_K)
+  uint8_t d[2], m[2];   // float16 bits: d (MXFP4: from e), and m (Q4_1, Q5_1) or dmin (Q4_K, Q5_K)
   uint8_t sc[16], mn[8];  // Q4_K / Q5_K: 8 6-bit scales and mins; Q6_K: 16 int8 scales
 };
 
 inline uint32_t le32(const uint8_t* p) { return p[0] | (p[1] << 8) | (p[2] << 16) | (static_cast<uint32_t>(p[3]) << 24); }
+
+// MXFP4's e8m0 scale e as the float16 d = 2^(e - 128) (W = kvalues_mxfp4[q] * 2^(e - 128): ggml's
+// ggml_e8m0_to_fp32_half), little-endian bits. Exact for e in [104, 143]: 2^-24 (float16's smallest subnormal) to
+// 2^15. Outside it is clamped: e < 104 gives d = 0 (weights below 12 x 2^-25 in magnitude served as zero: what
+// rounding 2^(e - 128) to float16 gives), e > 143 gives 2^15 (float16 has no larger power of two; a weight of 2^16 or
+// more is no trained model's, and loaders/gguf_file.py refuses such a file before it gets here). gguf_quant.py's
+// _e8m0_half is the same.
+inline void e8m0_half(uint8_t e, uint8_t (&d)[2]) {
+  const int k = e - 128;
+  const uint16_t h = k < -24 ? 0 : k < -14 ? static_cast<uint16_t>(1u << (k + 24))   // subnormal: 2^(k + 24) x 2^-24
+                                 : static_cast<uint16_t>((std::min(k, 15) + 15) << 10);  // normal: exponent k + 15
+  d[0] = static_cast<uint8_t>(h & 0xFF), d[1] = static_cast<uint8_t>(h >> 8);
+}
 
 void decode(int64_t type, const uint8_t* b, Decoded& o) {
   using namespace tpserve;
@@ -26,6 +41,10 @@ void decode(int64_t type, const uint8_t* b, Decoded& o) {
     case KQ_Q4_1:
       std::memcpy(o.d, b, 2), std::memcpy(o.m, b + 2, 2);
       for (int i = 0; i < 16; ++i) o.q[i] = b[4 + i] & 15, o.q[i + 16] = b[4 + i] >> 4;
+      return;
+    case KQ_MXFP4:  // e, then Q4_0's nibbles (the codes: the kernels map them to values)
+      e8m0_half(b[0], o.d);
+      for (int i = 0; i < 16; ++i) o.q[i] = b[1 + i] & 15, o.q[i + 16] = b[1 + i] >> 4;
       return;
     case KQ_Q5_0:
     case KQ_Q5_1: {
@@ -86,15 +105,18 @@ int64_t kq_block_bytes(int64_t type) {  // bytes per block in the file
     case KQ_Q5_1: return 24;
     case KQ_Q4_K: return 144;
     case KQ_Q5_K: return 176;
-    default: return 210;
+    case KQ_Q6_K: return 210;
+    case KQ_MXFP4: return 17;
+    default: return 0;  // Q4_Z: no file form
   }
 }
 
 void kq_pack_blocks(int64_t type, const uint8_t* raw, int64_t rows, int64_t K, uint8_t* w, uint8_t* s, int64_t b0,
                     int64_t b1) {
   const int64_t super = kq_super(type), nsup = K / super, fb = kq_block_bytes(type);
+  if (fb == 0) return;  // Q4_Z: no file blocks to read (quant_linear.cpp's kq_pack refuses it)
   const int64_t cb = kq_chunk_bytes(type), wb = (K / 32) * cb, sbytes = kq_scale_bytes(type), sb = nsup * sbytes;
-  const int bits = type == KQ_Q6_K ? 6 : (type == KQ_Q4_1 || type == KQ_Q4_K) ? 4 : 5;
+  const int bits = type == KQ_Q6_K ? 6 : (type == KQ_Q5_0 || type == KQ_Q5_1 || type == KQ_Q5_K) ? 5 : 4;
   for (int64_t b = b0; b < b1; ++b) {
     uint8_t* wblk = w + b * wb;
     uint8_t* sblk = s + b * sb;

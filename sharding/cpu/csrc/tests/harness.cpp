@@ -7,8 +7,8 @@
 // One line per case:   ok   <kernel> <shape> | scheme=<what the build computes> [exact] err=<max error> hash=<bits>
 // and a summary line; the exit status is 1 if any case failed. `exact` cases must equal the reference bit for bit
 // (the same float operations in the same order: the int8 / int4 linears over int8 activations, whose int32 dot
-// products are exact, and the GGUF block types' (kq: Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, over int8 activations on
-// every build); the float32 linear on builds with FMA; rotary); the others are held to a tolerance (the
+// products are exact, and the GGUF block types' (kq: Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, MXFP4, Q4_Z, over int8
+// activations on every build); the float32 linear on builds with FMA; rotary); the others are held to a tolerance (the
 // kernels sum in another order, with -ffast-math). `hash` is an FNV-1a hash of the output's bits: the same exact case
 // must hash the same on every build of the same scheme, x86 or ARM (the Python driver compares them).
 //
@@ -57,10 +57,10 @@ std::vector<float> floats(Rng& g, int64_t n, float a) {
 fp16_t random_scale(Rng& g) { return static_cast<fp16_t>(((5 + g.below(8)) << 10) | g.below(1024)); }
 
 // ---- plain conversions, for the reference ---------------------------------------------------------------------------
-float half_value(fp16_t h) {  // normal halves only (the scales above), and zero (the padding rows)
-  const int e = (h >> 10) & 0x1F, m = h & 0x3FF;
-  if (e == 0 && m == 0) return 0.f;
-  return static_cast<float>(std::ldexp(1.0 + m / 1024.0, e - 15)) * ((h & 0x8000) ? -1.f : 1.f);
+float half_value(fp16_t h) {  // finite halves: normal ones (the scales above), zero (the padding rows), subnormal ones
+  const int e = (h >> 10) & 0x1F, m = h & 0x3FF;     // (MXFP4's d = 2^(e8m0 - 128) below 2^-14)
+  const double v = e == 0 ? std::ldexp(static_cast<double>(m), -24) : std::ldexp(1.0 + m / 1024.0, e - 15);
+  return static_cast<float>(v) * ((h & 0x8000) ? -1.f : 1.f);
 }
 
 uint16_t bf16_round(float f) {  // to nearest, ties to even (finite values)
@@ -262,33 +262,45 @@ void check_int(Rng& g, bool int4, int64_t M, int64_t N, int64_t K, int64_t G, bo
          mag, 2e-5);
 }
 
-// ---- GGUF block types: Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K (core/kquant_linear.cpp) ----------------------------------
-// Random file blocks (random bytes for the values and sub-scales, normal float16 d / m / dmin of either sign), read
-// here as ggml's dequantize_row_* reads them (ggml-quants.c); the reference is the kernels' scheme step by step, from
-// those fields: per block of 32 inputs the exact int32 dot product of the signed GGUF values with the int8 activations
-// (Q4_1, Q5_1, Q4_K, Q5_K: the unsigned q, whose offset is the m / dmin term), then
+// ---- GGUF block types: Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, MXFP4, and Q4_Z (core/kquant_linear.cpp) ----------------
+// Random file blocks (random bytes for the values and sub-scales, normal float16 d / m / dmin of either sign; MXFP4's
+// e8m0 e in [104, 143], where d = 2^(e - 128) is a float16), read here as ggml's dequantize_row_* reads them
+// (ggml-quants.c); Q4_Z, which has no file form, from a record of the harness's own (d, then z, then 16 bytes of
+// nibbles as Q4_0's). The reference is the kernels' scheme step by step, from those fields: per block of 32 inputs the
+// exact int32 dot product of the signed values with the int8 activations (Q4_1, Q5_1, Q4_K, Q5_K: the unsigned q,
+// whose offset is the m / dmin term; MXFP4: kvalues_mxfp4[q], straight from the table), then
 //   Q4_1, Q5_1   t = fma(m, float(sum x), float(dot) * d)
 //   Q5_0         t = float(dot of q - 16) * d
+//   MXFP4        t = float(dot of kvalues_mxfp4[q]) * d
+//   Q4_Z         t = float(dot of q - z) * d
 //   Q4_K, Q5_K   t = fma(-(dmin * mn), float(sum x), float(dot) * (d * sc))
 //   Q6_K         t = fma(float(dot of q - 32, inputs 16..31), d * sc_b, float(dot, inputs 0..15) * (d * sc_a))
 //   acc = fma(t, x_scale, acc), then + bias
 // exact on every build (the products of halves and 6-bit / int8 scales are exact in float32). The weights are packed
-// here from the layout kquant_linear.cpp's top describes (sharding/layers/gguf_quant.py's pack).
+// here from the layout kquant_linear.cpp's top describes (sharding/layers/gguf_quant.py's pack); the library's own
+// packer (kq_pack_blocks, core/kquant_pack.cpp) must write the same bytes from the file's blocks.
 struct KqType {
   const char* name;
   int64_t code;
   int bits, block, block_bytes, scale_bytes;  // block: inputs per file block (and per block of scales)
+  bool file;  // block_bytes is the file's block (kq_pack_blocks reads it); else the harness's own record (Q4_Z)
 };
 constexpr KqType KQ_TYPES[] = {
-    {"Q4_1", tpserve::KQ_Q4_1, 4, 32, 20, 64},   {"Q5_0", tpserve::KQ_Q5_0, 5, 32, 22, 32},
-    {"Q5_1", tpserve::KQ_Q5_1, 5, 32, 24, 64},   {"Q4_K", tpserve::KQ_Q4_K, 4, 256, 144, 320},
-    {"Q5_K", tpserve::KQ_Q5_K, 5, 256, 176, 320}, {"Q6_K", tpserve::KQ_Q6_K, 6, 256, 210, 288}};
+    {"Q4_1", tpserve::KQ_Q4_1, 4, 32, 20, 64, true},     {"Q5_0", tpserve::KQ_Q5_0, 5, 32, 22, 32, true},
+    {"Q5_1", tpserve::KQ_Q5_1, 5, 32, 24, 64, true},     {"Q4_K", tpserve::KQ_Q4_K, 4, 256, 144, 320, true},
+    {"Q5_K", tpserve::KQ_Q5_K, 5, 256, 176, 320, true},  {"Q6_K", tpserve::KQ_Q6_K, 6, 256, 210, 288, true},
+    {"MXFP4", tpserve::KQ_MXFP4, 4, 32, 17, 32, true},   {"Q4_Z", tpserve::KQ_Q4_Z, 4, 32, 19, 48, false}};
 
-// one file block's fields: the unsigned values q (Q5_0 and Q6_K less 16 / 32 are the signed ones) and the scales
+// ggml-common.h's kvalues_mxfp4: the e2m1 values doubled
+constexpr int MXFP4_VALUES[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+
+// one file block's fields: the unsigned values q (Q5_0 and Q6_K less 16 / 32 are the signed ones; MXFP4's are codes)
+// and the scales
 struct KqBlock {
   uint8_t q[256];
   fp16_t d = 0, m = 0;          // m: Q4_1 / Q5_1's m, Q4_K / Q5_K's dmin
   uint8_t sc[16] = {}, mn[8] = {};  // Q4_K / Q5_K: 6-bit sc, mn per 32 inputs; Q6_K: int8 sc per 16 inputs
+  uint8_t z = 0;                // Q4_Z's zero point
 };
 
 uint16_t le16(const uint8_t* p) { return static_cast<uint16_t>(p[0] | (p[1] << 8)); }
@@ -306,7 +318,20 @@ void scale_min_k4(int j, const uint8_t* q, uint8_t& d, uint8_t& m) {  // ggml's 
 KqBlock read_block(const KqType& t, const uint8_t* b) {
   KqBlock k;
   const std::string n = t.name;
-  if (n == "Q4_1" || n == "Q5_0" || n == "Q5_1") {
+  if (n == "MXFP4" || n == "Q4_Z") {  // MXFP4: e, qs[16]; Q4_Z (the harness's record): d, z, qs[16]
+    if (n == "MXFP4") {  // 2^(e - 128) as a float16's bits (e in [104, 143]: subnormal below 2^-14)
+      const int x = b[0] - 128;
+      k.d = static_cast<fp16_t>(x >= -14 ? (x + 15) << 10 : 1 << (x + 24));
+    } else {
+      k.d = le16(b);
+      k.z = b[2] & 0x0F;
+    }
+    const uint8_t* qs = b + (n == "MXFP4" ? 1 : 3);
+    for (int j = 0; j < 16; ++j) {
+      k.q[j] = qs[j] & 0x0F;
+      k.q[j + 16] = qs[j] >> 4;
+    }
+  } else if (n == "Q4_1" || n == "Q5_0" || n == "Q5_1") {
     k.d = le16(b);
     if (n != "Q5_0") k.m = le16(b + 2);
     const int o = n == "Q5_0" ? 2 : 4;
@@ -348,6 +373,8 @@ void check_kq(Rng& g, const KqType& t, int64_t M, int64_t N, int64_t K, bool wit
   const int64_t nfb = K / t.block, nb = K / 32, blocks = (N + 15) / 16;
   const bool q6 = t.code == tpserve::KQ_Q6_K, q50 = t.code == tpserve::KQ_Q5_0;
   const bool kq = t.code == tpserve::KQ_Q4_K || t.code == tpserve::KQ_Q5_K;
+  const bool mx = t.code == tpserve::KQ_MXFP4, qz = t.code == tpserve::KQ_Q4_Z;
+  const bool with_m = !q6 && !q50 && !mx && !qz;  // an m (Q4_1, Q5_1) or dmin (Q4_K, Q5_K)
   // the file's blocks, [N, nfb, block_bytes]
   std::vector<uint8_t> file(N * nfb * t.block_bytes);
   for (auto& v : file) v = extreme ? 0xFF : static_cast<uint8_t>(g.next() >> 56);
@@ -359,9 +386,15 @@ void check_kq(Rng& g, const KqType& t, int64_t M, int64_t N, int64_t K, bool wit
     uint8_t* b = file.data() + i * t.block_bytes;
     if (q6) {
       sane_half(b + 208);
+    } else if (mx) {  // e: d = 2^(e - 128) from 2^-24 to 2^15; extreme: codes 7, the largest value (12, unsigned 24)
+      b[0] = static_cast<uint8_t>(104 + g.below(40));
+      if (extreme) std::memset(b + 1, 0x77, 16);
+    } else if (qz) {  // d, z (any: the extreme case's values 15 against zero points of 0 to 15)
+      sane_half(b);
+      b[2] = static_cast<uint8_t>(g.below(16));
     } else {
       sane_half(b);
-      if (t.code != tpserve::KQ_Q5_0) sane_half(b + 2);
+      if (with_m) sane_half(b + 2);
     }
   }
   std::vector<KqBlock> fb(N * nfb);
@@ -396,7 +429,8 @@ void check_kq(Rng& g, const KqType& t, int64_t M, int64_t N, int64_t K, bool wit
       const KqBlock& k = fb[n * nfb + f];
       uint8_t* sp = s.data() + (blk * nfb + f) * t.scale_bytes;
       std::memcpy(sp + 2 * row, &k.d, 2);
-      if (!q6 && !q50) std::memcpy(sp + 32 + 2 * row, &k.m, 2);
+      if (with_m) std::memcpy(sp + 32 + 2 * row, &k.m, 2);
+      if (qz) sp[32 + row] = k.z;
       if (kq)
         for (int j = 0; j < 8; ++j) sp[64 + j * 16 + row] = k.sc[j], sp[192 + j * 16 + row] = k.mn[j];
       if (q6)
@@ -404,7 +438,16 @@ void check_kq(Rng& g, const KqType& t, int64_t M, int64_t N, int64_t K, bool wit
     }
   }
   const bool sizes = tpserve::kq_valid(t.code) && tpserve::kq_chunk_bytes(t.code) == cb &&
-                     tpserve::kq_super(t.code) == t.block && tpserve::kq_scale_bytes(t.code) == t.scale_bytes;
+                     tpserve::kq_super(t.code) == t.block && tpserve::kq_scale_bytes(t.code) == t.scale_bytes &&
+                     tpserve::kq_block_bytes(t.code) == (t.file ? t.block_bytes : 0);
+  bool packer = true;  // the library's packer writes these bytes from the file's blocks
+  if (t.file && sizes) {
+    std::vector<uint8_t> w2(w.size(), 0xAA), s2(s.size(), 0xAA);
+    two_ranges(blocks, [&](int64_t b0, int64_t b1) {
+      tpserve::kq_pack_blocks(t.code, file.data(), N, K, w2.data(), s2.data(), b0, b1);
+    });
+    packer = w2 == w && s2 == s;
+  }
 
   tpserve::Int8Rows xq;
   tpserve::resize_rows(xq, M, K);
@@ -426,7 +469,7 @@ void check_kq(Rng& g, const KqType& t, int64_t M, int64_t N, int64_t K, bool wit
         int32_t sum = 0, dot = 0, dot_a = 0, dot_b = 0;
         for (int i = 0; i < 32; ++i) {
           sum += xb[i];
-          dot += (q50 ? q[i] - 16 : q6 ? 0 : q[i]) * xb[i];
+          dot += (q50 ? q[i] - 16 : mx ? MXFP4_VALUES[q[i]] : qz ? q[i] - k.z : q6 ? 0 : q[i]) * xb[i];
           (i < 16 ? dot_a : dot_b) += (q[i] - 32) * xb[i];
         }
         const float d = half_value(k.d);
@@ -438,7 +481,7 @@ void check_kq(Rng& g, const KqType& t, int64_t M, int64_t N, int64_t K, bool wit
         } else if (kq) {
           const float nm = -(half_value(k.m) * static_cast<float>(k.mn[j]));
           tv = std::fma(nm, static_cast<float>(sum), static_cast<float>(dot) * (d * static_cast<float>(k.sc[j])));
-        } else if (q50) {
+        } else if (q50 || mx || qz) {
           tv = static_cast<float>(dot) * d;
         } else {
           tv = std::fma(half_value(k.m), static_cast<float>(sum), static_cast<float>(dot) * d);
@@ -447,7 +490,7 @@ void check_kq(Rng& g, const KqType& t, int64_t M, int64_t N, int64_t K, bool wit
       }
       ref[m * N + n] = with_bias ? acc + bias[n] : acc;
     }
-  if (!sizes) ref[0] = NAN;  // the library's idea of the layout's sizes is not this one: fail the case
+  if (!sizes || !packer) ref[0] = NAN;  // the library's idea of the layout (sizes, packer) is not this one: fail
   char more[64];
   std::snprintf(more, sizeof more, " type=%s bias=%d%s", t.name, with_bias ? 1 : 0, extreme ? " extreme=1" : "");
   report(shape("kq", M, N, K, more), "int8-act-kq", true, y, ref, mag, 0.);

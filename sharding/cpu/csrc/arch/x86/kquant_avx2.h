@@ -1,22 +1,26 @@
 // AVX2 loops of core/kquant_linear.cpp (included there, in its anonymous namespace after the portable kernel, where
 // the build has AVX2, FMA and F16C but not AVX-512: the x86-64-v3 variant): the GGUF block types Q4_1, Q5_0, Q5_1,
-// Q4_K, Q5_K and Q6_K times int8 activations, in the layout kquant_linear.cpp describes.
+// Q4_K, Q5_K, Q6_K and MXFP4, and Q4_Z, times int8 activations, in the layout kquant_linear.cpp describes.
 //
 // As int4_dot_block (quant_avx2.h): a 64-byte line of the 16-row block is two 256-bit halves (rows 0-7, rows 8-15),
 // each 32-bit lane of a half one output row; vpmaddubsw multiplies the unsigned values by 4 activation bytes broadcast
 // to every lane (signed) and sums pairs to int16, vpmaddwd by ones sums pairs of those to int32. Per block of 32
 // inputs the chunk's lines are unpacked once, both halves, into 2 x 8 vectors of unsigned values (vector t: inputs
-// 4t..4t+3; the high bits OR-ed in from one shift and mask each), and the 16 rows' scale terms (sa, nm or sb:
-// kquant_linear.cpp's top) converted once; then each activation row's 8 broadcasts serve both halves. (Rows outer,
-// 8 per pass, and kq_block kept out of line, so that each row count gets its own register allocation: on Zen 4 that
-// was 0.7-0.9x the time of halves outer with 4 rows at 2 to 128 activation rows, the same at one.)
+// 4t..4t+3; the high bits OR-ed in from one shift and mask each; MXFP4's codes mapped to KV[code] + 12 by one vpshufb
+// each), and the 16 rows' scale terms (sa, nm or sb: kquant_linear.cpp's top) converted once (and Q4_Z's zero points
+// widened to int32 lanes); then each activation row's 8 broadcasts serve both halves. (Rows outer, 8 per pass, and
+// kq_block kept out of line, so that each row count gets its own register allocation: on Zen 4 that was 0.7-0.9x the
+// time of halves outer with 4 rows at 2 to 128 activation rows, the same at one.)
 //
 // int16 bounds (|x| <= 127: quantize_rows' round(x * 127 / max|x|)): one vpmaddubsw pair is at most 2 q |x|, so
-//   Q4 (q <= 15)  3810: the block's 8 products add up in int16 (8 x 3810 = 30480) before one vpmaddwd
+//   Q4 (q <= 15)  3810: the block's 8 products add up in int16 (8 x 3810 = 30480) before one vpmaddwd (Q4_1, Q4_K,
+//                       Q4_Z)
+//   MXFP4 (q <= 24, KV + 12) 6096: 5 would add up (30480), 8 would not: two vpmaddwd per block, as Q5
 //   Q5 (q <= 31)  7874: 4 add up (31496), so two vpmaddwd per block (vectors 0-3, 4-7), added in int32
 //   Q6 (q <= 63) 16002: 2 add up (32004), so two vpmaddwd per group of 16 (Q6_K's da: vectors 0-1, 2-3; db: 4-5, 6-7)
-// and no vpmaddubsw saturates. The int32 dot products are then exact, and the float steps after them the portable
-// kernel's, lane by lane, in its order:
+// (Traits' vmax decides) and no vpmaddubsw saturates. The corrections (-16 * sum for Q5_0, -12 * sum for MXFP4,
+// -z * sum for Q4_Z: a vpmulld of the zero points by the broadcast -sum) are added in int32. The int32 dot products
+// are then exact, and the float steps after them the portable kernel's, lane by lane, in its order:
 //   t = float(dot) * sa; t = fma(nm, float(sum), t) | t = fma(float(dot_b), sb, t); acc = fma(t, xs, acc)
 // so every output is the portable kernel's (and the AVX-512 VNNI build's) bit for bit (tests/harness.cpp).
 #pragma once
@@ -74,6 +78,9 @@ inline void kq_unpack(const uint8_t* c, int h, __m256i (&v)[8]) {
       v[4 * g + 2] = kq_or_high<0>(v[4 * g + 2], hb, bits45);
       v[4 * g + 3] = kq_or_high<-2>(v[4 * g + 3], hb, bits45);
     }
+  } else if constexpr (T == tpserve::KQ_MXFP4) {  // codes -> KV[code] + 12, in [0, 24] (vpshufb: per 128-bit lane)
+    const __m256i table = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(MXFP4_U)));
+    for (int t = 0; t < 8; ++t) v[t] = _mm256_shuffle_epi8(table, v[t]);
   }
 }
 
@@ -107,6 +114,11 @@ inline void kq_scales(const uint8_t* s, int64_t b, int h, __m256& sa, __m256& nm
   }
 }
 
+// Q4_Z's zero points of 32-input block b for rows 8h..8h+7, as int32 lanes
+inline __m256i kq_zeros8(const uint8_t* s, int64_t b, int h) {
+  return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(block_zeros(s, b) + 8 * h)));
+}
+
 // int32 lanes of the sum of N vpmaddubsw products v[i] x x[i] (i = i0 .. i0 + N - 1), added in int16 (N within the
 // bounds above)
 template <int I0, int N>
@@ -128,9 +140,11 @@ __attribute__((noinline)) void kq_block(const tpserve::Int8Rows& xq, int64_t m0,
     const uint8_t* c = w + b * chunk_bytes<T>();
     __m256i v[2][8];
     __m256 sa[2], nm[2], sb[2];
+    __m256i z[2];
     for (int h = 0; h < 2; ++h) {
       kq_unpack<T>(c, h, v[h]);
       kq_scales<T>(s, b, h, sa[h], nm[h], sb[h]);
+      if constexpr (T == tpserve::KQ_Q4_Z) z[h] = kq_zeros8(s, b, h);
     }
     for (int r = 0; r < R; ++r) {
       const int64_t row = m0 + r;
@@ -153,13 +167,17 @@ __attribute__((noinline)) void kq_block(const tpserve::Int8Rows& xq, int64_t m0,
         } else {
           const int32_t sum = xq.sum[row * nb + b];
           __m256i dot;
-          if constexpr (Traits<T>::bits == 4)
+          if constexpr (8 * 2 * Traits<T>::vmax * 127 <= INT16_MAX)
             dot = kq_madd<0, 8>(v[h], xb, ones);
           else
             dot = _mm256_add_epi32(kq_madd<0, 4>(v[h], xb, ones), kq_madd<4, 4>(v[h], xb, ones));
-          if constexpr (T == tpserve::KQ_Q5_0) dot = _mm256_add_epi32(dot, _mm256_set1_epi32(-16 * sum));
+          static_assert(4 * 2 * Traits<T>::vmax * 127 <= INT16_MAX, "4 vpmaddubsw products add up in int16");
+          if constexpr (Traits<T>::offset != 0)
+            dot = _mm256_add_epi32(dot, _mm256_set1_epi32(-Traits<T>::offset * sum));
+          if constexpr (T == tpserve::KQ_Q4_Z)
+            dot = _mm256_add_epi32(dot, _mm256_mullo_epi32(z[h], _mm256_set1_epi32(-sum)));
           t = _mm256_mul_ps(_mm256_cvtepi32_ps(dot), sa[h]);
-          if constexpr (T != tpserve::KQ_Q5_0) t = _mm256_fmadd_ps(nm[h], _mm256_set1_ps(static_cast<float>(sum)), t);
+          if constexpr (Traits<T>::nm) t = _mm256_fmadd_ps(nm[h], _mm256_set1_ps(static_cast<float>(sum)), t);
         }
         acc[r][h] = _mm256_fmadd_ps(t, xs, acc[r][h]);
       }

@@ -1,17 +1,21 @@
 // AVX-512 VNNI loops of core/kquant_linear.cpp (included there, in its anonymous namespace after the portable kernel,
 // where the build has AVX-512 F, BW and VNNI: the x86-64-v4-vnni-bf16 and -amx variants): the GGUF block types
-// Q4_1, Q5_0, Q5_1, Q4_K, Q5_K and Q6_K times int8 activations, in the layout kquant_linear.cpp describes.
+// Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K and MXFP4, and Q4_Z, times int8 activations, in the layout kquant_linear.cpp
+// describes.
 //
 // As int4_dot_block (quant_avx512.h): one 512-bit vector per 64-byte line of the 16-row block, each 32-bit lane one
 // output row, so vpdpbusd multiplies a line of unsigned values by 4 activation bytes broadcast to every lane (signed)
 // and each lane accumulates its row's dot product with no reduction across lanes. Per block of 32 inputs the chunk's
 // lines are loaded and unpacked once into 8 vectors of unsigned values (vector t: inputs 4t..4t+3 of every row): the
 // nibble lines as int4's (and, shift), then the high bits put in place with one shift and one vpternlogd each
-// (v | (shifted & mask)). The 16 rows' scale terms (sa, nm or sb: kquant_linear.cpp's top) are converted once per
-// block as vectors (vcvtph2ps, vpmovzxbd / vpmovsxbd, one multiply: d * sc is exact) and serve every activation row;
-// then per row 8 vpdpbusd (Q6_K: 4 for each group of 16; the activation bytes broadcast from memory) from the block's
-// correction (-16 * sum for Q5_0, -32 * each half's sum for Q6_K), and the portable kernel's float steps, lane by
-// lane, in its order:
+// (v | (shifted & mask)); MXFP4's codes mapped to KV[code] + 12 with one vpshufb each (the 16-byte table MXFP4_U in
+// every 128-bit lane; a code's bit 7 is clear, so no byte is zeroed). The 16 rows' scale terms (sa, nm or sb:
+// kquant_linear.cpp's top) are converted once per block as vectors (vcvtph2ps, vpmovzxbd / vpmovsxbd, one multiply:
+// d * sc is exact), and Q4_Z's zero points widened to int32 lanes (vpmovzxbd), and serve every activation row; then
+// per row 8 vpdpbusd (Q6_K: 4 for each group of 16; the activation bytes broadcast from memory) from the block's
+// correction (-16 * sum for Q5_0, -12 * sum for MXFP4, -z * sum for Q4_Z: one vpmulld of the row's zero points by
+// the broadcast -sum, -32 * each half's sum for Q6_K), and the portable kernel's float steps, lane by lane, in its
+// order:
 //   t = float(dot) * sa; t = fma(nm, float(sum), t) | t = fma(float(dot_b), sb, t); acc = fma(t, xs, acc)
 // The int32 dot products are exact (a lane's 4 products are at most 4 x 63 x 128, and vpdpbusd adds without
 // saturating), so every output is the portable kernel's, bit for bit (tests/harness.cpp).
@@ -66,6 +70,9 @@ inline void kq_unpack(const uint8_t* c, __m512i (&v)[8]) {
       v[4 * h + 2] = or_masked(v[4 * h + 2], hb, bits45);
       v[4 * h + 3] = or_masked(v[4 * h + 3], shift16<-2>(hb), bits45);
     }
+  } else if constexpr (T == tpserve::KQ_MXFP4) {  // codes -> KV[code] + 12, in [0, 24]
+    const __m512i table = _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(MXFP4_U)));
+    for (int t = 0; t < 8; ++t) v[t] = _mm512_shuffle_epi8(table, v[t]);
   }
 }
 
@@ -99,6 +106,11 @@ inline void kq_scales(const uint8_t* s, int64_t b, __m512& sa, __m512& nm, __m51
   }
 }
 
+// Q4_Z's zero points of 32-input block b, as int32 lanes of the 16 rows
+inline __m512i kq_zeros(const uint8_t* s, int64_t b) {
+  return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block_zeros(s, b))));
+}
+
 // vpdpbusd with the 4 activation bytes at p broadcast from memory ({1to16}): GCC 12 does not fold _mm512_set1_epi32
 // of a load into vpdpbusd, and a vpbroadcastd of its own per product cost ~10 % at 8 and 128 activation rows (Zen 4)
 inline __m512i dpbusd_bcst(__m512i acc, __m512i v, const int32_t* p) {
@@ -122,6 +134,8 @@ inline void kq_block(const tpserve::Int8Rows& xq, int64_t m0, const uint8_t* w, 
     kq_unpack<T>(w + b * chunk_bytes<T>(), v);
     __m512 sa, nm, sb;
     kq_scales<T>(s, b, sa, nm, sb);
+    __m512i z;
+    if constexpr (T == tpserve::KQ_Q4_Z) z = kq_zeros(s, b);
     for (int r = 0; r < R; ++r) {
       const int64_t row = m0 + r;
       const int32_t* xr = reinterpret_cast<const int32_t*>(xq.q.data() + row * K + b * 32);
@@ -138,14 +152,15 @@ inline void kq_block(const tpserve::Int8Rows& xq, int64_t m0, const uint8_t* w, 
       } else {
         const int32_t sum = xq.sum[row * nb + b];
         // two chains of 4 (even and odd vectors) halve the latency of a row's block; the int32 sum is the same
-        __m512i d0 = T == tpserve::KQ_Q5_0 ? _mm512_set1_epi32(-16 * sum) : _mm512_setzero_si512();
+        __m512i d0 = _mm512_set1_epi32(-Traits<T>::offset * sum);
+        if constexpr (T == tpserve::KQ_Q4_Z) d0 = _mm512_mullo_epi32(z, _mm512_set1_epi32(-sum));
         __m512i d1 = _mm512_setzero_si512();
         for (int i = 0; i < 8; i += 2) {
           d0 = dpbusd_bcst(d0, v[i], xr + i);
           d1 = dpbusd_bcst(d1, v[i + 1], xr + i + 1);
         }
         t = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(d0, d1)), sa);
-        if constexpr (T != tpserve::KQ_Q5_0) t = _mm512_fmadd_ps(nm, _mm512_set1_ps(static_cast<float>(sum)), t);
+        if constexpr (Traits<T>::nm) t = _mm512_fmadd_ps(nm, _mm512_set1_ps(static_cast<float>(sum)), t);
       }
       acc[r] = _mm512_fmadd_ps(t, _mm512_set1_ps(xq.scale[row * nb + b]), acc[r]);
     }
