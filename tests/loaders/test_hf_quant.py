@@ -205,7 +205,7 @@ def gpt_oss(tmp_path_factory):
                                    pytest.param(3, False, marks=pytest.mark.slow)])
 def test_gpt_oss_mxfp4_served_as_released(gpt_oss, tp, ep):
     """The experts' blocks and scales are read per expert and per rank (an expert's rows under tensor parallelism,
-    whole experts under expert parallelism) and served exactly (Q5_0); the rest is bfloat16 as stored."""
+    whole experts under expert parallelism) and served exactly (the MXFP4 layout); the rest is bfloat16 as stored."""
     folder, ref = gpt_oss
     with open_checkpoint(folder) as ckpt:
         assert {s.fmt for s in ckpt.linears.values()} == {"mxfp4"} and len(ckpt.linears) == 4
