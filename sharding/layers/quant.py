@@ -93,8 +93,8 @@ class QuantizedWeight:
 
     @property
     def gguf(self) -> bool:
-        """A block type of sharding/layers/gguf_quant.py (GGUF's Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, MXFP4; Q4_Z): `data` and `scale`
-        are its packed values and scale bytes, `group` its kernel code."""
+        """A block type of sharding/layers/gguf_quant.py (GGUF's Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, MXFP4; Q4_Z):
+        `data` and `scale` are its packed values and scale bytes, `group` its kernel code."""
         return self.mode in gguf_quant.TYPES
 
     def row_scales(self) -> torch.Tensor:
