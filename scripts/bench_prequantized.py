@@ -16,6 +16,12 @@ drifts):
   llama-quantize Q4_0 from the same float folder).
 tpserve: offline LLM, TP 1, 128 greedy tokens after bench_baseline's 22-token prompt; decode ms/token = (wall - time to
 first token) / 127 (bench_quant.py's Tpserve). Prints and saves results/prequantized.json.
+
+    python scripts/bench_prequantized.py --model /work/bench/oss/gpt-oss-3l-BF16 \
+        --quantized /work/bench/oss/gpt-oss-3l-MXFP4 --rounds 5 --output results/prequantized_gpt_oss.json
+
+gpt-oss: its released MXFP4 folder (experts in MXFP4, the rest bfloat16) as stored and with `-q int4` (attention int4,
+head int8, experts as stored), against the bfloat16 folder at `-q int4` (everything int4, head int8).
 """
 
 from __future__ import annotations
@@ -58,11 +64,20 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     os.environ["TPSERVE_THREADS"] = str(args.threads)
     model = Path(args.model)
-    ct = w4a16(model, Path(args.quantized or f"{model}-W4A16"))
+    quantized = Path(args.quantized or f"{model}-W4A16")
+    if not args.quantized:
+        w4a16(model, quantized)
+    method = json.loads((quantized / "config.json").read_text())["quantization_config"]["quant_method"]
+    label = {"compressed-tensors": "W4A16"}.get(method, method.upper())
     print(f"CPU: {cpu_name()}, {args.threads} threads, load {load_avg()}", flush=True)
-    arms = {"W4A16": (str(ct), None), "W4A16 -q int8": (str(ct), "int8"), "bf16 -q int4": (str(model), "int4")}
+    # as stored; with the linears it keeps in float quantized as -q does (int8: the LM head only; int4: gpt-oss's
+    # attention too, its head int8); the float folder at -q int4
+    second = "int8" if method == "compressed-tensors" else "int4"
+    arms = {label: (str(quantized), None), f"{label} -q {second}": (str(quantized), second),
+            "bf16 -q int4": (str(model), "int4")}
     have_llama = args.gguf is not None and llama_bin("llama-bench").exists()
     engines = {name: Tpserve(folder, "auto", q) for name, (folder, q) in arms.items()}  # loaded once, kept
+    mine = [n for n in arms if n != "bf16 -q int4"]
     rows = []
     for r in range(args.rounds):
         row = dict(round=r, load=load_avg())
@@ -72,29 +87,22 @@ def main(argv: list[str] | None = None) -> int:
             row[name] = engine.measure()
         if have_llama:
             row["llama.cpp Q4_0"] = llama_bench(Path(args.gguf), args.threads)
-        base = row["bf16 -q int4"]
+        others = ["bf16 -q int4", *(["llama.cpp Q4_0"] if have_llama else [])]
         print(f"[round {r}] " + " | ".join(f"{k} {row[k]:.2f} ms" for k in [*arms, "llama.cpp Q4_0"] if k in row)
-              + f" | W4A16 / -q int4 {base / row['W4A16']:.3f}x, W4A16 -q int8 / -q int4 "
-              f"{base / row['W4A16 -q int8']:.3f}x" + (f", W4A16 -q int8 / llama.cpp {row['llama.cpp Q4_0'] / row['W4A16 -q int8']:.3f}x"
-                                                      if have_llama else "") + f" (load {row['load']})", flush=True)
+              + " | " + ", ".join(f"{n} over {o} {row[o] / row[n]:.3f}x" for n in mine for o in others)
+              + f" (load {row['load']})", flush=True)
         rows.append(row)
     for engine in engines.values():
         engine.close()
     names = [*arms, *(["llama.cpp Q4_0"] if have_llama else [])]
     summary = {n: statistics.median(r[n] for r in rows) for n in names}
-    ratios = {
-        "W4A16 over bf16 -q int4": [r["bf16 -q int4"] / r["W4A16"] for r in rows],
-        "W4A16 -q int8 over bf16 -q int4": [r["bf16 -q int4"] / r["W4A16 -q int8"] for r in rows],
-    }
-    if have_llama:
-        ratios["W4A16 over llama.cpp Q4_0"] = [r["llama.cpp Q4_0"] / r["W4A16"] for r in rows]
-        ratios["W4A16 -q int8 over llama.cpp Q4_0"] = [r["llama.cpp Q4_0"] / r["W4A16 -q int8"] for r in rows]
+    ratios = {f"{n} over {o}": [r[o] / r[n] for r in rows] for n in mine for o in others}
     print("\nmedians (ms/token): " + ", ".join(f"{n} {v:.2f}" for n, v in summary.items()))
     for n, v in ratios.items():
         print(f"  {n}: {statistics.median(v):.3f}x (rounds {', '.join(f'{x:.3f}' for x in v)}; > 1: faster)")
     out = Path(args.output)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(dict(cpu=cpu_name(), **builds(), threads=args.threads, model=str(model), quantized=str(ct),
+    out.write_text(json.dumps(dict(cpu=cpu_name(), **builds(), threads=args.threads, model=str(model), quantized=str(quantized),
                                    gguf=args.gguf, rows=rows, medians=summary,
                                    ratios={n: dict(median=statistics.median(v), rounds=v) for n, v in ratios.items()},
                                    weight_mb={n: rows[0][f"{n} MB"] for n in arms}), indent=2))
