@@ -28,7 +28,7 @@ import logging
 import torch
 
 from loaders.hf_quant import Grouped
-from sharding.layers import gguf_quant, quant
+from sharding.layers import quant
 from sharding.layers.quant import QuantizedWeight
 
 logger = logging.getLogger(__name__)

@@ -44,7 +44,7 @@ are exact in any float dtype wide enough.
 
 The libraries' own pack / unpack code for AWQ and GPTQ comes from their sdists on PyPI (neither installs here: both
 want CUDA builds), downloaded at first use and cached in $TPSERVE_HOME/sdist-<name>-<version>/ (default
-~/.cache/tpserve) under a file lock, as tests/helpers/templates.py does: `awq_library()` imports AutoAWQ's
+~/.cache/tpserve) under a file lock (tests/helpers/sdist.py, as the chat templates are): `awq_library()` imports AutoAWQ's
 awq/utils/packing_utils.py and awq/modules/linear/gemm.py (pure torch), `gptq_library()` compiles GPTQModel's own
 pack / dequantize / v1<->v2 functions out of its sources (its package does not import without its compiled
 dependencies) onto a small stand-in for its QuantLinear.
@@ -55,16 +55,13 @@ from __future__ import annotations
 import ast
 import contextlib
 import copy
-import fcntl
 import importlib
 import importlib.util
 import json
 import math
 import os
 import shutil
-import subprocess
 import sys
-import tarfile
 import tempfile
 import types
 from pathlib import Path
@@ -72,6 +69,8 @@ from pathlib import Path
 import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
+
+from helpers import sdist
 
 # hidden 256 = 2 groups of 128, intermediate 384 = 3 groups of 128 (one per rank at TP 3); 8 heads / 4 KV heads of 32
 LLAMA_SIZES = dict(hidden_size=256, intermediate_size=384, num_attention_heads=8, num_key_value_heads=4, head_dim=32)
@@ -777,38 +776,11 @@ AUTOAWQ_VERSION = os.environ.get("AUTOAWQ_VERSION", "0.2.9")
 GPTQMODEL_VERSION = os.environ.get("GPTQMODEL_VERSION", "7.7.0")
 
 
-def _cache_home() -> Path:
-    return Path(os.environ.get("TPSERVE_HOME", Path.home() / ".cache" / "tpserve"))
-
-
 def _sdist_sources(project: str, version: str, package: str) -> Path:
     """The *.py files of `package` in `project`'s sdist on PyPI, extracted once into $TPSERVE_HOME/sdist-<project>-
-    <version>/ (under a file lock, so parallel test workers share one download)."""
-    dest = _cache_home() / f"sdist-{project}-{version}"
-    if dest.is_dir():
-        return dest
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    with open(dest.parent / (dest.name + ".lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            if not dest.is_dir():
-                with tempfile.TemporaryDirectory() as work:
-                    subprocess.run([sys.executable, "-m", "pip", "download", "--no-binary", ":all:", "--no-deps", "-q",
-                                    "-d", work, f"{project}=={version}"], check=True, timeout=600)
-                    (sdist,) = Path(work).glob("*.tar.gz")
-                    part = dest.with_name(dest.name + ".part")
-                    shutil.rmtree(part, ignore_errors=True)
-                    part.mkdir(parents=True)
-                    with tarfile.open(sdist) as tar:
-                        for member in tar.getmembers():
-                            name = member.name.split("/", 1)[-1]
-                            if member.isfile() and name.startswith(package + "/") and name.endswith(".py"):
-                                (part / name).parent.mkdir(parents=True, exist_ok=True)
-                                (part / name).write_bytes(tar.extractfile(member).read())
-                    part.rename(dest)
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
-    return dest
+    <version>/ (helpers/sdist.py)."""
+    return sdist.cached_files(sdist.home() / f"sdist-{project}-{version}", project, version,
+                              lambda name: name if name.startswith(package + "/") and name.endswith(".py") else None)
 
 
 _LIBRARIES: dict[str, types.SimpleNamespace] = {}
