@@ -23,9 +23,9 @@ from tiny import check_greedy, hf_greedy
 SERVED = ["W4A16", "W4A16_ASYM", "W4A16_G64", "W4A16_CHANNEL", "W8A16", "W8A16_ASYM", "FP8", "FP8_TENSOR",
           "NAIVE_INT8", "AWQ", "GPTQ", "GPTQ_ASYM", "GPTQ_V2", "GPTQ_ACT_ORDER_SEQUENTIAL"]
 BF16_SERVED = {"W8A16_ASYM", "FP8", "FP8_TENSOR"}  # served as bfloat16 weights: the reference rounds them alike
-# the fast tier: one of each way of being served (int4 as stored, int4 with zero points from two formats, int8,
-# float8 as bfloat16); the slow tier every format
-FAST_FORMATS = ["W4A16", "W4A16_ASYM", "W8A16", "FP8", "AWQ", "GPTQ_ASYM"]
+# the fast tier: one of each way of being served (int4 as stored, int4 with zero points, int8, float8 as bfloat16)
+# and the two formats with their own packing (AWQ; GPTQ with zero points); the slow tier every format
+FAST_FORMATS = ["W4A16", "W8A16", "FP8", "AWQ", "GPTQ_ASYM"]
 
 
 def tier(names: list[str]) -> list:
@@ -150,7 +150,7 @@ def test_refused_schemes_say_why(folders, tmp_path):
 
 PROMPTS = [[5, 6, 7, 8, 9, 10], list(range(30, 50))]
 # TP 2 and 3 split the rows of q/k/v and gate/up and the inputs of o_proj and down_proj (at TP 3: 128 of down's 384)
-FAST = {1: FAST_FORMATS, 2: ["AWQ", "FP8"]}
+FAST = {1: FAST_FORMATS}  # (tensor parallelism in the fast tier: gpt-oss's MXFP4 experts at TP 2, below)
 SLOW = {tp: [n for n in SERVED if n not in FAST.get(tp, ())] for tp in (1, 2, 3)}
 
 
