@@ -8,7 +8,7 @@ them exactly (same values, same scales):
 |---|---|---|
 | int4, symmetric (zero 8) | int4 (group 128 where the groups are whole multiples of 128, else 32) | nibbles kept; float16 scales repeated over the layout's groups |
 | int4 with zero points (AWQ, GPTQ sym=false, compressed-tensors asymmetric) | Q4_Z (d = s, z per 32 inputs; q kept) | exact: W = d * (q - z), the kernel's int32 dot is sum(x q) - z sum(x) |
-| int8, symmetric | int8 (Q8_0's blocks of 32) | bytes kept (-128 becomes -127, as for GGUF's Q8_0) |
+| int8, symmetric | int8 (Q8_0's blocks of 32) | bytes kept (the compiled kernels take -128 as -127, as for GGUF's Q8_0) |
 | int8 with zero points | bf16 | s * (q - z) rounded to bfloat16 (no int8 kernel takes zero points) |
 | float8 e4m3 (per tensor, channel or block) | bf16 | q * s rounded to bfloat16 |
 | MXFP4 (e2m1 values, e8m0 scales per 32) | MXFP4 (codes kept; d = 2^(e - 128) in float16) | exact: every e2m1 value doubled is an integer in [-12, 12], the kernel's table; scales below 2^-24 (e < 104) are served as zero, with a warning |
