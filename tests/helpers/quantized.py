@@ -706,7 +706,9 @@ def make_gpt_oss_mxfp4(dst: Path, seed: int = 0, source: Path | None = None, **o
             _copy_side_files(folder, Path(source))
         for name in [n for n in state if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
             w = state.pop(name)  # [E, in, out]
-            state[f"{name}_blocks"], state[f"{name}_scales"] = mxfp4_quantize(w.transpose(-1, -2))
+            # one expert at a time: the quantizer's int64 temporaries of a real-geometry [E, 2I, H] would take ~20 GB
+            blocks, scales = zip(*(mxfp4_quantize(w[e].t()) for e in range(w.shape[0])))
+            state[f"{name}_blocks"], state[f"{name}_scales"] = torch.stack(blocks), torch.stack(scales)
         cfg["quantization_config"] = copy.deepcopy(GPT_OSS_MXFP4_CONFIG)
         shutil.rmtree(dst, ignore_errors=True)
         _write(dst, state, cfg)
