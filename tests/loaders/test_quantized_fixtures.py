@@ -39,6 +39,16 @@ def _logits(model):
         return model(IDS).logits
 
 
+def _library_and_reference_agree(folder, tmp_path, deq: dict, library_linear: str, float_linear: str) -> None:
+    """The library's own dequantization of one linear is the helper's, rounded to float16 as the library computes;
+    the float reference checkpoint holds the exact values, and transformers runs it to finite logits."""
+    library = Q.library_dequantized_weight(folder, library_linear)
+    assert torch.equal(library, Q.dequantized_state(folder, torch.float16)[f"{library_linear}.weight"])
+    model = _load(Q.reference_float(folder, tmp_path / "ref"))
+    assert torch.equal(model.state_dict()[f"{float_linear}.weight"], deq[f"{float_linear}.weight"])
+    assert torch.isfinite(_logits(model)).all()
+
+
 def _expand(scale: torch.Tensor, shape) -> torch.Tensor:
     """A scale [out, groups] / [out, 1] / [1] broadcast to the weight's [out, in]."""
     scale = scale.float()
@@ -204,13 +214,8 @@ def test_awq(source, tmp_path, group, zero_point):
         step = scales.float().repeat_interleave(group, dim=0).t()
         assert ((deq[f"{p}.weight"] - source_w.float()).abs() <= step).all(), p
     if group == 128 and zero_point:
-        p = "model.layers.1.self_attn.k_proj"
-        library = Q.library_dequantized_weight(folder, p)
-        assert torch.equal(library, Q.dequantized_state(folder, torch.float16)[f"{p}.weight"])
-        model = _load(Q.reference_float(folder, tmp_path / "ref"))
-        assert torch.equal(model.state_dict()["model.layers.1.mlp.down_proj.weight"],
-                           deq["model.layers.1.mlp.down_proj.weight"])
-        assert torch.isfinite(_logits(model)).all()
+        _library_and_reference_agree(folder, tmp_path, deq, "model.layers.1.self_attn.k_proj",
+                                     "model.layers.1.mlp.down_proj")
 
 
 # --------------------------------------------------------------------------------------------------------------- GPTQ
@@ -252,13 +257,8 @@ def test_gptq(source, tmp_path, group, sym, desc_act, version):
         step = scales.float()[g_idx.long()].t()
         assert ((deq[f"{p}.weight"] - source_w.float()).abs() <= step).all(), p
     if desc_act and not sym:
-        p = "model.layers.1.mlp.up_proj"
-        library = Q.library_dequantized_weight(folder, p)
-        assert torch.equal(library, Q.dequantized_state(folder, torch.float16)[f"{p}.weight"])
-        model = _load(Q.reference_float(folder, tmp_path / "ref"))
-        assert torch.equal(model.state_dict()["model.layers.0.self_attn.o_proj.weight"],
-                           deq["model.layers.0.self_attn.o_proj.weight"])
-        assert torch.isfinite(_logits(model)).all()
+        _library_and_reference_agree(folder, tmp_path, deq, "model.layers.1.mlp.up_proj",
+                                     "model.layers.0.self_attn.o_proj")
 
 
 # ------------------------------------------------------------------------------------------------------ gpt-oss MXFP4
