@@ -125,7 +125,7 @@ class LoraRegistry:
     def check(self, name: str, path: str, base_model_name: str | None = None, runtime: bool = False) -> Adapter:
         """Rank 0's check of an adapter before anything reaches the ranks; raises ValueError naming the problem.
         `runtime` (POST /v1/load_lora_adapter): the folder must be inside --lora-root (runtime_path)."""
-        from loaders.checkpoint import Checkpoint
+        from loaders.gguf_file import open_checkpoint
 
         if not name or name == self.served_name:
             raise LoraRefused(f"the adapter name {name!r} is empty or the base model's own name", param="lora_name")
@@ -133,7 +133,7 @@ class LoraRegistry:
             path = self.runtime_path(path)
         if "://" in path or not os.path.isdir(path):
             raise ValueError(f"{path!r} is not a local folder (adapters are read from local PEFT folders only)")
-        with Checkpoint(self.model_folder) as base:
+        with open_checkpoint(self.model_folder) as base:  # (a quantized folder's linears under their float names)
             names = [self.served_name] + ([base_model_name] if base_model_name else [])
             info = validate_adapter(path, base, self.max_rank, names, check_name=base_model_name is None)
         if base_model_name is not None and base_model_name not in (self.served_name, self.model_folder,
