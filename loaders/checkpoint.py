@@ -125,6 +125,15 @@ def read_safetensors_header(path: Path) -> dict[str, TensorInfo]:
     return infos
 
 
+def drop_pages(fd: int) -> None:
+    """Ask the kernel to drop a file's pages from the page cache (the reader keeps its own copy of what it read)."""
+    if hasattr(os, "posix_fadvise"):
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        except OSError:
+            pass
+
+
 def _natural(x) -> bool:
     """A JSON integer >= 0 (not a bool, not a float)."""
     return type(x) is int and x >= 0
@@ -202,12 +211,13 @@ class Checkpoint:
         return archs[0]
 
     def checkpoint_dtype(self) -> torch.dtype:
-        """The dtype the checkpoint declares (config `dtype`/`torch_dtype`), else that of its first float tensor."""
+        """The dtype the checkpoint declares (config `dtype`/`torch_dtype`), else that of its first float tensor (not
+        a float8 one: an FP8 checkpoint's weights are quantized, loaders/hf_quant.py)."""
         name = self.config_dict.get("dtype") or self.config_dict.get("torch_dtype")
         if isinstance(name, str) and name in RUN_DTYPES:
             return RUN_DTYPES[name]
         for info in self.tensors.values():
-            if info.dtype.is_floating_point:
+            if info.dtype.is_floating_point and info.dtype.itemsize > 1:
                 return info.dtype
         return torch.float32
 
@@ -306,11 +316,7 @@ class Checkpoint:
         second copy of the checkpoint's bytes would stay cached (counted as free by the kernel, but evicting
         other processes' pages first) long after the load."""
         for fd in self._fds.values():
-            if hasattr(os, "posix_fadvise"):
-                try:
-                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-                except OSError:
-                    pass
+            drop_pages(fd)
             os.close(fd)
         self._fds.clear()
 

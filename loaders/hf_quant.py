@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from loaders.checkpoint import RUN_DTYPES, Checkpoint, CheckpointError, TensorInfo
+from loaders.checkpoint import Checkpoint, CheckpointError, TensorInfo
 
 logger = logging.getLogger(__name__)
 
@@ -143,16 +143,6 @@ class QuantizedCheckpoint(Checkpoint):
             self.parts[name] = self.tensors.pop(name)
         labels = sorted({s.label for s in self.linears.values()})
         logger.info("%s: %d linears stored quantized (%s)", self.folder, len(self.linears), "; ".join(labels))
-
-    def checkpoint_dtype(self) -> torch.dtype:
-        """The config's dtype, else that of the first float tensor that is not a float8 weight."""
-        name = self.config_dict.get("dtype") or self.config_dict.get("torch_dtype")
-        if isinstance(name, str) and name in RUN_DTYPES:
-            return RUN_DTYPES[name]
-        for info in self.tensors.values():
-            if info.dtype.is_floating_point and info.dtype.itemsize > 1:
-                return info.dtype
-        return torch.float32
 
     def stored(self, name: str) -> Stored | None:
         return self.linears.get(name)
@@ -410,20 +400,19 @@ class QuantizedCheckpoint(Checkpoint):
         `name`, as stored, oriented [out, in]. For a fused stand-in ([E, in, out]) `index` picks the expert and dim
         counts the stand-in's own dimensions (0: inputs, 1: outputs), as a float read of it would."""
         s = self.linears[name]
-        if s.fused:
-            if index is None:
-                raise CheckpointError(f"{name}: a fused expert tensor is read one expert at a time")
-            dim = 1 - dim
-        n = s.out_features if dim == 0 else s.in_features
+        if s.fused and index is None:
+            raise CheckpointError(f"{name}: a fused expert tensor is read one expert at a time")
+        along = 1 - dim if s.fused else dim  # 0: output rows, 1: inputs
+        n = s.out_features if along == 0 else s.in_features
         ranges = ranges or [(0, n)]
         if len(ranges) > 1:
-            return _cat([self.read_grouped(name, 1 - dim if s.fused else dim, [r], index) for r in ranges], dim)
+            return _cat([self.read_grouped(name, dim, [r], index) for r in ranges], along)
         (a, z), = ranges
         if not 0 <= a <= z <= n:
-            raise CheckpointError(f"{name}: block [{a}, {z}) is outside its {n} {'rows' if dim == 0 else 'inputs'}")
-        if dim == 1 and (a % s.split_unit or (z % s.split_unit and z != n)):
+            raise CheckpointError(f"{name}: block [{a}, {z}) is outside its {n} {'rows' if along == 0 else 'inputs'}")
+        if along == 1 and (a % s.split_unit or (z % s.split_unit and z != n)):
             raise CheckpointError(f"{name}: inputs [{a}, {z}) cut its groups of {s.split_unit}")
-        g = getattr(self, "_read_" + s.fmt.replace("-", "_"))(s, dim, a, z, index)
+        g = getattr(self, "_read_" + s.fmt.replace("-", "_"))(s, along, a, z, index)
         if s.group >= s.in_features:  # one scale per row: the block's own inputs are its group
             g.group = g.codes.shape[1]
         return g
@@ -480,7 +469,6 @@ class QuantizedCheckpoint(Checkpoint):
             nib = _nibbles(words, 4).reshape(words.shape[0], -1, 8)
             return nib[:, :, order].reshape(words.shape[0], -1)
 
-        g0, g1 = (0, s.in_features // s.group) if dim == 0 else (a // s.group, -(-z // s.group))
         if dim == 0:
             w0, w1 = a // 8, -(-z // 8)
             cut = slice(a - 8 * w0, z - 8 * w0)
@@ -488,6 +476,7 @@ class QuantizedCheckpoint(Checkpoint):
             zero = outputs(self._read(s.parts["zero"], 1, [(w0, w1)]))[:, cut].t()
             scale = self._read(s.parts["scale"], 1, [(a, z)]).float().t()
         else:
+            g0, g1 = a // s.group, -(-z // s.group)
             codes = outputs(self._read(s.parts["packed"], 0, [(a, z)])).t()
             zero = outputs(self._read(s.parts["zero"], 0, [(g0, g1)])).t()
             scale = self._read(s.parts["scale"], 0, [(g0, g1)]).float().t()

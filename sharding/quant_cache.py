@@ -42,7 +42,7 @@ import torch
 from torch import nn
 
 from loaders import envs
-from loaders.checkpoint import SAFETENSORS_DTYPES, Checkpoint, TensorInfo, read_safetensors_header
+from loaders.checkpoint import SAFETENSORS_DTYPES, Checkpoint, TensorInfo, drop_pages, read_safetensors_header
 from sharding.cpu import kernels
 from sharding.dist import Dist
 from sharding.layers import quant
@@ -162,7 +162,7 @@ class QuantCache:
                     raise ValueError(f"{name}: its parameters are not the model's ({', '.join(own) or 'none'})")
                 restored.append((m, qw, tensors))
         finally:
-            _drop_pages(fd)  # the rank holds its own copy now (as loaders/checkpoint.py: Checkpoint.close)
+            drop_pages(fd)  # the rank holds its own copy now (as loaders/checkpoint.py: Checkpoint.close)
             os.close(fd)
         return restored
 
@@ -240,7 +240,7 @@ def _write_safetensors(path: Path, tensors: list[tuple[str, torch.Tensor]], meta
                 f.write(_as_bytes(t))
             f.flush()
             os.fsync(f.fileno())
-            _drop_pages(f.fileno())
+            drop_pages(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -250,14 +250,6 @@ def _write_safetensors(path: Path, tensors: list[tuple[str, torch.Tensor]], meta
         os.fsync(dir_fd)  # the rename itself survives a crash
     finally:
         os.close(dir_fd)
-
-
-def _drop_pages(fd: int) -> None:
-    if hasattr(os, "posix_fadvise"):
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        except OSError:
-            pass
 
 
 def _size(path: Path) -> str:

@@ -143,7 +143,7 @@ class ColumnParallelLinear(_Linear):
     def load(self, ckpt: Checkpoint) -> None:
         ws, bs = [], []
         self.qweight = stored.read_weight(ckpt, [(p.name + ".weight", 0, [(p.start, p.stop)]) for p in self.pieces])
-        if self.qweight is not None:  # stored quantized (GGUF): the weight is the blocks, never a float copy
+        if self.qweight is not None:  # stored quantized (GGUF, a quantized HF folder): never a float copy
             self.weight = None
         for p in self.pieces:
             ranges = [(p.start, p.stop)]
@@ -190,7 +190,7 @@ class RowParallelLinear(_Linear):
             logger.info("%s: the tensor-parallel split cuts its blocks; this rank reads inputs [%d, %d) for its [%d, %d) "
                         "and zero-pads the rest", p.name, start, stop, p.start, p.stop)
         self.qweight = stored.read_weight(ckpt, [(p.name + ".weight", 1, [(start, stop)])])
-        if self.qweight is not None:  # stored quantized (GGUF): this rank's blocks of every row
+        if self.qweight is not None:  # stored quantized: this rank's blocks or groups of every row
             self.weight = None
         elif p.transposed:
             self.weight.data.copy_(ckpt.read(p.name + ".weight", 0, [(p.start, p.stop)]).t())
@@ -291,7 +291,7 @@ class ParallelLMHead(_Linear):
             self.weight = None
         if not self.tied:
             self.qweight = stored.read_weight(ckpt, [(self.name + ".weight", 0, [(self.start, self.stop)])])
-            if self.qweight is not None:  # stored quantized (GGUF): served in its own blocks
+            if self.qweight is not None:  # stored quantized: served in its own layout
                 self.weight = None
             else:
                 self.weight.data.copy_(ckpt.read(self.name + ".weight", 0, [(self.start, self.stop)]))

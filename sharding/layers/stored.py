@@ -27,6 +27,7 @@ import logging
 
 import torch
 
+from loaders.checkpoint import CheckpointError
 from loaders.hf_quant import Grouped
 from sharding.layers import quant
 from sharding.layers.quant import QuantizedWeight
@@ -41,8 +42,6 @@ def read_weight(ckpt, parts: list[tuple[str, int, list[tuple[int, int]]]]) -> Qu
     if not any(stored):
         return quant.read_blocks(ckpt, parts)
     if not all(stored):
-        from loaders.checkpoint import CheckpointError
-
         raise CheckpointError(f"{', '.join(name for name, _, _ in parts)}: one linear mixing float and quantized "
                               "tensors is not served")
     return from_grouped([ckpt.read_grouped(name, dim, ranges) for name, dim, ranges in parts])
@@ -68,8 +67,6 @@ def from_grouped(parts: list[Grouped]) -> QuantizedWeight:
 def _half(scale: torch.Tensor) -> torch.Tensor:
     """float32 scales as float16 (the layouts' type): exact for bfloat16 / float16 ones within float16's range."""
     if bool((scale.abs() > 65504).any()):
-        from loaders.checkpoint import CheckpointError
-
         raise CheckpointError(f"a scale of {float(scale.abs().max()):g} is beyond float16's range (65504)")
     return scale.half()
 
