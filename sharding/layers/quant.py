@@ -189,11 +189,19 @@ def _quantize(weight: torch.Tensor, mode: str, group: int, rows: int) -> Quantiz
     scale = (torch.gather(g, -1, idx) / -8.0).squeeze(-1).clamp(-65504, 65504).half().float()  # stored as float16
     inv = torch.where(scale != 0, 1.0 / scale, torch.zeros_like(scale))
     q = (torch.round(g * inv[..., None]).clamp_(-8, 7) + 8).to(torch.uint8)  # [out, in/group, group]
-    span = 2 * run  # inputs per run of bytes: j and j + run share byte j
-    q = q.reshape(out_features, in_features // span, 2, run)
-    packed = q[:, :, 0, :] | (q[:, :, 1, :] << 4)
-    return QuantizedWeight(mode, pack_rows(packed.reshape(out_features, in_features // 2), run, rows),
-                                block_scales(scale, rows), in_features, out_features, group, rows)
+    return int4_layout(q.reshape(out_features, in_features), scale, group, rows)
+
+
+def int4_layout(codes: torch.Tensor, scale: torch.Tensor, group: int, rows: int) -> QuantizedWeight:
+    """An int4 weight (not yet bound) from its codes (uint8 [out, in], W = (code - 8) * scale) and scales
+    [out, in / group], in the layout of `rows` rows per block: quantize's, and a checkpoint's stored int4
+    (sharding/layers/stored.py)."""
+    out_features, in_features = codes.shape
+    run = VNNI_RUN if rows == VNNI_ROWS else RUN["int4"]
+    q = codes.reshape(out_features, in_features // (2 * run), 2, run)  # j and j + run share byte j of a run
+    packed = (q[:, :, 0, :] | (q[:, :, 1, :] << 4)).reshape(out_features, in_features // 2)
+    return QuantizedWeight("int4", pack_rows(packed, run, rows), block_scales(scale, rows), in_features,
+                           out_features, group, rows)
 
 
 def from_blocks(mode: str, values: torch.Tensor, scale: torch.Tensor, rows: int | None = None) -> QuantizedWeight:

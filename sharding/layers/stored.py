@@ -93,7 +93,8 @@ def convert(g: Grouped) -> QuantizedWeight:
         return quant.from_blocks("int8", values, _half(g.scale.repeat_interleave(per32, dim=1)))
     if symmetric:
         group = 128 if g.group % 128 == 0 else 32
-        return int4(g.codes, _half(g.scale.repeat_interleave(g.group // group, dim=1)), group)
+        scale = _half(g.scale.repeat_interleave(g.group // group, dim=1))
+        return quant.bind(quant.int4_layout(g.codes, scale, group, quant.kernel_rows("int4", g.codes.device)))
     # Q4_Z: the codes and zero points as they are, d the scale, W = d * (q - z). Exact, where Q4_1 (d * q + m) would
     # round m = -s * z to float16 and move the weights by up to 2^-11 of it: enough to change a greedy token of a
     # tiny test model.
@@ -106,18 +107,6 @@ def convert(g: Grouped) -> QuantizedWeight:
     if bool(((codes < 0) | (codes > 31)).any()):
         return quant.quantize(g.dequantize(), "bf16")
     return quant.from_gguf("Q5_0", codes.to(torch.uint8), {"d": d})
-
-
-def int4(codes: torch.Tensor, scale: torch.Tensor, group: int, rows: int | None = None) -> QuantizedWeight:
-    """An int4 weight from its codes (uint8 [out, in], W = (code - 8) * scale) and float16 scales [out, in / group],
-    laid out as quant.quantize lays out its own."""
-    out_features, in_features = codes.shape
-    rows = rows or quant.kernel_rows("int4", codes.device)
-    run = quant.VNNI_RUN if rows == quant.VNNI_ROWS else quant.RUN["int4"]
-    q = codes.reshape(out_features, in_features // (2 * run), 2, run)
-    packed = (q[:, :, 0, :] | (q[:, :, 1, :] << 4)).reshape(out_features, in_features // 2)
-    return quant.bind(QuantizedWeight("int4", quant.pack_rows(packed, run, rows), quant.block_scales(scale, rows),
-                                      in_features, out_features, group, rows))
 
 
 def read_rows(ckpt, blocks) -> tuple[QuantizedWeight | None, tuple[int, int] | None]:
