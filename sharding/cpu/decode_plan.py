@@ -6,9 +6,12 @@ every layer; see `compile_layers`), bitwise the same (LoRA adapter rows: within 
 in another order).
 
 Which layers qualify is declared by the model (`PlanLayer.on_decode_plan`: sharding/models/llama.py); the plan checks
-the rest, which only the loaded values tell (CPU, float32 plain RMSNorms, no soft-capping, one head size). Models
-whose layers differ from Llama's between the linears (Qwen 3's q/k norms, Gemma's, MoE feed-forwards) take the module
-path.
+the rest, which only the loaded values tell (CPU, float32 plain RMSNorms, no soft-capping, one head size). Per-head
+q/k RMSNorms before rotary (Qwen 3, `PlanAttention.plan_qk_norms`) are part of the attention op. A layer whose
+feed-forward is not the dense SiLU MLP (an MoE layer) runs its attention and norms on the plan and its feed-forward
+as its own module (`forward(x)`, its all-reduce inside); the one compiled call needs every layer dense. Models whose
+layers differ from Llama's elsewhere (Gemma's norms, OLMoE's whole-projection q/k norms, gpt-oss's sinks) take the
+module path.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Literal, Protocol
 
 import torch
 
@@ -40,6 +43,9 @@ class PlanAttention(Protocol):
     softcap: float | None
     cache: PagedKVCache | None
 
+    def plan_qk_norms(self) -> tuple[RMSNorm, RMSNorm] | None:
+        """The RMSNorms over each query and key head before rotary (Qwen 3's q_norm, k_norm), or None."""
+
 
 class PlanMLP(Protocol):
     """What the plan reads of a layer's feed-forward."""
@@ -54,12 +60,16 @@ class PlanLayer(Protocol):
     input_layernorm: RMSNorm
     post_attention_layernorm: RMSNorm
     self_attn: PlanAttention
-    mlp: PlanMLP
+    mlp: PlanMLP | torch.nn.Module
 
     def on_decode_plan(self) -> bool:
-        """Whether this layer computes what the plan computes between the linears: input norm, fused q/k/v, rotary,
-        paged attention, o_proj, residual, post-attention norm, fused gate/up, SiLU(gate) * up, down, residual.
-        A declaration of its classes (sharding/models/llama.py); the values are the plan's to check."""
+        """Whether this layer computes what the plan computes around its feed-forward: input norm, fused q/k/v,
+        (per-head q/k norms,) rotary, paged attention, o_proj, residual, post-attention norm, the feed-forward,
+        residual. A declaration of its classes (sharding/models/llama.py); the values are the plan's to check."""
+
+    def dense_mlp(self) -> bool:
+        """Whether its feed-forward is the plan's own: fused gate/up, SiLU(gate) * up, down (a PlanMLP). Otherwise
+        the plan calls `mlp(x)`, which returns the layer's reduced output."""
 
 
 @dataclass(slots=True)
@@ -69,12 +79,14 @@ class FastLayer:
     attn: PlanAttention
     qkv: ColumnParallelLinear
     o_proj: RowParallelLinear
-    gate_up: ColumnParallelLinear
-    down: RowParallelLinear
+    gate_up: ColumnParallelLinear | None  # None: the feed-forward is `ffn`
+    down: RowParallelLinear | None
+    ffn: torch.nn.Module | None  # a feed-forward that is not the plan's own (an MoE layer), run as its module
     q_index: torch.Tensor | None
     out_index: torch.Tensor | None
     post_norm: RMSNorm
     next_norm: RMSNorm  # the next layer's input norm, or the final norm after the last layer
+    qk_norms: tuple[RMSNorm, RMSNorm] | None
 
 
 @dataclass(slots=True)
@@ -108,18 +120,36 @@ class DecodePlan:
         for f in self.layers:
             qkv = f.qkv.matmul(x, f.qkv.bias)
             a = f.attn
+            qn, kn = f.qk_norms or (None, None)
             o = attention(qkv, meta.cos, meta.sin, a.cache.pool, meta.slots, meta.decode_table, meta.decode_lens,
-                          f.q_index, a.num_heads, a.num_kv_heads, a.scale, window)
+                          f.q_index, a.num_heads, a.num_kv_heads, a.scale, window,
+                          qn.weight if qn is not None else None, kn.weight if kn is not None else None,
+                          qn.eps if qn is not None else 0.0)
             if f.out_index is not None:  # uneven GQA groups: drop the padding positions
                 o = o.view(n, -1, self.head_dim).index_select(1, f.out_index).reshape(n, -1)
             x = add_rms_norm_(h, f.o_proj.forward(o), f.post_norm.weight, f.post_norm.eps)
-            d = f.down.forward(silu_mul(f.gate_up.matmul(x, f.gate_up.bias)))
+            if f.ffn is not None:
+                d = f.ffn(x)
+            else:
+                d = f.down.forward(silu_mul(f.gate_up.matmul(x, f.gate_up.bias)))
             x = add_rms_norm_(h, d, f.next_norm.weight, f.next_norm.eps)
         return x
 
 
 def plain_rms_norm(norm: RMSNorm | None) -> bool:
     return type(norm) is RMSNorm and not norm.offset and norm.weight.dtype == torch.float32
+
+
+def qk_norms(attn: PlanAttention) -> tuple[RMSNorm, RMSNorm] | None | Literal[False]:
+    """The attention's per-head q/k norms as the plan takes them, None where it has none, False where they are not
+    plain float32 RMSNorms of one eps over the head."""
+    norms = attn.plan_qk_norms()
+    if norms is None:
+        return None
+    q, k = norms
+    ok = (plain_rms_norm(q) and plain_rms_norm(k) and q.eps == k.eps
+          and q.weight.shape == k.weight.shape == (attn.head_dim,))
+    return norms if ok else False
 
 
 def build(layers: Sequence[PlanLayer], final_norm: RMSNorm | None, whole: bool, world_size: int) -> DecodePlan | None:
@@ -132,13 +162,16 @@ def build(layers: Sequence[PlanLayer], final_norm: RMSNorm | None, whole: bool, 
     fast = []
     for i, layer in enumerate(layers):
         attn, mlp = layer.self_attn, layer.mlp
-        if (not layer.on_decode_plan() or attn.softcap is not None
+        norms = qk_norms(attn) if layer.on_decode_plan() else False
+        if (norms is False or attn.softcap is not None
                 or not plain_rms_norm(layer.input_layernorm) or not plain_rms_norm(layer.post_attention_layernorm)
                 or attn.head_dim != layers[0].self_attn.head_dim):
             return None
         nxt = layers[i + 1].input_layernorm if i + 1 < len(layers) else final_norm
-        fast.append(FastLayer(attn, attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj,
-                              attn.groups.q_index, attn.groups.out_index, layer.post_attention_layernorm, nxt))
+        dense = layer.dense_mlp()
+        fast.append(FastLayer(attn, attn.qkv_proj, attn.o_proj, mlp.gate_up_proj if dense else None,
+                              mlp.down_proj if dense else None, None if dense else mlp, attn.groups.q_index,
+                              attn.groups.out_index, layer.post_attention_layernorm, nxt, norms))
     return DecodePlan(ops, layers[0].input_layernorm, fast, layers[0].self_attn.head_dim, world_size)
 
 
@@ -146,7 +179,8 @@ def compile_layers(plan: DecodePlan) -> torch.ScriptObject | None:
     """The layers as one compiled DecodeLayers (sharding/cpu/csrc/decode_glue.cpp), where every linear has a compiled
     kernel and there is no all-reduce between them (TP=1); else None (the Python loop of DecodePlan.forward)."""
     ops = kernels.decode_layers_ops()
-    if ops is None or plan.world_size != 1 or any(f.q_index is not None for f in plan.layers):
+    if (ops is None or plan.world_size != 1
+            or any(f.q_index is not None or f.ffn is not None for f in plan.layers)):
         return None
     linears = [[kernels.plan_linear(lin) for lin in (f.qkv, f.o_proj, f.gate_up, f.down)] for f in plan.layers]
     if any(spec is None for layer in linears for spec in layer):
@@ -162,6 +196,8 @@ def compile_layers(plan: DecodePlan) -> torch.ScriptObject | None:
             a = f.attn
             compiled.add_layer(a.cache.pool, a.num_heads, a.num_kv_heads, a.scale, f.post_norm.weight,
                                f.post_norm.eps, f.next_norm.weight, f.next_norm.eps)
+            if f.qk_norms is not None:
+                compiled.set_qk_norm(f.qk_norms[0].weight, f.qk_norms[1].weight, f.qk_norms[0].eps)
             for which, lin in enumerate((f.qkv, f.o_proj, f.gate_up, f.down)):  # LoRA adapters (sharding/layers/lora.py)
                 for slot, w in enumerate(lin.lora.slots if lin.lora is not None else ()):
                     if w is not None:

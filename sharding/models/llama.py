@@ -8,8 +8,9 @@ Decode fast path (CPU, float32): a step of decode tokens only runs through the C
 (sharding/cpu/decode_plan.py), the same arithmetic as the modules in a few compiled ops. Each of the three classes
 below declares, in `llama_shaped`, that it computes what the plan computes; a subclass that changes its forward (or
 the methods the plan replaces: project_qkv and norm_qk, act) says False, and its model takes the module path
-(Qwen 3's q/k norms, Gemma's GeGLU, Gemma 2's extra norms, OLMoE's, gpt-oss's). tests/test_layout.py checks each
-registered model's declarations against its overrides.
+(Gemma 2's extra norms, OLMoE's whole-projection q/k norms, gpt-oss's sinks). Per-head q/k RMSNorms (Qwen 3) are
+declared to the plan by plan_qk_norms; an MLP that is not llama_shaped, or an MoE layer, runs as its own module
+inside the plan. tests/test_layout.py checks each registered model's declarations against its overrides.
 """
 
 from __future__ import annotations
@@ -78,6 +79,11 @@ class LlamaAttention(nn.Module):
     def norm_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-head normalisation of queries and keys before rotary (none for Llama)."""
         return q, k
+
+    def plan_qk_norms(self) -> tuple[RMSNorm, RMSNorm] | None:
+        """What norm_qk computes, for the CPU decode plan: the RMSNorms over each query and key head, or None (a
+        subclass that overrides norm_qk with per-head RMSNorms returns them here and stays llama_shaped)."""
+        return None
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         q, k, v = self.project_qkv(x)
@@ -149,10 +155,13 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp_cls(config, f"{prefix}.mlp", dist, dtype, device)
 
     def on_decode_plan(self) -> bool:
-        """This layer, its attention and its feed-forward (a dense MLP: make_mlp may give a MoE layer instead) all
-        declare the decode plan's shape (sharding/cpu/decode_plan.py PlanLayer)."""
-        mlp = self.mlp
-        return self.llama_shaped and self.self_attn.llama_shaped and isinstance(mlp, LlamaMLP) and mlp.llama_shaped
+        """This layer and its attention declare the decode plan's shape (sharding/cpu/decode_plan.py PlanLayer); its
+        feed-forward is any module whose forward(x) gives the reduced output (a dense MLP or an MoE layer)."""
+        return self.llama_shaped and self.self_attn.llama_shaped
+
+    def dense_mlp(self) -> bool:
+        """Its feed-forward is the plan's own SiLU MLP (make_mlp may give an MoE layer instead)."""
+        return isinstance(self.mlp, LlamaMLP) and self.mlp.llama_shaped
 
     def forward(self, h: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         if meta.seq_parallel:

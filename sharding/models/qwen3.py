@@ -10,7 +10,7 @@ from sharding.models.qwen2 import reject_sliding_layers
 
 
 class Qwen3Attention(LlamaAttention):
-    llama_shaped = False  # q/k norms (norm_qk): not the CPU decode plan's arithmetic
+    # per-head q/k RMSNorms (norm_qk), which the CPU decode plan computes too (plan_qk_norms)
     def __init__(self, config, prefix, dist, dtype, device):
         super().__init__(config, prefix, dist, dtype, device)
         self.q_norm = RMSNorm(f"{prefix}.q_norm.weight", self.head_dim, config.rms_norm_eps, dtype, device)
@@ -18,6 +18,9 @@ class Qwen3Attention(LlamaAttention):
 
     def norm_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.q_norm(q), self.k_norm(k)
+
+    def plan_qk_norms(self) -> tuple[RMSNorm, RMSNorm]:
+        return self.q_norm, self.k_norm
 
 
 class Qwen3DecoderLayer(LlamaDecoderLayer):

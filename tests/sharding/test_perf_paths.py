@@ -161,11 +161,14 @@ def test_rotary_kernel_is_bit_identical_to_the_formula():
         assert torch.equal(qkv[:, (hq + hk) * d:], v_before)  # v, beside them in the row, untouched
 
 
-@pytest.mark.parametrize("heads,kv_heads,window", [(4, 2, 0), (5, 2, 0), (4, 4, 3)])
-def test_decode_attention_op_equals_the_module_path(heads, kv_heads, window):
+@pytest.mark.parametrize("heads,kv_heads,window,qk_norm", [(4, 2, 0, False), (5, 2, 0, False), (4, 4, 3, False),
+                                                            (5, 2, 0, True)])
+def test_decode_attention_op_equals_the_module_path(heads, kv_heads, window, qk_norm):
     """The decode fast path's attention op (rotary, cache write, paged attention from the fused qkv rows) against the
-    module path (split, apply_rotary, attend), uneven GQA groups (5 query heads over 2 KV heads) and a window included:
-    the same cache contents and the same output."""
+    module path (split, per-head q/k RMSNorms where the model has them, apply_rotary, attend), uneven GQA groups (5
+    query heads over 2 KV heads) and a window included: the same cache contents and the same output."""
+    from sharding.layers.linear import RMSNorm
+
     import random
 
     from sharding.cpu import kernels
@@ -190,29 +193,37 @@ def test_decode_attention_op_equals_the_module_path(heads, kv_heads, window):
     meta.cos, meta.sin = torch.randn(rows, d), torch.randn(rows, d)
     qkv = torch.randn(rows, (heads + 2 * kv_heads) * d)
     q, k, v = qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
-    q, k = apply_rotary(q.reshape(rows, heads, d), meta.cos, meta.sin), apply_rotary(k.reshape(rows, kv_heads, d),
-                                                                                    meta.cos, meta.sin)
+    q, k = q.reshape(rows, heads, d), k.reshape(rows, kv_heads, d)
+    norms = ()
+    if qk_norm:  # Qwen 3's norms, as its module computes them (sharding/models/qwen3.py)
+        norms = [RMSNorm(n, d, 1e-6, torch.float32, torch.device("cpu")) for n in ("q", "k")]
+        for n in norms:
+            n.weight.data.copy_(torch.rand(d) + 0.5)
+        q, k = norms[0](q), norms[1](k)
+    q, k = apply_rotary(q, meta.cos, meta.sin), apply_rotary(k, meta.cos, meta.sin)
     want = attend(q, k, v.reshape(rows, kv_heads, d), caches[0], meta, groups, 0.25)
     got = attention_op(qkv, meta.cos, meta.sin, caches[1].pool, meta.slots, meta.decode_table, meta.decode_lens,
-                       groups.q_index, heads, kv_heads, 0.25, window)
+                       groups.q_index, heads, kv_heads, 0.25, window, *(n.weight for n in norms),
+                       *((1e-6,) if norms else ()))
     if groups.out_index is not None:
         got = got.view(rows, -1, d).index_select(1, groups.out_index).reshape(rows, -1)
     assert torch.equal(caches[1].pool, caches[0].pool)  # the rotated keys bit for bit, the values copied
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("quantization", [None, "int8", "int4", "bf16"])
-def test_llama_decode_fast_path_equals_the_module_path(checkpoints, quantization):
+@pytest.mark.parametrize("arch, quantization", [("qwen2", None), ("qwen2", "int8"), ("qwen2", "int4"),
+                                                 ("qwen2", "bf16"), ("qwen3", None), ("qwen3", "int4")])
+def test_llama_decode_fast_path_equals_the_module_path(checkpoints, arch, quantization):
     """A whole model's decode steps through the compiled layers (decode_layers: every layer in one call), through
     the fast path's Python loop, and through the modules: the same greedy tokens, logprobs equal to float32
     rounding (to int8 rounding of the activations where the kernels quantize them). Qwen 2's layout (q/k/v biases,
-    6 heads over 2 KV heads), each linear kernel."""
+    6 heads over 2 KV heads), each linear kernel; Qwen 3's per-head q/k norms."""
     from server.llm import LLM
     from server.engine.sampler import SamplingParams
     from sharding.cpu.decode_plan import DecodePlan
     from sharding.layers import quant
 
-    llm = LLM(str(checkpoints("qwen2")), max_num_seqs=4, kv_cache_memory=8 << 20, quantization=quantization)
+    llm = LLM(str(checkpoints(arch)), max_num_seqs=4, kv_cache_memory=8 << 20, quantization=quantization)
     try:
         model = llm.executor.model
         params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=0)

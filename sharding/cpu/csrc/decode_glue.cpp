@@ -2,8 +2,10 @@
 // of sharding/models/llama.py. In torch it is ~40 small ops per layer, each a dispatch of a few microseconds on a
 // decode batch of a few rows; here it is three calls, with the same arithmetic:
 //
-//   decode_attention(qkv, cos, sin, pool, slots, table, lens, q_index, heads, kv_heads, scale, window) -> [B, P * D]
-//       qkv [B, (heads + 2 kv_heads) * D]: the fused projection's output. Rotary on q and k (rotary.cpp's
+//   decode_attention(qkv, cos, sin, pool, slots, table, lens, q_index, heads, kv_heads, scale, window[, q_norm,
+//                    k_norm, qk_eps]) -> [B, P * D]
+//       qkv [B, (heads + 2 kv_heads) * D]: the fused projection's output. With q_norm / k_norm ([D]), each query
+//       and key head first takes its RMSNorm (Qwen 3). Rotary on q and k (rotary.cpp's
 //       rotate_head: transformers' formula, product by product), k and v stored at their slots in the paged cache
 //       (pool [2, kv_heads, blocks, block_size, D]), then paged_decode_attention. q_index (optional, [P]): the local
 //       query head of each of the P = kv_heads * group padded positions when GQA groups are uneven (attention.py
@@ -34,10 +36,19 @@ namespace {
 
 using tpserve::rotate_head;
 
+// a query or key head before rotary: as it is (w null), or its RMSNorm over the head (Qwen 3's q_norm / k_norm, the
+// rms_norm op's own rows: bitwise what the module computes) written to `tmp`
+inline const float* norm_head(const float* head, const float* w, float eps, float* tmp, int64_t D) {
+  if (w == nullptr) return head;
+  tpserve::rms_norm_rows(head, w, eps, tmp, D, 0, 1);
+  return tmp;
+}
+
 at::Tensor decode_attention(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor pool,
                             const at::Tensor& slots, const at::Tensor& table, const at::Tensor& lens,
                             const std::optional<at::Tensor>& q_index, int64_t heads, int64_t kv_heads, double scale,
-                            int64_t window) {
+                            int64_t window, const std::optional<at::Tensor>& q_norm,
+                            const std::optional<at::Tensor>& k_norm, double qk_eps) {
   TORCH_CHECK(qkv.dim() == 2 && pool.dim() == 5 && cos.dim() == 2 && sin.dim() == 2 && slots.dim() == 1,
               "decode_attention: shapes");
   TORCH_CHECK(qkv.scalar_type() == at::kFloat && pool.scalar_type() == at::kFloat && cos.scalar_type() == at::kFloat &&
@@ -51,6 +62,16 @@ at::Tensor decode_attention(const at::Tensor& qkv, const at::Tensor& cos, const 
   TORCH_CHECK(qkv.is_contiguous() && pool.is_contiguous() && cos.is_contiguous() && sin.is_contiguous() &&
                   slots.is_contiguous(),
               "decode_attention: layout");
+  TORCH_CHECK(q_norm.has_value() == k_norm.has_value() &&
+                  (!q_norm.has_value() ||
+                   (q_norm->dim() == 1 && q_norm->size(0) == D && q_norm->scalar_type() == at::kFloat &&
+                    q_norm->is_contiguous() && k_norm->sizes() == q_norm->sizes() &&
+                    k_norm->scalar_type() == at::kFloat && k_norm->is_contiguous())),
+              "decode_attention: q_norm and k_norm both or neither, float32 [head_dim]");
+  const float* qn = q_norm.has_value() ? q_norm->data_ptr<float>() : nullptr;
+  const float* kn = k_norm.has_value() ? k_norm->data_ptr<float>() : nullptr;
+  const float eps = static_cast<float>(qk_eps);
+  std::vector<float> normed(qn ? D : 0);
   const int64_t P = q_index.has_value() ? q_index->size(0) : heads;
   TORCH_CHECK(P % kv_heads == 0, "decode_attention: query positions must group evenly over the KV heads");
   const int64_t* qi = nullptr;
@@ -75,11 +96,12 @@ at::Tensor decode_attention(const at::Tensor& qkv, const at::Tensor& cos, const 
     for (int64_t p = 0; p < P; ++p) {
       const int64_t h = qi ? qi[p] : p;
       TORCH_CHECK(h >= 0 && h < heads, "decode_attention: q_index out of range");
-      rotate_head(qp + (b * P + p) * D, row + h * D, c, s, D);
+      rotate_head(qp + (b * P + p) * D, norm_head(row + h * D, qn, eps, normed.data(), D), c, s, D);
     }
     TORCH_CHECK(slot[b] >= 0 && slot[b] < per_head, "decode_attention: slot out of range");
     for (int64_t h = 0; h < kv_heads; ++h) {
-      rotate_head(kc + (h * per_head + slot[b]) * D, row + (heads + h) * D, c, s, D);
+      rotate_head(kc + (h * per_head + slot[b]) * D, norm_head(row + (heads + h) * D, kn, eps, normed.data(), D), c, s,
+                  D);
       const float* v = row + (heads + kv_heads + h) * D;
       std::copy(v, v + D, vc + (h * per_head + slot[b]) * D);
     }
@@ -179,6 +201,8 @@ struct PlanLayer {
   int64_t heads, kv_heads;
   double scale, post_eps, next_eps;
   std::vector<PlanLora> lora[4];  // per linear (qkv, o, gate_up, down), by adapter slot (r == 0: none)
+  std::optional<at::Tensor> q_norm, k_norm;  // per-head RMSNorms of queries and keys before rotary (Qwen 3), or none
+  double qk_eps = 0.0;
 };
 
 // A linear as the compiled steps run it (kind 0 float32 in blocks of 32 columns, 1 int8, 2 int4, 3 bf16), checked
@@ -290,6 +314,19 @@ struct DecodeLayers : torch::CustomClassHolder {
     layers.push_back(PlanLayer{pending[0], pending[1], pending[2], pending[3], std::move(pool), std::move(post_w),
                                std::move(next_w), heads, kv_heads, scale, post_eps, next_eps});
     pending.clear();
+  }
+
+  // the per-head RMSNorms (weights [head_dim] float32) of the last added layer's queries and keys, before rotary
+  void set_qk_norm(at::Tensor q_w, at::Tensor k_w, double eps) {
+    TORCH_CHECK(!layers.empty(), "DecodeLayers.set_qk_norm: add the layer first");
+    PlanLayer& l = layers.back();
+    const int64_t D = l.pool.size(4);
+    TORCH_CHECK(q_w.dim() == 1 && q_w.size(0) == D && q_w.scalar_type() == at::kFloat && q_w.is_contiguous() &&
+                    k_w.sizes() == q_w.sizes() && k_w.scalar_type() == at::kFloat && k_w.is_contiguous(),
+                "DecodeLayers.set_qk_norm: float32 weights [head_dim]");
+    l.q_norm = std::move(q_w);
+    l.k_norm = std::move(k_w);
+    l.qk_eps = eps;
   }
 
   // the adapter in `slot` of linear `which` (0 qkv, 1 o, 2 gate_up, 3 down) of layer `layer`: A^T [K, R] and
@@ -652,7 +689,7 @@ at::Tensor decode_layers(const c10::intrusive_ptr<DecodeLayers>& plan, at::Tenso
     tpserve::resize_bf16_rows(xq_act, B, max_gu / 2);
   }
   const int nt = std::max(1, at::get_num_threads());
-  std::vector<std::vector<float>> scores(nt), lora_u(nt);
+  std::vector<std::vector<float>> scores(nt), lora_u(nt), normed(nt, std::vector<float>(D));
   const LoraGroups groups(rs, B);  // the adapter rows by slot (none: the base-only step, untouched)
   const int64_t lstride = plan->lora_rp;
   std::vector<float> lora_parts(groups.size() > 0 ? nt * B * lstride : 0);
@@ -711,15 +748,20 @@ at::Tensor decode_layers(const c10::intrusive_ptr<DecodeLayers>& plan, at::Tenso
 #pragma omp barrier
       // rotary, the cache write and attention, per (sequence, KV head)
       share(B * kvh, a, b);
+      const float* qn = l.q_norm.has_value() ? l.q_norm->data_ptr<float>() : nullptr;
+      const float* kn = l.k_norm.has_value() ? l.k_norm->data_ptr<float>() : nullptr;
+      const float qk_eps = static_cast<float>(l.qk_eps);
+      float* tmp = normed[t].data();
       for (int64_t task = a; task < b; ++task) {
         const int64_t s = task / kvh, kh = task % kvh;
         const float* row = qkvp + s * width;
         const float *c = cp + s * D, *sn = snp + s * D;
         for (int64_t g = 0; g < G; ++g) {
           const int64_t p = kh * G + g;
-          tpserve::rotate_head(qp + (s * heads + p) * D, row + p * D, c, sn, D);
+          tpserve::rotate_head(qp + (s * heads + p) * D, norm_head(row + p * D, qn, qk_eps, tmp, D), c, sn, D);
         }
-        tpserve::rotate_head(kc + (kh * per_head + sp[s]) * D, row + (heads + kh) * D, c, sn, D);
+        tpserve::rotate_head(kc + (kh * per_head + sp[s]) * D, norm_head(row + (heads + kh) * D, kn, qk_eps, tmp, D),
+                             c, sn, D);
         const float* v = row + (heads + kvh + kh) * D;
         std::copy(v, v + D, vc + (kh * per_head + sp[s]) * D);
       }
@@ -928,7 +970,8 @@ at::Tensor moe_experts(const c10::intrusive_ptr<MoeExperts>& plan, const at::Ten
 
 TORCH_LIBRARY_FRAGMENT(tpserve, m) {
   m.def("decode_attention(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) pool, Tensor slots, Tensor table, "
-        "Tensor lens, Tensor? q_index, int heads, int kv_heads, float scale, int window) -> Tensor");
+        "Tensor lens, Tensor? q_index, int heads, int kv_heads, float scale, int window, Tensor? q_norm=None, "
+        "Tensor? k_norm=None, float qk_eps=0.) -> Tensor");
   m.def("add_rms_norm_(Tensor(a!) h, Tensor delta, Tensor w, float eps) -> Tensor");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
   m.def("argmax_rows(Tensor logits) -> Tensor");
@@ -938,6 +981,7 @@ TORCH_LIBRARY_FRAGMENT(tpserve, m) {
       .def("add_mixed_linear", &DecodeLayers::add_mixed_linear)
       .def("add_layer", &DecodeLayers::add_layer)
       .def("set_lora", &DecodeLayers::set_lora)
+      .def("set_qk_norm", &DecodeLayers::set_qk_norm)
       .def("size", &DecodeLayers::size);
   m.def("decode_layers(__torch__.torch.classes.tpserve.DecodeLayers plan, Tensor(a!) h, Tensor x, Tensor cos, "
         "Tensor sin, Tensor slots, Tensor table, Tensor lens, int window, Tensor? lora_slots=None) -> Tensor");
