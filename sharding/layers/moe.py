@@ -256,10 +256,12 @@ class SparseMoe(nn.Module):
 
     def _compile(self) -> torch.ScriptObject | None:
         """This rank's experts as one compiled MoeExperts (decode_glue.cpp's moe_experts: every phase of every active
-        expert in one call), where each expert's linears have a compiled kernel and the activation is SiLU(gate) * up;
-        else None (the loop of `routed`). Built at the first step, after the weights are packed and moved."""
+        expert in one call), where each expert's linears have a compiled kernel and the activation is SiLU(gate) * up
+        or one the kernel has (the act module's `plan_activation()`: (kind, alpha, limit)); else None (the loop of
+        `routed`). Built at the first step, after the weights are packed and moved."""
         ops = kernels.moe_experts_ops()
-        if ops is None or self._act is not None or not len(self.experts):
+        act = (0, 1.0, 0.0) if self._act is None else getattr(self._act, "plan_activation", lambda: None)()
+        if ops is None or act is None or not len(self.experts):
             return None
         specs = [(e.index, kernels.plan_linear(e.gate_up), kernels.plan_linear(e.down)) for e in self.experts]
         if any(g is None or d is None or g[0] == 5 or d[0] == 5 for _, g, d in specs):  # (5: parts of several types)
@@ -267,6 +269,7 @@ class SparseMoe(nn.Module):
         if any(e.down.pad is not None for e in self.experts):  # zero-padded inputs (_block_range): the loop pads
             return None
         compiled = ops[0]()
+        compiled.set_activation(*act)
         for (index, gate_up, down), expert in zip(specs, self.experts):
             if not expert.add_down_bias:
                 down = down[:3] + (None,) + down[4:]

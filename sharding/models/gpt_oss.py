@@ -118,6 +118,10 @@ class ClampedSwiGLU(nn.Module):
         glu = gate * torch.sigmoid(gate * self.alpha)
         return (up + 1) * glu
 
+    def plan_activation(self) -> tuple[int, float, float]:
+        """The same activation in the compiled experts (decode_glue.cpp MoeExperts.set_activation: kind 1)."""
+        return 1, self.alpha, self.limit
+
 
 class GptOssDecoderLayer(LlamaDecoderLayer):
     attention_cls = GptOssAttention

@@ -271,3 +271,39 @@ def test_refused_configs(reference, tmp_path):
     longrope.check_max_model_len(64)
     with pytest.raises(ValueError, match=re.escape("max_model_len (65) must not exceed 64")):
         longrope.check_max_model_len(65)
+
+
+def test_compiled_experts_equal_the_loop(reference):
+    """The clamped SwiGLU inside the compiled grouped experts (decode_glue.cpp moe_experts, activation kind 1) against
+    the loop over the experts' linears with the torch activation: inputs large enough that both clamps bite."""
+    from sharding.cpu import kernels
+    from sharding.dist import Dist
+    from sharding.layers.interface import Loadable, Packable
+    from sharding.layers.moe import SparseMoe
+    from loaders.checkpoint import Checkpoint
+    from sharding.runner import EngineConfig, build_model
+
+    assert kernels.build_kernels() and kernels.moe_experts_ops() is not None, "the CPU kernels did not build"
+    folder = reference["f32"][0]
+    with Checkpoint(folder) as ckpt:
+        model, _, _ = build_model(EngineConfig(str(folder), dtype="float32"),
+                                  Dist(rank=0, world_size=1, device=torch.device("cpu")), ckpt)
+        for m in model.modules():
+            if isinstance(m, Loadable):
+                m.load(ckpt)
+    for m in model.modules():
+        if isinstance(m, Packable):
+            m.prepack()
+    x = 30 * torch.randn(6, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    layers = [m for m in model.modules() if isinstance(m, SparseMoe)]
+    assert layers
+    clamped = 0
+    for moe in layers:
+        got = moe.routed(x)
+        assert moe._compiled is not None
+        e = moe.experts[0]
+        gate, up = e.gate_up.matmul(x, e.gate_up.bias).chunk(2, dim=-1)
+        clamped += int((gate > moe._act.limit).sum() + (up.abs() > moe._act.limit).sum())
+        moe._compiled = None  # the loop over the experts' linears, the torch activation
+        torch.testing.assert_close(got, moe.routed(x), rtol=1e-5, atol=1e-4)  # (gates far below -88 included)
+    assert clamped > 0

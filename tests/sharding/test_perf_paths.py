@@ -333,3 +333,19 @@ def test_weights_move_into_one_huge_page_mapping(checkpoints, quantization, monk
             llm.close()
     for a, b in zip(*answers):
         assert a.token_ids == b.token_ids and a.logprobs == b.logprobs
+
+
+def test_silu_mul_op_equals_torch_with_large_gates():
+    """The compiled SiLU(gate) * up (the decode plan's and the grouped experts'): torch's values, and no NaN where a
+    gate is far below -88 (exp of its negation overflows; the build assumes finite math)."""
+    import torch.nn.functional as F
+
+    from sharding.cpu import kernels
+
+    assert kernels.build_kernels() and kernels.decode_glue_ops() is not None, "the CPU kernels did not build"
+    silu_mul = kernels.decode_glue_ops()[2]
+    gate = torch.cat([torch.linspace(-300, 300, 1001), torch.randn(999)]).reshape(4, 500)
+    up = torch.randn(4, 500)
+    got = silu_mul(torch.cat([gate, up], dim=1))
+    assert not got.isnan().any()
+    torch.testing.assert_close(got, F.silu(gate) * up, rtol=1e-5, atol=1e-6)

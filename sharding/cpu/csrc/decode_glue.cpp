@@ -109,6 +109,11 @@ at::Tensor decode_attention(const at::Tensor& qkv, const at::Tensor& cos, const 
   return tpserve::paged_decode_attention(q, pool, table, lens, scale, window).view({B, P * D});
 }
 
+// exp(z) with z capped at 88 (exp(88) ~ 1.7e38): the build's -ffast-math assumes no infinities, and the vectorized
+// exp of a larger z (a gate below -88 in a sigmoid) gave NaN where torch gives 0; capped, x / (1 + exp(z)) is a
+// vanishing number instead, and nothing changes below the cap
+inline float exp_capped(float z) { return std::exp(z < 88.f ? z : 88.f); }
+
 // the residual add and SiLU(gate) * up of one row: one definition for the ops and decode_layers (bitwise the same)
 inline void add_row(float* h, const float* d, int64_t n) {
 #pragma omp simd
@@ -117,7 +122,18 @@ inline void add_row(float* h, const float* d, int64_t n) {
 
 inline void silu_mul_row(const float* gate, const float* up, float* o, int64_t I) {
 #pragma omp simd
-  for (int64_t i = 0; i < I; ++i) o[i] = gate[i] / (1.f + std::exp(-gate[i])) * up[i];
+  for (int64_t i = 0; i < I; ++i) o[i] = gate[i] / (1.f + exp_capped(-gate[i])) * up[i];
+}
+
+// gpt-oss's expert activation (transformers' GptOssExperts._apply_gate) of one row; a NaN stays NaN, as in torch's
+// clamp
+inline void clamped_swiglu_row(const float* gate, const float* up, float* o, int64_t I, float alpha, float limit) {
+#pragma omp simd
+  for (int64_t i = 0; i < I; ++i) {
+    const float g = gate[i] > limit ? limit : gate[i];
+    const float u = up[i] > limit ? limit : up[i] < -limit ? -limit : up[i];
+    o[i] = (u + 1.f) * (g / (1.f + exp_capped(-g * alpha)));
+  }
 }
 
 at::Tensor add_rms_norm_(at::Tensor h, const at::Tensor& delta, const at::Tensor& w, double eps) {
@@ -809,7 +825,7 @@ at::Tensor decode_layers(const c10::intrusive_ptr<DecodeLayers>& plan, at::Tenso
 
 // ---- the grouped experts of an MoE layer (sharding/layers/moe.py) ----------------------------------------------------------
 // moe_experts(plan, x [M, H], ids [M, k], weights [M, k]) -> out [M, H]: for each expert of the plan that a row was
-// routed to, gate/up -> SiLU(gate) * up -> down over the rows routed to it (each expert's weights read once per call,
+// routed to, gate/up -> SiLU(gate) * up (or the plan's clamped SwiGLU) -> down over the rows routed to it (each expert's weights read once per call,
 // whatever its row count), then out[m] = sum over m's experts, in expert order, of weight * expert(x[m]). Experts not
 // in the plan (another rank's, under expert parallelism) are skipped. One OpenMP team through every phase: the rows
 // gathered, each phase's work (the active experts' output blocks) split over the threads, barriers between.
@@ -817,6 +833,17 @@ at::Tensor decode_layers(const c10::intrusive_ptr<DecodeLayers>& plan, at::Tenso
 struct MoeExperts : torch::CustomClassHolder {
   std::vector<int64_t> index;  // the global expert id of each local expert, ascending
   std::vector<PlanLinear> gate_up, down;
+  // the activation of gate|up: 0 SiLU(gate) * up; 1 gpt-oss's clamped SwiGLU, gate clamped above at `limit`, up to
+  // [-limit, limit], (up + 1) * gate * sigmoid(alpha * gate)
+  int64_t act = 0;
+  float alpha = 1.f, limit = 0.f;
+
+  void set_activation(int64_t kind, double alpha_, double limit_) {
+    TORCH_CHECK(kind == 0 || kind == 1, "MoeExperts.set_activation: kind 0 (SiLU) or 1 (clamped SwiGLU)");
+    act = kind;
+    alpha = static_cast<float>(alpha_);
+    limit = static_cast<float>(limit_);
+  }
 
   void add_expert(int64_t id, int64_t kind, at::Tensor w, at::Tensor scale, std::optional<at::Tensor> bias, int64_t n,
                   int64_t group, int64_t kind2, at::Tensor w2, at::Tensor scale2, std::optional<at::Tensor> bias2,
@@ -943,7 +970,12 @@ at::Tensor moe_experts(const c10::intrusive_ptr<MoeExperts>& plan, const at::Ten
     });
 #pragma omp barrier
     share(P, lo, hi);
-    for (int64_t p = lo; p < hi; ++p) silu_mul_row(gup + p * 2 * I, gup + p * 2 * I + I, actp + p * I, I);
+    for (int64_t p = lo; p < hi; ++p) {
+      if (plan->act == 1)
+        clamped_swiglu_row(gup + p * 2 * I, gup + p * 2 * I + I, actp + p * I, I, plan->alpha, plan->limit);
+      else
+        silu_mul_row(gup + p * 2 * I, gup + p * 2 * I + I, actp + p * I, I);
+    }
 #pragma omp barrier
     quantize(plan->down, actp, I, aq);
 #pragma omp barrier
@@ -988,6 +1020,7 @@ TORCH_LIBRARY_FRAGMENT(tpserve, m) {
   m.class_<MoeExperts>("MoeExperts")
       .def(torch::init<>())
       .def("add_expert", &MoeExperts::add_expert)
+      .def("set_activation", &MoeExperts::set_activation)
       .def("size", &MoeExperts::size);
   m.def("moe_experts(__torch__.torch.classes.tpserve.MoeExperts plan, Tensor x, Tensor ids, Tensor weights) -> "
         "Tensor");
