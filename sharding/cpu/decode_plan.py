@@ -7,11 +7,11 @@ in another order).
 
 Which layers qualify is declared by the model (`PlanLayer.on_decode_plan`: sharding/models/llama.py); the plan checks
 the rest, which only the loaded values tell (CPU, float32 plain RMSNorms, no soft-capping, one head size). Per-head
-q/k RMSNorms before rotary (Qwen 3, `PlanAttention.plan_qk_norms`) are part of the attention op. A layer whose
+q/k RMSNorms before rotary (Qwen 3, `PlanAttention.plan_qk_norms`), attention sinks and a window per layer (gpt-oss)
+are part of the attention op. A layer whose
 feed-forward is not the dense SiLU MLP (an MoE layer) runs its attention and norms on the plan and its feed-forward
 as its own module (`forward(x)`, its all-reduce inside); the one compiled call needs every layer dense. Models whose
-layers differ from Llama's elsewhere (Gemma's norms, OLMoE's whole-projection q/k norms, gpt-oss's sinks) take the
-module path.
+layers differ from Llama's elsewhere (Gemma's norms, OLMoE's whole-projection q/k norms) take the module path.
 """
 
 from __future__ import annotations
@@ -43,8 +43,13 @@ class PlanAttention(Protocol):
     softcap: float | None
     cache: PagedKVCache | None
 
+    window: int | None  # the layer's own sliding window, None: the model's (the step metadata's)
+
     def plan_qk_norms(self) -> tuple[RMSNorm, RMSNorm] | None:
         """The RMSNorms over each query and key head before rotary (Qwen 3's q_norm, k_norm), or None."""
+
+    def attention_sinks(self) -> torch.Tensor | None:
+        """One logit per local query head in every softmax's denominator (gpt-oss), float32 [heads], or None."""
 
 
 class PlanMLP(Protocol):
@@ -87,6 +92,8 @@ class FastLayer:
     post_norm: RMSNorm
     next_norm: RMSNorm  # the next layer's input norm, or the final norm after the last layer
     qk_norms: tuple[RMSNorm, RMSNorm] | None
+    sinks: torch.Tensor | None
+    window: int | None  # the layer's own window (else the step's)
 
 
 @dataclass(slots=True)
@@ -109,22 +116,22 @@ class DecodePlan:
         returns the final norm of every token's hidden state."""
         attention, add_rms_norm_, silu_mul = self.ops
         x = self.first_norm.forward(h)
-        window, n = meta.window or 0, h.shape[0]
+        n = h.shape[0]
         if self.pool is not self.layers[0].attn.cache.pool:  # first use, or a new cache
             self.compiled = compile_layers(self)
             self.run = kernels.decode_layers_ops()[1] if self.compiled is not None else None
             self.pool = self.layers[0].attn.cache.pool
         if self.compiled is not None:  # (with the adapters of every slot: invalidate rebuilds it)
             return self.run(self.compiled, h, x, meta.cos, meta.sin, meta.slots, meta.decode_table, meta.decode_lens,
-                            window, meta.lora.token_slots if meta.lora is not None else None)
+                            meta.window or 0, meta.lora.token_slots if meta.lora is not None else None)
         for f in self.layers:
             qkv = f.qkv.matmul(x, f.qkv.bias)
             a = f.attn
             qn, kn = f.qk_norms or (None, None)
             o = attention(qkv, meta.cos, meta.sin, a.cache.pool, meta.slots, meta.decode_table, meta.decode_lens,
-                          f.q_index, a.num_heads, a.num_kv_heads, a.scale, window,
+                          f.q_index, a.num_heads, a.num_kv_heads, a.scale, f.window or meta.window or 0,
                           qn.weight if qn is not None else None, kn.weight if kn is not None else None,
-                          qn.eps if qn is not None else 0.0)
+                          qn.eps if qn is not None else 0.0, f.sinks)
             if f.out_index is not None:  # uneven GQA groups: drop the padding positions
                 o = o.view(n, -1, self.head_dim).index_select(1, f.out_index).reshape(n, -1)
             x = add_rms_norm_(h, f.o_proj.forward(o), f.post_norm.weight, f.post_norm.eps)
@@ -163,7 +170,9 @@ def build(layers: Sequence[PlanLayer], final_norm: RMSNorm | None, whole: bool, 
     for i, layer in enumerate(layers):
         attn, mlp = layer.self_attn, layer.mlp
         norms = qk_norms(attn) if layer.on_decode_plan() else False
+        sinks = attn.attention_sinks() if norms is not False else None
         if (norms is False or attn.softcap is not None
+                or (sinks is not None and (sinks.dtype != torch.float32 or sinks.shape != (attn.num_heads,)))
                 or not plain_rms_norm(layer.input_layernorm) or not plain_rms_norm(layer.post_attention_layernorm)
                 or attn.head_dim != layers[0].self_attn.head_dim):
             return None
@@ -171,7 +180,8 @@ def build(layers: Sequence[PlanLayer], final_norm: RMSNorm | None, whole: bool, 
         dense = layer.dense_mlp()
         fast.append(FastLayer(attn, attn.qkv_proj, attn.o_proj, mlp.gate_up_proj if dense else None,
                               mlp.down_proj if dense else None, None if dense else mlp, attn.groups.q_index,
-                              attn.groups.out_index, layer.post_attention_layernorm, nxt, norms))
+                              attn.groups.out_index, layer.post_attention_layernorm, nxt, norms, sinks,
+                              attn.window))
     return DecodePlan(ops, layers[0].input_layernorm, fast, layers[0].self_attn.head_dim, world_size)
 
 
@@ -179,9 +189,9 @@ def compile_layers(plan: DecodePlan) -> torch.ScriptObject | None:
     """The layers as one compiled DecodeLayers (sharding/cpu/csrc/decode_glue.cpp), where every linear has a compiled
     kernel and there is no all-reduce between them (TP=1); else None (the Python loop of DecodePlan.forward)."""
     ops = kernels.decode_layers_ops()
-    if (ops is None or plan.world_size != 1
-            or any(f.q_index is not None or f.ffn is not None for f in plan.layers)):
-        return None
+    if (ops is None or plan.world_size != 1 or any(f.q_index is not None or f.ffn is not None
+                                                   or f.sinks is not None or f.window is not None for f in plan.layers)):
+        return None  # (the one call: dense layers, even groups, one window, no sinks)
     linears = [[kernels.plan_linear(lin) for lin in (f.qkv, f.o_proj, f.gate_up, f.down)] for f in plan.layers]
     if any(spec is None for layer in linears for spec in layer):
         return None

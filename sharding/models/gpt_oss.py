@@ -16,8 +16,9 @@ dimension, i.e. the gate_up columns [2a, 2b) and the down rows [a, b); expert pa
 byte ranges. The down bias is added once over the group: by TP rank 0 under tensor parallelism (the other ranks do
 not read it), by the owning rank under expert parallelism.
 
-Sliding windows are per layer, as in Gemma 2 (gemma2.window_meta). Not on the decode fast path (the MoE feed-forward
-and the sinks differ from Llama between the linears: GptOssAttention is not `llama_shaped`).
+Sliding windows are per layer, as in Gemma 2 (gemma2.window_meta). On the CPU decode plan (sharding/cpu/decode_plan.py):
+the attention op takes each layer's sinks and window, the MoE feed-forward runs as its module (the experts in the
+compiled grouped kernel, the clamped SwiGLU included).
 """
 
 from __future__ import annotations
@@ -26,8 +27,7 @@ import torch
 from torch import nn
 
 from loaders.partition import shard_heads
-from sharding.cpu import kernels
-from sharding.layers.attention import AttentionMetadata, apply_rotary, attend, stage_output
+from sharding.layers.attention import AttentionMetadata, stage_output
 from sharding.dist import Dist
 from sharding.layers.linear import Replicated
 from sharding.models.gemma2 import window_meta
@@ -55,7 +55,6 @@ class HeadSlice(Replicated):
 
 class GptOssAttention(LlamaAttention):
     qkv_bias_default = True  # transformers' GptOssConfig defaults attention_bias to true
-    llama_shaped = False  # attention sinks: not the CPU decode plan's arithmetic
 
     def __init__(self, config, prefix, dist, dtype, device):
         super().__init__(config, prefix, dist, dtype, device)
@@ -63,20 +62,10 @@ class GptOssAttention(LlamaAttention):
         self.sinks = HeadSlice(f"{prefix}.sinks", self.total_num_heads, heads.q_start, heads.q_stop, device)
         layer_idx = int(prefix.split(".")[-2])  # model.layers.{i}.self_attn
         sliding = config.layer_types[layer_idx] == "sliding_attention"
-        self.window: int | None = config.sliding_window if sliding else None
+        self.window = config.sliding_window if sliding else None
 
-    def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        q, k, v = self.project_qkv(x)
-        if self._rotary is False:
-            self._rotary = kernels.rotary_op() if x.device.type == "cpu" else None
-        if (self._rotary is not None and meta.cos is not None and q.dtype == torch.float32
-                and meta.cos.shape[-1] == self.head_dim == k.shape[-1]):
-            self._rotary(q, k, meta.cos, meta.sin)  # in place (sharding/cpu/csrc/rotary.cpp)
-        else:
-            qk = apply_rotary(torch.cat([q, k], dim=1), meta.cos, meta.sin)
-            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
-        out = attend(q, k, v, self.cache, meta, self.groups, self.scale, sinks=self.sinks.weight)
-        return self.o_proj(out, scatter=meta.seq_parallel)
+    def attention_sinks(self) -> torch.Tensor:
+        return self.sinks.weight
 
 
 def gpt_oss_experts(config, prefix: str, dist: Dist, dtype: torch.dtype, device: torch.device
@@ -180,6 +169,9 @@ class GptOssForCausalLM(LlamaForCausalLM):
     def forward(self, ids: torch.Tensor, meta: AttentionMetadata, hidden: torch.Tensor | None = None):
         if self.lora is not None:  # LoRA adapter rows of this step (sharding/layers/lora.py)
             self.lora.rows = meta.lora
+        plan = self.plan_for(meta)  # the CPU decode plan (each layer's window and sinks its own)
+        if plan is not None:
+            return stage_output(plan.forward(self.embed(ids), meta), meta, self.lm_head)
         windows = {layer.self_attn.window for layer in self.layers} - {None}
         metas = {None: meta, **{w: window_meta(meta, w) for w in windows}}
         h = self.embed(ids, scatter=meta.seq_parallel) if self.first_stage else hidden

@@ -8,9 +8,9 @@ Decode fast path (CPU, float32): a step of decode tokens only runs through the C
 (sharding/cpu/decode_plan.py), the same arithmetic as the modules in a few compiled ops. Each of the three classes
 below declares, in `llama_shaped`, that it computes what the plan computes; a subclass that changes its forward (or
 the methods the plan replaces: project_qkv and norm_qk, act) says False, and its model takes the module path
-(Gemma 2's extra norms, OLMoE's whole-projection q/k norms, gpt-oss's sinks). Per-head q/k RMSNorms (Qwen 3) are
-declared to the plan by plan_qk_norms; an MLP that is not llama_shaped, or an MoE layer, runs as its own module
-inside the plan. tests/test_layout.py checks each registered model's declarations against its overrides.
+(Gemma 2's extra norms, OLMoE's whole-projection q/k norms). Per-head q/k RMSNorms (Qwen 3) are declared to the
+plan by plan_qk_norms, attention sinks (gpt-oss) by attention_sinks, a layer's own window by `window`; an MLP that is
+not llama_shaped, or an MoE layer, runs as its own module inside the plan. tests/test_layout.py checks each registered model's declarations against its overrides.
 """
 
 from __future__ import annotations
@@ -53,6 +53,9 @@ class LlamaAttention(nn.Module):
             bias=getattr(config, "attention_bias", False), dist=dist, dtype=dtype, device=device)
         self.scale = self.head_dim ** -0.5
         self.softcap: float | None = None  # tanh soft-capping of attention scores (Gemma 2)
+        # this layer's own sliding window (gpt-oss, Gemma 2: set where the layers alternate; the model narrows the
+        # metadata to it), None: the model's (its metadata's `window`)
+        self.window: int | None = None
         self.cache: PagedKVCache | None = None
         # the compiled in-place rotary, looked up at the first call (built at start); None: none
         self._rotary: kernels.Op | Literal[False] | None = False
@@ -80,6 +83,10 @@ class LlamaAttention(nn.Module):
         """Per-head normalisation of queries and keys before rotary (none for Llama)."""
         return q, k
 
+    def attention_sinks(self) -> torch.Tensor | None:
+        """One learned logit per local query head that joins every softmax's denominator (gpt-oss), or None."""
+        return None
+
     def plan_qk_norms(self) -> tuple[RMSNorm, RMSNorm] | None:
         """What norm_qk computes, for the CPU decode plan: the RMSNorms over each query and key head, or None (a
         subclass that overrides norm_qk with per-head RMSNorms returns them here and stays llama_shaped)."""
@@ -99,7 +106,8 @@ class LlamaAttention(nn.Module):
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         else:
             q, k = apply_rotary(q, meta.cos, meta.sin), apply_rotary(k, meta.cos, meta.sin)
-        out = attend(q, k, v, self.cache, meta, self.groups, self.scale, softcap=self.softcap)
+        out = attend(q, k, v, self.cache, meta, self.groups, self.scale, softcap=self.softcap,
+                     sinks=self.attention_sinks())
         return self.o_proj(out, scatter=meta.seq_parallel)
 
 
@@ -231,14 +239,21 @@ class LlamaForCausalLM(CausalLM):
         if self._plan:
             self._plan.invalidate()
 
-    def forward(self, ids: torch.Tensor, meta: AttentionMetadata, hidden: torch.Tensor | None = None):
-        if self.lora is not None:
-            self.lora.rows = meta.lora
+    def plan_for(self, meta: AttentionMetadata) -> decode_plan.DecodePlan | None:
+        """The CPU decode plan where this step runs on it (decode tokens only), else None (the modules run it)."""
         if meta.all_decode and not meta.seq_parallel and meta.cos is not None:
             if self._plan is False:
                 self._plan = self._decode_plan()
             if self._plan is not None and meta.cos.shape[-1] == self._plan.head_dim:
-                return stage_output(self._plan.forward(self.embed(ids), meta), meta, self.lm_head)
+                return self._plan
+        return None
+
+    def forward(self, ids: torch.Tensor, meta: AttentionMetadata, hidden: torch.Tensor | None = None):
+        if self.lora is not None:
+            self.lora.rows = meta.lora
+        plan = self.plan_for(meta)
+        if plan is not None:  # (the stage's output: None on the TP ranks other than 0)
+            return stage_output(plan.forward(self.embed(ids), meta), meta, self.lm_head)
         h = self.embed(ids, scatter=meta.seq_parallel) if self.first_stage else hidden
         for layer in self.layers:
             h = layer(h, meta)

@@ -236,8 +236,9 @@ def test_attend_with_sinks(heads, kv_heads, window, monkeypatch):
 def test_refused_configs(reference, tmp_path):
     """What this implementation does not compute as transformers does is refused at start, the field named (built in
     process: the model's constructor and the rotary table are where the runner refuses them). The accepted model
-    stays off the decode fast path (its layers are not Llama's between the linears)."""
+    runs its decode steps on the CPU decode plan, not as one compiled call (its feed-forward is an MoE layer)."""
     from loaders.checkpoint import Checkpoint
+    from sharding.cpu import decode_plan
     from loaders.config import load_config
     from sharding.cpu import kernels
     from sharding.layers.attention import RotaryTable
@@ -253,7 +254,12 @@ def test_refused_configs(reference, tmp_path):
         return model
 
     assert kernels.build_kernels() and kernels.decode_glue_ops() is not None
-    assert start("plain")._decode_plan() is None
+    model = start("plain")
+    plan = model._decode_plan()  # on the decode plan: each layer's sinks and window, the experts as a module
+    assert plan is not None and decode_plan.compile_layers(plan) is None
+    assert all(f.sinks is not None and f.ffn is not None for f in plan.layers)
+    windows = [SPEC["sliding_window"] if t == "sliding_attention" else None for t in model.config.layer_types]
+    assert [f.window for f in plan.layers] == windows and None in windows and 8 in windows
     cases = [
         (dict(num_experts_per_tok=6), "num_experts_per_tok (6)"),
         (dict(layer_types=["sliding_attention", "chunked_attention"] * 2), "layer_types holds ['chunked_attention']"),

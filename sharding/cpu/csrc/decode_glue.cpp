@@ -3,9 +3,10 @@
 // decode batch of a few rows; here it is three calls, with the same arithmetic:
 //
 //   decode_attention(qkv, cos, sin, pool, slots, table, lens, q_index, heads, kv_heads, scale, window[, q_norm,
-//                    k_norm, qk_eps]) -> [B, P * D]
+//                    k_norm, qk_eps, sinks]) -> [B, P * D]
 //       qkv [B, (heads + 2 kv_heads) * D]: the fused projection's output. With q_norm / k_norm ([D]), each query
-//       and key head first takes its RMSNorm (Qwen 3). Rotary on q and k (rotary.cpp's
+//       and key head first takes its RMSNorm (Qwen 3); sinks ([heads], gpt-oss) join each head's softmax. Rotary
+//       on q and k (rotary.cpp's
 //       rotate_head: transformers' formula, product by product), k and v stored at their slots in the paged cache
 //       (pool [2, kv_heads, blocks, block_size, D]), then paged_decode_attention. q_index (optional, [P]): the local
 //       query head of each of the P = kv_heads * group padded positions when GQA groups are uneven (attention.py
@@ -48,7 +49,8 @@ at::Tensor decode_attention(const at::Tensor& qkv, const at::Tensor& cos, const 
                             const at::Tensor& slots, const at::Tensor& table, const at::Tensor& lens,
                             const std::optional<at::Tensor>& q_index, int64_t heads, int64_t kv_heads, double scale,
                             int64_t window, const std::optional<at::Tensor>& q_norm,
-                            const std::optional<at::Tensor>& k_norm, double qk_eps) {
+                            const std::optional<at::Tensor>& k_norm, double qk_eps,
+                            const std::optional<at::Tensor>& sinks) {
   TORCH_CHECK(qkv.dim() == 2 && pool.dim() == 5 && cos.dim() == 2 && sin.dim() == 2 && slots.dim() == 1,
               "decode_attention: shapes");
   TORCH_CHECK(qkv.scalar_type() == at::kFloat && pool.scalar_type() == at::kFloat && cos.scalar_type() == at::kFloat &&
@@ -106,7 +108,13 @@ at::Tensor decode_attention(const at::Tensor& qkv, const at::Tensor& cos, const 
       std::copy(v, v + D, vc + (h * per_head + slot[b]) * D);
     }
   }
-  return tpserve::paged_decode_attention(q, pool, table, lens, scale, window).view({B, P * D});
+  std::optional<at::Tensor> sk;  // per padded query position [P] -> laid out as the grouped queries
+  if (sinks.has_value()) {
+    TORCH_CHECK(sinks->dim() == 1 && sinks->size(0) == heads && sinks->scalar_type() == at::kFloat,
+                "decode_attention: sinks float32 [heads]");
+    sk = qi ? sinks->index_select(0, qic) : sinks->contiguous();
+  }
+  return tpserve::paged_decode_attention(q, pool, table, lens, scale, window, sk).view({B, P * D});
 }
 
 // exp(z) with z capped at 88 (exp(88) ~ 1.7e38): the build's -ffast-math assumes no infinities, and the vectorized
@@ -1003,7 +1011,7 @@ at::Tensor moe_experts(const c10::intrusive_ptr<MoeExperts>& plan, const at::Ten
 TORCH_LIBRARY_FRAGMENT(tpserve, m) {
   m.def("decode_attention(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) pool, Tensor slots, Tensor table, "
         "Tensor lens, Tensor? q_index, int heads, int kv_heads, float scale, int window, Tensor? q_norm=None, "
-        "Tensor? k_norm=None, float qk_eps=0.) -> Tensor");
+        "Tensor? k_norm=None, float qk_eps=0., Tensor? sinks=None) -> Tensor");
   m.def("add_rms_norm_(Tensor(a!) h, Tensor delta, Tensor w, float eps) -> Tensor");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
   m.def("argmax_rows(Tensor logits) -> Tensor");

@@ -23,7 +23,8 @@
 namespace tpserve {
 
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& pool, const at::Tensor& table,
-                                  const at::Tensor& lens, double scale, int64_t window) {
+                                  const at::Tensor& lens, double scale, int64_t window,
+                                  const std::optional<at::Tensor>& sinks) {
   TORCH_CHECK(q.dim() == 4 && pool.dim() == 5 && table.dim() == 2 && lens.dim() == 1, "paged_decode_attention: shapes");
   TORCH_CHECK(q.scalar_type() == at::kFloat && pool.scalar_type() == at::kFloat, "paged_decode_attention: float32 only");
   TORCH_CHECK(table.scalar_type() == at::kLong && lens.scalar_type() == at::kLong, "paged_decode_attention: int64 indices");
@@ -33,6 +34,10 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& pool, c
   const int64_t NB = pool.size(2), BS = pool.size(3), MAXB = table.size(1);
   TORCH_CHECK(pool.size(0) == 2 && pool.size(1) == H && pool.size(4) == D && table.size(0) == B && lens.size(0) == B,
               "paged_decode_attention: shapes do not match");
+  TORCH_CHECK(!sinks.has_value() || (sinks->scalar_type() == at::kFloat && sinks->is_contiguous() &&
+                                      sinks->numel() == H * G),
+              "paged_decode_attention: sinks float32 [kv_heads, group]");
+  const float* sk = sinks.has_value() ? sinks->data_ptr<float>() : nullptr;
   at::Tensor out = at::empty_like(qc);
   const float* qp = qc.data_ptr<float>();
   const float* kp = pool.data_ptr<float>();
@@ -49,7 +54,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& pool, c
       const int64_t len = lp[b];
       const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
       paged_attention_head(qp + bh * G * D, kp + h * NB * BS * D, vp + h * NB * BS * D, tp + b * MAXB, len, first, G, D,
-                           BS, fscale, scores, op + bh * G * D);
+                           BS, fscale, scores, op + bh * G * D, sk ? sk + h * G : nullptr);
     }
   });
   return out;
@@ -58,7 +63,8 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& pool, c
 }  // namespace tpserve
 
 TORCH_LIBRARY_FRAGMENT(tpserve, m) {
-  m.def("paged_decode_attention(Tensor q, Tensor pool, Tensor table, Tensor lens, float scale, int window) -> Tensor");
+  m.def("paged_decode_attention(Tensor q, Tensor pool, Tensor table, Tensor lens, float scale, int window, "
+        "Tensor? sinks=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tpserve, CPU, m) { m.impl("paged_decode_attention", &tpserve::paged_decode_attention); }

@@ -18,7 +18,8 @@ static_assert(sizeof(at::Half) == sizeof(fp16_t), "at::Half is IEEE half precisi
 inline const fp16_t* half_data(const at::Tensor& t) { return reinterpret_cast<const fp16_t*>(t.data_ptr<at::Half>()); }
 
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& pool, const at::Tensor& table,
-                                  const at::Tensor& lens, double scale, int64_t window);
+                                  const at::Tensor& lens, double scale, int64_t window,
+                                  const std::optional<at::Tensor>& sinks = std::nullopt);
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps);
 
 }  // namespace tpserve

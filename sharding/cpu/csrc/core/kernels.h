@@ -137,10 +137,11 @@ void rotate_head(float* dst, const float* src, const float* c, const float* s, i
 // core/rms_norm.cpp: rows [r0, r1) of y = w * (x * rsqrt(mean(x^2) + eps))
 void rms_norm_rows(const float* x, const float* w, float eps, float* y, int64_t D, int64_t r0, int64_t r1);
 // core/paged_attention.cpp: one (sequence, KV head): its G query heads qbh [G, D] against keys [first, len) of the
-// head's K/V blocks (kh/vh: the head's [blocks, BS, D] pool), out obh [G, D]; scores: scratch
+// head's K/V blocks (kh/vh: the head's [blocks, BS, D] pool), out obh [G, D]; scores: scratch. sinks (gpt-oss, or
+// null): one logit per query head [G] that joins its softmax's denominator and attends to nothing
 void paged_attention_head(const float* qbh, const float* kh, const float* vh, const int64_t* blocks, int64_t len,
                           int64_t first, int64_t G, int64_t D, int64_t BS, float scale, std::vector<float>& scores,
-                          float* obh);
+                          float* obh, const float* sinks = nullptr);
 // core/argmax.cpp: torch.argmax of one row of V > 0 floats (the first maximal value; a NaN counts as the maximum)
 int64_t argmax_row(const float* row, int64_t V);
 

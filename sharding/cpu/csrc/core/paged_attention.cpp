@@ -13,7 +13,7 @@ namespace tpserve {
 
 void paged_attention_head(const float* qbh, const float* kh, const float* vh, const int64_t* blocks, int64_t len,
                           int64_t first, int64_t G, int64_t D, int64_t BS, float fscale, std::vector<float>& scores,
-                          float* obh) {
+                          float* obh, const float* sinks) {
   const int64_t n = len - first;
   scores.resize(G * n);
   // scores[g][t] = q[g] . k[t] * scale, each key row read once for the group
@@ -37,7 +37,8 @@ void paged_attention_head(const float* qbh, const float* kh, const float* vh, co
     float m = s[0];  // (no infinities here: every key in [first, len) is attended; built with -ffast-math)
 #pragma omp simd reduction(max : m)
     for (int64_t i = 1; i < n; ++i) m = std::max(m, s[i]);
-    float sum = 0.f;
+    if (sinks) m = std::max(m, sinks[g]);
+    float sum = sinks ? std::exp(sinks[g] - m) : 0.f;
 #pragma omp simd reduction(+ : sum)
     for (int64_t i = 0; i < n; ++i) {
       s[i] = std::exp(s[i] - m);  // vectorized through glibc's libmvec (-ffast-math)
