@@ -24,6 +24,25 @@ logger = logging.getLogger("tpserve")
 STARTED = time.monotonic()  # the start's phases are logged with the time from here to serving
 
 
+
+def _prefill_cap(text: str) -> int | str:
+    """--max-prefill-tokens-while-decoding: `auto` or a count of at least 0."""
+    if text == "auto":
+        return text
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be auto or a number of tokens at least 0 (got {text!r})")
+    return value
+
+
+def _cap_text(sched) -> str:
+    if sched.costs is not None:
+        return "a measured cap on"
+    return str(sched.max_prefill_tokens_while_decoding or "no cap on")
+
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", nargs="?", default=None,
                    help="a local Hugging Face checkpoint folder or a GGUF file (or a folder holding one); default: "
@@ -75,9 +94,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="tokens per KV-cache block (default 16)")
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="tokens per step: decoding sequences first, then prefill chunks (default 512)")
-    p.add_argument("--max-prefill-tokens-while-decoding", type=int, default=64,
-                   help="while sequences decode, prefill tokens per step at most (default 64; 0: the step budget): "
-                        "bounds the pause a long prompt puts in every running stream")
+    p.add_argument("--max-prefill-tokens-while-decoding", type=_prefill_cap, default="auto",
+                   help="while sequences decode, prefill tokens per step at most: bounds the pause a long prompt puts "
+                        "in every running stream (default auto: sized from the measured step times so a step with a "
+                        "prompt chunk lasts at most 3 decode steps; 0: the step budget)")
     p.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='speculative decoding (vLLM\'s keys), e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
                         '"prompt_lookup_min": 2, "prompt_lookup_max": 5}\'; methods ngram and suffix; greedy output '
@@ -120,9 +140,6 @@ def engine_config(args):
     positive("--max-num-seqs", args.max_num_seqs)
     positive("--max-model-len", args.max_model_len)
     positive("--max-num-batched-tokens", args.max_num_batched_tokens)
-    if args.max_prefill_tokens_while_decoding < 0:
-        raise SystemExit("tpserve: error: --max-prefill-tokens-while-decoding must be at least 0 "
-                         f"(got {args.max_prefill_tokens_while_decoding})")
     if args.max_num_batched_tokens is not None and args.max_num_batched_tokens < args.max_num_seqs:
         raise SystemExit(f"tpserve: error: --max-num-batched-tokens ({args.max_num_batched_tokens}) must be at least "
                          f"--max-num-seqs ({args.max_num_seqs}): every running sequence decodes one token per step")
@@ -167,7 +184,7 @@ def describe_cache(runner, engine) -> str:
             f"{runner.block_size} tokens = {tokens} tokens; maximum concurrency at {runner.max_model_len} tokens per "
             f"sequence: {tokens / runner.max_model_len:.2f}x; prefix caching "
             f"{'on' if caching else 'off'}; {sched.max_num_batched_tokens} tokens per step "
-            f"({sched.max_prefill_tokens_while_decoding or 'no cap on'} prefill tokens while decoding)")
+            f"({_cap_text(sched)} prefill tokens while decoding)")
 
 
 def serve(args) -> int:

@@ -54,7 +54,7 @@ class InFlight:
 class Engine:
     def __init__(self, executor: Executor, tokenizer, max_num_batched_tokens: int | None = None,
                  enable_prefix_caching: bool = True, on_fatal: Callable[[str], None] | None = None,
-                 max_prefill_tokens_while_decoding: int | None = DEFAULT_MAX_PREFILL_TOKENS_WHILE_DECODING,
+                 max_prefill_tokens_while_decoding: int | str | None = DEFAULT_MAX_PREFILL_TOKENS_WHILE_DECODING,
                  speculative: SpeculativeConfig | None = None):
         self.executor, self.tokenizer, self.max_model_len = executor, tokenizer, executor.max_model_len
         seqs = executor.cfg.max_num_seqs
@@ -195,6 +195,7 @@ class Engine:
                 self.speculator.finished(seq)
             self._emit(seq, "" if seq.pooling is not None else seq.detok.release(final=True), True)
         dt = time.perf_counter() - f.started
+        f.lane.scheduler.observe(f.batch, dt)  # the measured prefill cap (scheduler.StepCosts)
         for listener in self.step_listeners:
             listener(dt, f.launched.step.num_tokens)
 

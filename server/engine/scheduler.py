@@ -3,10 +3,13 @@
 A step has a token budget (`max_num_batched_tokens`). It serves every decoding sequence first (one token each),
 then fills the rest with prefill chunks: sequences part-way through their prompt, then waiting ones in arrival order.
 A prompt longer than what is left is prefilled over several steps while the other streams keep decoding. While any
-sequence decodes, a step's prefill tokens are also capped at `max_prefill_tokens_while_decoding`: on a CPU a prefill
-token costs about as much as a whole decode step's weight streaming, so this cap is what bounds the gap a long prompt
-puts between two tokens of every running stream; deep into a long prompt, where each token's attention reads
-thousands of keys, the cap shrinks in proportion. With nothing decoding, prefill takes the whole budget.
+sequence decodes, a step's prefill tokens are also capped: on a CPU a prefill token costs a sizeable part of a whole
+decode step, so this cap is what bounds the gap a long prompt puts between two tokens of every running stream. By
+default the cap comes from what this lane's steps are measured to cost (`StepCosts`): a decode step's time and a
+prefill token's added time, so that a step with a chunk lasts at most STALL_STEPS decode steps, on whatever CPU and
+model; `max_prefill_tokens_while_decoding` set to a number fixes it instead. Deep into a long prompt, where each
+token's attention reads thousands of keys, the chunk shrinks in proportion. With nothing decoding, prefill takes the
+whole budget.
 
 Blocks come from the block manager (server/engine/block_manager.py). A waiting sequence starts with the longest run of
 cached full blocks that matches its tokens (automatic prefix caching) and computes the rest. When a running sequence
@@ -40,7 +43,56 @@ from server.engine.step_sampler import NewTokens
 # (--max-prefill-tokens-while-decoding) so a long prompt arriving keeps every stream's inter-token gap within a few
 # decode steps (BENCHMARKS.md, "A long prompt arrives").
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 512
-DEFAULT_MAX_PREFILL_TOKENS_WHILE_DECODING = 64
+DEFAULT_MAX_PREFILL_TOKENS_WHILE_DECODING = "auto"  # from the measured step costs (StepCosts)
+# the cap before a lane has measured a step with prefill in it
+FIRST_PREFILL_CAP = 64
+# a step carrying a prefill chunk while others decode lasts at most this many decode steps (the longest gap a long
+# prompt puts in a stream, against its usual inter-token time); 3 leaves room for a host whose speed drifts
+STALL_STEPS = 3.0
+
+
+class StepCosts:
+    """What one lane's steps cost, measured as they run: a step of decode tokens only (seconds, a moving average),
+    and the seconds a prefill token adds to a step, scaled to depth 0 by the attention-depth rule (a token at depth
+    d costs (A + d) / A of one at the start; A: attention_depth_tokens). The cap is the prefill tokens at depth 0 that
+    add STALL_STEPS - 1 decode steps; `Scheduler._chunk` shortens it with depth as before."""
+
+    SMOOTH = 0.25  # weight of the newest measurement in the moving averages
+
+    def __init__(self, attention_depth: int | None, budget: int):
+        self.attention_depth = attention_depth
+        self.budget = budget
+        self.decode: float | None = None  # seconds of a decode-only step
+        self.per_token: float | None = None  # seconds a prefill token at depth 0 adds to a step
+
+    def _avg(self, old: float | None, new: float) -> float:
+        return new if old is None else old + self.SMOOTH * (new - old)
+
+    def weight(self, start: int, n: int) -> float:
+        """A chunk of n prompt tokens from position `start`, in tokens at depth 0."""
+        if not self.attention_depth:
+            return float(n)
+        return n * (self.attention_depth + start + n / 2) / self.attention_depth
+
+    def observe(self, decode_rows: int, chunks: list[tuple[int, int]], seconds: float) -> None:
+        """One finished step: its decode rows, its prefill chunks (start, n), its wall time."""
+        if seconds <= 0:
+            return
+        weight = sum(self.weight(a, n) for a, n in chunks)
+        if not weight:
+            if decode_rows:
+                self.decode = self._avg(self.decode, seconds)
+            return
+        if decode_rows and self.decode is not None:
+            self.per_token = self._avg(self.per_token, max(seconds - self.decode, 0.0) / weight)
+        elif self.per_token is None:  # prefill alone: an upper bound (its weights' streaming counted in)
+            self.per_token = seconds / weight
+
+    def cap(self) -> int:
+        if self.decode is None or not self.per_token:
+            return FIRST_PREFILL_CAP
+        tokens = (STALL_STEPS - 1) * self.decode / self.per_token
+        return int(max(1, min(self.budget, tokens)))
 
 
 def attention_depth_tokens(config) -> int | None:
@@ -59,14 +111,17 @@ def attention_depth_tokens(config) -> int | None:
 
 class Scheduler:
     def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, blocks: BlockManager,
-                 max_prefill_tokens_while_decoding: int | None = None, attention_depth: int | None = None,
+                 max_prefill_tokens_while_decoding: int | str | None = None, attention_depth: int | None = None,
                  first_row: int = 0, max_model_len: int = 1 << 62):
         if max_num_batched_tokens < max_num_seqs:
             raise ValueError(f"--max-num-batched-tokens ({max_num_batched_tokens}) must be at least --max-num-seqs "
                              f"({max_num_seqs}): every running sequence decodes one token per step")
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.max_prefill_tokens_while_decoding = max_prefill_tokens_while_decoding
+        # a fixed cap (0 or None: none), or "auto": from this lane's measured step costs
+        auto = max_prefill_tokens_while_decoding == "auto"
+        self.costs = StepCosts(attention_depth, max_num_batched_tokens) if auto else None
+        self.max_prefill_tokens_while_decoding = None if auto else max_prefill_tokens_while_decoding
         # the context length at which a token's attention costs as much as its linears (attention_depth_tokens):
         # a chunk deep into a long prompt is shortened so that its step stays about as long as one near the start
         self.attention_depth = attention_depth
@@ -93,8 +148,8 @@ class Scheduler:
         items: list[Scheduled] = []
         decoding = sum(1 for s in self.running if s.num_remaining == 1)
         prefill_budget = self.max_num_batched_tokens - decoding  # decoders' tokens are set aside first
-        if decoding and self.max_prefill_tokens_while_decoding:
-            prefill_budget = min(prefill_budget, self.max_prefill_tokens_while_decoding)
+        if decoding and self.prefill_cap():
+            prefill_budget = min(prefill_budget, self.prefill_cap())
         preempted = False
         i = 0
         while i < len(self.running):
@@ -154,10 +209,26 @@ class Scheduler:
         self.waiting.extendleft(reversed(held))
         return SchedulerOutput(items, updates)
 
+    def prefill_cap(self) -> int | None:
+        """Prefill tokens per step while others decode (at depth 0): fixed, measured, or None (no cap)."""
+        return self.costs.cap() if self.costs is not None else self.max_prefill_tokens_while_decoding
+
+    def observe(self, batch: SchedulerOutput, seconds: float) -> None:
+        """A finished step's wall time, for the measured cap: decode rows and prefill chunks told apart."""
+        if self.costs is None:
+            return
+        decode_rows, chunks = 0, []
+        for item in batch.items:
+            if item.n == 1 and item.start >= len(item.seq.prompt_ids):  # (its token is an output token)
+                decode_rows += 1 + len(item.drafts)
+            else:
+                chunks.append((item.start, item.n))
+        self.costs.observe(decode_rows, chunks, seconds)
+
     def _chunk(self, budget: int, depth: int, decoding: int) -> int:
         """Prefill tokens for a sequence whose first `depth` tokens are cached: the budget, shortened while others
         decode by how much more a token costs at that depth (its attention reads `depth` keys)."""
-        if budget > 0 and decoding and self.max_prefill_tokens_while_decoding and self.attention_depth and depth:
+        if budget > 0 and decoding and self.prefill_cap() and self.attention_depth and depth:
             return max(1, budget * self.attention_depth // (self.attention_depth + depth))
         return budget
 

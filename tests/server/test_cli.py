@@ -20,6 +20,7 @@ CLI_ERRORS = [
     # checked on rank 0 before any other rank is spawned
     (["serve", "{llama}", "-tp", "2", "--max-model-len", "100000"], "exceeds the model's max_position_embeddings"),
     (["generate", "{llama}"], "give --prompt"),
+    (["serve", "{llama}", "--max-prefill-tokens-while-decoding", "-3"], "must be auto or a number of tokens"),
 ]
 
 
@@ -34,7 +35,7 @@ def test_cli_errors_are_readable(checkpoints, args, message):
     assert "rank" not in r.stderr, r.stderr[-2000:]  # refused before any rank started
 
 
-@pytest.mark.parametrize("args,message", [CLI_ERRORS[i] for i in (1, 2, 3, 5)])
+@pytest.mark.parametrize("args,message", [CLI_ERRORS[i] for i in (1, 2, 3, 5, 6)])
 def test_more_cli_errors_are_readable(checkpoints, monkeypatch, args, message):
     """The same entry point in this process (conftest.cli_in_process): the same line and a failing exit code,
     without paying an interpreter start for each refusal (the two cases above run the real command)."""
