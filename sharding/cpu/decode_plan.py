@@ -8,10 +8,10 @@ in another order).
 Which layers qualify is declared by the model (`PlanLayer.on_decode_plan`: sharding/models/llama.py); the plan checks
 the rest, which only the loaded values tell (CPU, float32 plain RMSNorms, no soft-capping, one head size). Per-head
 q/k RMSNorms before rotary (Qwen 3, `PlanAttention.plan_qk_norms`), attention sinks and a window per layer (gpt-oss)
-are part of the attention op. A layer whose
-feed-forward is not the dense SiLU MLP (an MoE layer) runs its attention and norms on the plan and its feed-forward
-as its own module (`forward(x)`, its all-reduce inside); the one compiled call needs every layer dense. Models whose
-layers differ from Llama's elsewhere (Gemma's norms, OLMoE's whole-projection q/k norms) take the module path.
+are part of the attention op. A layer whose feed-forward is not the dense SiLU MLP (an MoE layer) runs its attention
+and norms on the plan and its feed-forward as its own module (`forward(x)`, its all-reduce inside); the one compiled
+call needs every layer dense. Models whose layers differ from Llama's elsewhere (Gemma's norms, OLMoE's
+whole-projection q/k norms) take the module path.
 """
 
 from __future__ import annotations
