@@ -97,7 +97,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-prefill-tokens-while-decoding", type=_prefill_cap, default="auto",
                    help="while sequences decode, prefill tokens per step at most: bounds the pause a long prompt puts "
                         "in every running stream (default auto: sized from the measured step times so a step with a "
-                        "prompt chunk lasts at most 3 decode steps; 0: the step budget)")
+                        "prompt chunk lasts about 2 decode steps; 0: the step budget)")
     p.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='speculative decoding (vLLM\'s keys), e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
                         '"prompt_lookup_min": 2, "prompt_lookup_max": 5}\'; methods ngram and suffix; greedy output '

@@ -6,7 +6,7 @@ A prompt longer than what is left is prefilled over several steps while the othe
 sequence decodes, a step's prefill tokens are also capped: on a CPU a prefill token costs a sizeable part of a whole
 decode step, so this cap is what bounds the gap a long prompt puts between two tokens of every running stream. By
 default the cap comes from what this lane's steps are measured to cost (`StepCosts`): a decode step's time and a
-prefill token's added time, so that a step with a chunk lasts at most STALL_STEPS decode steps, on whatever CPU and
+prefill token's added time, so that a step with a chunk lasts about STALL_STEPS decode steps, on whatever CPU and
 model; `max_prefill_tokens_while_decoding` set to a number fixes it instead. Deep into a long prompt, where each
 token's attention reads thousands of keys, the chunk shrinks in proportion. With nothing decoding, prefill takes the
 whole budget.
@@ -46,9 +46,10 @@ DEFAULT_MAX_NUM_BATCHED_TOKENS = 512
 DEFAULT_MAX_PREFILL_TOKENS_WHILE_DECODING = "auto"  # from the measured step costs (StepCosts)
 # the cap before a lane has measured a step with prefill in it
 FIRST_PREFILL_CAP = 64
-# a step carrying a prefill chunk while others decode lasts at most this many decode steps (the longest gap a long
-# prompt puts in a stream, against its usual inter-token time); 3 leaves room for a host whose speed drifts
-STALL_STEPS = 3.0
+# a step carrying a prefill chunk while others decode lasts about this many decode steps (the gap a long prompt puts
+# in a stream, against its usual inter-token time); 2 leaves room for the ~1.8x spells of a host whose speed drifts
+# under a 4x bound (BENCHMARKS.md section 26)
+STALL_STEPS = 2.0
 
 
 class StepCosts:
