@@ -365,26 +365,15 @@ def test_quantized_experts_load_as_blocks(files):
     CPU has VNNI) and on the loop alike, what the dequantized blocks compute."""
     import torch.nn.functional as F
 
-    from loaders.gguf_file import GGUFCheckpoint
     from sharding.cpu import kernels
-    from sharding.dist import Dist
     from sharding.layers import quant
-    from sharding.layers.interface import Loadable, Packable
     from sharding.layers.moe import ExpertLinear, SparseMoe
-    from sharding.runner import EngineConfig, build_model
+    from tests.helpers.in_process import loaded_model
 
     _, out = files
     rounded = kernels.build_kernels() and quant.int8_activations()
     for key, modes in (("qwen2moe-q8", {"int8"}), ("qwen3moe-q4", {"int8", "int4"})):
-        with GGUFCheckpoint(out[key]) as ckpt:
-            model, _, _ = build_model(EngineConfig(str(out[key])), Dist(rank=0, world_size=1,
-                                                                         device=torch.device("cpu")), ckpt)
-            for m in model.modules():
-                if isinstance(m, Loadable):
-                    m.load(ckpt)
-        for m in model.modules():
-            if isinstance(m, Packable):
-                m.prepack()
+        model = loaded_model(out[key])
         experts = [m for m in model.modules() if isinstance(m, ExpertLinear)]
         assert len(experts) == 2 * 2 * 4 and all(m.weight is None for m in experts), key
         assert {m.qweight.mode for m in experts} == modes, key

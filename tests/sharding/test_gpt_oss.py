@@ -283,23 +283,11 @@ def test_compiled_experts_equal_the_loop(reference):
     """The clamped SwiGLU inside the compiled grouped experts (decode_glue.cpp moe_experts, activation kind 1) against
     the loop over the experts' linears with the torch activation: inputs large enough that both clamps bite."""
     from sharding.cpu import kernels
-    from sharding.dist import Dist
-    from sharding.layers.interface import Loadable, Packable
     from sharding.layers.moe import SparseMoe
-    from loaders.checkpoint import Checkpoint
-    from sharding.runner import EngineConfig, build_model
+    from tests.helpers.in_process import loaded_model
 
     assert kernels.build_kernels() and kernels.moe_experts_ops() is not None, "the CPU kernels did not build"
-    folder = reference["f32"][0]
-    with Checkpoint(folder) as ckpt:
-        model, _, _ = build_model(EngineConfig(str(folder), dtype="float32"),
-                                  Dist(rank=0, world_size=1, device=torch.device("cpu")), ckpt)
-        for m in model.modules():
-            if isinstance(m, Loadable):
-                m.load(ckpt)
-    for m in model.modules():
-        if isinstance(m, Packable):
-            m.prepack()
+    model = loaded_model(reference["f32"][0], dtype="float32")
     x = 30 * torch.randn(6, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
     layers = [m for m in model.modules() if isinstance(m, SparseMoe)]
     assert layers
