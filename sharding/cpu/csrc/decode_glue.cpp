@@ -133,8 +133,7 @@ inline void silu_mul_row(const float* gate, const float* up, float* o, int64_t I
   for (int64_t i = 0; i < I; ++i) o[i] = gate[i] / (1.f + exp_capped(-gate[i])) * up[i];
 }
 
-// gpt-oss's expert activation (transformers' GptOssExperts._apply_gate) of one row; a NaN stays NaN, as in torch's
-// clamp
+// gpt-oss's expert activation (transformers' GptOssExperts._apply_gate) of one row
 inline void clamped_swiglu_row(const float* gate, const float* up, float* o, int64_t I, float alpha, float limit) {
 #pragma omp simd
   for (int64_t i = 0; i < I; ++i) {
@@ -833,10 +832,11 @@ at::Tensor decode_layers(const c10::intrusive_ptr<DecodeLayers>& plan, at::Tenso
 
 // ---- the grouped experts of an MoE layer (sharding/layers/moe.py) ----------------------------------------------------------
 // moe_experts(plan, x [M, H], ids [M, k], weights [M, k]) -> out [M, H]: for each expert of the plan that a row was
-// routed to, gate/up -> SiLU(gate) * up (or the plan's clamped SwiGLU) -> down over the rows routed to it (each expert's weights read once per call,
-// whatever its row count), then out[m] = sum over m's experts, in expert order, of weight * expert(x[m]). Experts not
-// in the plan (another rank's, under expert parallelism) are skipped. One OpenMP team through every phase: the rows
-// gathered, each phase's work (the active experts' output blocks) split over the threads, barriers between.
+// routed to, gate/up -> SiLU(gate) * up (or the plan's clamped SwiGLU) -> down over the rows routed to it (each
+// expert's weights read once per call, whatever its row count), then out[m] = sum over m's experts, in expert order,
+// of weight * expert(x[m]). Experts not in the plan (another rank's, under expert parallelism) are skipped. One
+// OpenMP team through every phase: the rows gathered, each phase's work (the active experts' output blocks) split over
+// the threads, barriers between.
 
 struct MoeExperts : torch::CustomClassHolder {
   std::vector<int64_t> index;  // the global expert id of each local expert, ascending
