@@ -74,7 +74,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from bench_quant import PROMPT, Tpserve, builds, cpu_name, llama_bin, load_avg  # noqa: E402
+from bench_quant import (PROMPT, Tpserve, builds, cpu_name, linear_bytes, llama_bench, llama_bin,  # noqa: E402
+                         load_avg)
 
 KIND = {"float32": "F32", "int8": "Q8_0", "int4": "Q4_0"}
 MODES = ("plan", "modules", "llama")
@@ -90,15 +91,7 @@ def step_bytes(llm, context: float) -> dict:
     from sharding.layers.moe import SparseMoe
 
     def own(m) -> int:  # a module's own weights, as stored for the kernels
-        n = sum(p.nbytes for p in m.parameters(recurse=False))
-        qw = getattr(m, "qweight", None)
-        if qw is not None:
-            n += qw.nbytes()
-        elif getattr(m, "blocked", None) is not None:
-            n += m.blocked.nbytes
-        elif getattr(m, "packed", None) is not None and hasattr(m, "matmul"):
-            n += m.packed.nbytes
-        return n
+        return sum(p.nbytes for p in m.parameters(recurse=False)) + linear_bytes(m)
 
     def nbytes(mod) -> int:
         return sum(own(m) for m in mod.modules())
@@ -171,15 +164,6 @@ def tpserve_run(model: str, precision: str, mode: str, args, count_bytes: bool) 
     if p.returncode != 0 or not lines:
         raise RuntimeError(f"tpserve {mode} {precision} on {model} failed ({p.returncode}):\n{p.stderr[-3000:]}")
     return json.loads(lines[-1][len(RESULT):])
-
-
-def llama_run(gguf: Path, tokens: int, depth: int, threads: int) -> float:
-    """Decode ms per token from llama-bench (one repetition after its own warm-up, a fresh process)."""
-    out = subprocess.run([str(llama_bin("llama-bench")), "-m", str(gguf), "-p", "0", "-n", str(tokens), "-d",
-                          str(depth), "-t", str(threads), "-r", "1", "-o", "json"], capture_output=True, text=True,
-                         check=True)
-    (row,) = json.loads(out.stdout)
-    return 1e3 / row["avg_ts"]
 
 
 def bandwidth_probe(threads: int) -> float:
@@ -367,7 +351,7 @@ def main(argv: list[str] | None = None) -> int:
                 probes.append(bandwidth_probe(args.threads))  # before each measurement, and after the last
                 if mode == "llama":
                     if gguf is not None:
-                        row["llama_ms"] = llama_run(gguf, args.tokens, depth[model], args.threads)
+                        row["llama_ms"] = llama_bench(gguf, args.threads, tokens=args.tokens, depth=depth[model])
                     continue
                 res = tpserve_run(model, precision, mode, args, count_bytes=mode == "plan")
                 row[f"{mode}_ms"] = res["ms"]

@@ -183,19 +183,23 @@ def interleaved(offline: "Tpserve", served: Served, pairs: int) -> dict:
                 served_runs=on, event_loop_cpu_ms=loop_cpu / tokens * 1e3, client_cpu_ms=client_cpu / tokens * 1e3)
 
 
+def linear_bytes(m) -> int:
+    """Bytes of module m's own linear weight as its kernel streams it (quantized, blocked float32 or packed), 0 for
+    a module without one."""
+    qw = getattr(m, "qweight", None)
+    if qw is not None:
+        return qw.nbytes()
+    if getattr(m, "blocked", None) is not None:
+        return m.blocked.nbytes
+    if getattr(m, "packed", None) is not None and hasattr(m, "matmul"):
+        return m.packed.nbytes
+    return 0
+
+
 def weight_bytes(llm) -> int:
     """Bytes of the linears' weights a decode step streams (quantized or float; the embedding table is looked up,
     not streamed): rank 0's model at TP 1."""
-    total = 0
-    for m in llm.executor.model.modules():
-        qw = getattr(m, "qweight", None)
-        if qw is not None:
-            total += qw.nbytes()
-        elif getattr(m, "blocked", None) is not None:
-            total += m.blocked.nbytes
-        elif getattr(m, "packed", None) is not None and hasattr(m, "matmul"):
-            total += m.packed.nbytes
-    return total
+    return sum(linear_bytes(m) for m in llm.executor.model.modules())
 
 
 def llama_gguf(f32: Path, kind: str, threads: int) -> Path:
@@ -208,9 +212,10 @@ def llama_gguf(f32: Path, kind: str, threads: int) -> Path:
     return out
 
 
-def llama_bench(gguf: Path, threads: int, prefill: int = 0) -> float:
-    """Decode ms per token from llama-bench; with prefill, ms for a prompt of that many tokens (`-p N -n 0`)."""
-    shape = ["-p", str(prefill), "-n", "0"] if prefill else ["-p", "0", "-n", str(MAX_TOKENS), "-d", "22"]
+def llama_bench(gguf: Path, threads: int, prefill: int = 0, tokens: int = MAX_TOKENS, depth: int = 22) -> float:
+    """Decode ms per token from llama-bench (`tokens` after a context of `depth`); with prefill, ms for a prompt of
+    that many tokens (`-p N -n 0`)."""
+    shape = ["-p", str(prefill), "-n", "0"] if prefill else ["-p", "0", "-n", str(tokens), "-d", str(depth)]
     out = subprocess.run([str(llama_bin("llama-bench")), "-m", str(gguf), *shape, "-t", str(threads), "-r", "1",
                           "-o", "json"], capture_output=True, text=True, check=True)
     (row,) = json.loads(out.stdout)
