@@ -23,6 +23,8 @@
 
 #include <immintrin.h>
 
+#include "vnni_bcst.h"
+
 #define TPSERVE_KQ_DOT 1
 
 namespace {
@@ -109,17 +111,6 @@ inline void kq_scales(const uint8_t* s, int64_t b, __m512& sa, __m512& nm, __m51
 // Q4_Z's zero points of 32-input block b, as int32 lanes of the 16 rows
 inline __m512i kq_zeros(const uint8_t* s, int64_t b) {
   return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block_zeros(s, b))));
-}
-
-// vpdpbusd with the 4 activation bytes at p broadcast from memory ({1to16}): GCC 12 does not fold _mm512_set1_epi32
-// of a load into vpdpbusd, and a vpbroadcastd of its own per product cost ~10 % at 8 and 128 activation rows (Zen 4)
-inline __m512i dpbusd_bcst(__m512i acc, __m512i v, const int32_t* p) {
-#if defined(__GNUC__) && !defined(__clang__)
-  __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(v), "m"(*p));  // (AT&T syntax: GCC's default)
-  return acc;
-#else
-  return _mm512_dpbusd_epi32(acc, v, _mm512_set1_epi32(*p));
-#endif
 }
 
 // kq_block_portable's work with vectors: R activation rows against one block of 16 weight rows
