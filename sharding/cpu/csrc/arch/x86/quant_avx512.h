@@ -170,6 +170,8 @@ inline void int4_dot_block(const tpserve::Int8Rows& xq, int64_t m0, const uint8_
 #endif
 
 #if defined(__AVX512BF16__)
+#include "vnni_bcst.h"
+
 #define TPSERVE_BF16_DOT 1
 // bf16 weights on CPUs with AVX-512 BF16: the activations rounded to bfloat16 once per input (Int8Rows::h), and
 // vdpbf16ps multiplies a line of the block's 16 rows x 2 inputs by the row's 2 activations broadcast to every lane:
@@ -185,7 +187,7 @@ inline void bf16_dot_block(const tpserve::Int8Rows& xq, int64_t m0, const uint16
     for (int i = 0; i < 8; ++i) line[i] = (__m512bh)_mm512_loadu_si512(w + (c + i) * 32);
     for (int r = 0; r < R; ++r) {
       const int32_t* xr = reinterpret_cast<const int32_t*>(xq.h.data() + (m0 + r) * K) + c;
-      for (int i = 0; i < 8; ++i) acc[r] = _mm512_dpbf16_ps(acc[r], line[i], (__m512bh)_mm512_set1_epi32(xr[i]));
+      for (int i = 0; i < 8; ++i) acc[r] = dpbf16_bcst(acc[r], line[i], xr + i);
     }
   }
   const __mmask16 m = nrows >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << nrows) - 1);
