@@ -46,9 +46,9 @@ FLOAT_TYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat1
 # blocks (sharding/layers/gguf_quant.py)
 BLOCK_TYPES = {"Q8_0": (32, 34), "Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q5_1": (32, 24),
                "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210), "MXFP4": (32, 17)}
-# MXFP4's e8m0 scales e (W = kvalues_mxfp4[q] * 2^(e - 128)) whose 2^(e - 128) float16, the layout's scale, holds
-# exactly (read_blocks checks them)
-MXFP4_EXACT_E = (104, 143)
+# MXFP4's e8m0 scales e (W = kvalues_mxfp4[q] * 2^(e - 128)) served exactly (the layout keeps d's float32 exponent:
+# sharding/layers/gguf_quant.py); 0 and 1 are served as d = 0, 255 (e8m0's NaN) is refused (read_blocks checks them)
+MXFP4_EXACT_E = (2, 254)
 SERVED_TYPES = ", ".join([*FLOAT_TYPES, *BLOCK_TYPES])
 # HF architecture name and transformers config class, by general.architecture
 ARCHITECTURES = {"llama": ("LlamaForCausalLM", "LlamaConfig"), "qwen2": ("Qwen2ForCausalLM", "Qwen2Config"),
@@ -498,18 +498,17 @@ class GGUFCheckpoint(Checkpoint):
         return blocks
 
     def _check_mxfp4_scales(self, name: str, e: torch.Tensor) -> None:
-        """MXFP4 blocks are served with d = 2^(e - 128) as float16 (sharding/layers/gguf_quant.py): exact for e in
-        MXFP4_EXACT_E. Below, d is 0: weights under 12 x 2^-25 served as zero (warned, as stored.py warns of a Hugging
-        Face MXFP4 scale that small); above, weights of 2^16 and more, which float16 cannot scale: refused."""
+        """MXFP4 blocks are served with d = 2^(e - 128) as a float32 (sharding/layers/gguf_quant.py): exact for e in
+        MXFP4_EXACT_E. Below, d is 0 (scales of 2^-127 and 2^-128, under float32's normal range: warned, as
+        stored.py warns of a Hugging Face MXFP4 scale that small); e = 255 is e8m0's NaN: refused."""
         if not e.numel():
             return
         lo, hi = MXFP4_EXACT_E
         if int(e.max()) > hi:
-            raise CheckpointError(f"{self.path.name}: {name} has an MXFP4 scale of 2^{int(e.max()) - 128}, beyond the "
-                                  f"float16 scales it is served with (2^{hi - 128} at most)")
+            raise CheckpointError(f"{self.path.name}: {name} has an MXFP4 scale byte of 255, e8m0's NaN")
         small = int((e < lo).sum())
         if small:
-            logger.warning("%s: %d MXFP4 scales below float16's smallest (2^-24) served as zero", name, small)
+            logger.warning("%s: %d MXFP4 scales below 2^-126 served as zero", name, small)
 
 
 TOKENIZER_VERSION = 2  # 2: llama.cpp's digit split for `smollm` (match_pre_tokenizer)

@@ -50,7 +50,7 @@ from sharding.layers.interface import Packable
 
 logger = logging.getLogger(__name__)
 
-FORMAT = 1  # raise it when what a file holds, or how, changes: older files then miss
+FORMAT = 2  # (2: MXFP4 keeps its scale as a byte) raise it when what a file holds, or how, changes: older files then miss
 MAGIC = "tpserve-quantized"  # __metadata__["format"]
 DTYPE_NAMES = {dtype: name for name, dtype in SAFETENSORS_DTYPES.items()}
 QUANT_TENSORS = ("data", "scale")  # a linear's tensors that are its QuantizedWeight; the others are its parameters

@@ -14,9 +14,10 @@ Each type is one row of TYPES: its code in the kernel, bits per value, inputs pe
 file (0: none, Q4_Z).
 
 MXFP4 (ggml type 39: per 32 inputs a byte e, e8m0, then Q4_0's 16 bytes of nibbles; W = KV[q] * 2^(e - 128), KV
-llama.cpp's kvalues_mxfp4, the e2m1 values doubled) keeps its codes as its values, and its scale as a float16
-d = 2^(e - 128): exact for e in [104, 143]; outside, clamped (_e8m0_half; loaders/gguf_file.py refuses e > 143 and
-warns of e < 104).
+llama.cpp's kvalues_mxfp4, the e2m1 values doubled) keeps its codes as its values, and its scale as one byte: the
+float32 exponent field of d = 2^(e - 128), max(e - 1, 0) (`e8m0_exponent`). Exact for e in [2, 254]; e = 0 and 1 give
+d = 0 (loaders/gguf_file.py warns of them, and refuses 255, e8m0's NaN). The layout streams the file's 17 bytes per
+32 inputs.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ class BlockType:
 
     @property
     def scale_bytes(self) -> int:  # the layout's scale bytes per `block` inputs of a 16-row block
-        return {1: 64, 2: 32, 3: 64, 4: 320, 5: 320, 6: 288, 7: 32, 8: 48}[self.code]
+        return {1: 64, 2: 32, 3: 64, 4: 320, 5: 320, 6: 288, 7: 16, 8: 48}[self.code]
 
 
 TYPES = {
@@ -83,18 +84,21 @@ def _k_scale_min(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return sc, mn
 
 
-def _e8m0_half(e: torch.Tensor) -> torch.Tensor:
-    """MXFP4's e8m0 scales (uint8) as float16 d = 2^(e - 128), exact for e in [104, 143]; clamped outside, as
-    kquant_pack.cpp's e8m0_half: 0 below (what rounding to float16 gives), 2^15 above (no larger power of two)."""
-    k = e.to(torch.int32) - 128
-    bits = torch.where(k < -14, torch.where(k < -24, 0, 1 << (k + 24).clamp(0, 9)), (k.clamp(max=15) + 15) << 10)
-    return bits.to(torch.int16).view(torch.float16)
+def e8m0_exponent(e: torch.Tensor) -> torch.Tensor:
+    """MXFP4's e8m0 scales (uint8) as the layout keeps them: the float32 exponent field of d = 2^(e - 128),
+    max(e - 1, 0), as kquant_pack.cpp's e8m0_exponent (0 and 1 give d = 0)."""
+    return (e.to(torch.int16) - 1).clamp(min=0).to(torch.uint8)
+
+
+def exponent_value(x: torch.Tensor) -> torch.Tensor:
+    """float32 exponent fields (uint8) -> the powers of two they stand for (0 -> 0.0), float32."""
+    return (x.to(torch.int32) << 23).view(torch.float32)
 
 
 def unpack(type_name: str, raw: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """A tensor's blocks, uint8 [rows, blocks, block_bytes] -> (q uint8 [rows, blocks * block] in input order,
     scales): d (and m / dmin) float16 [rows, blocks]; sc, mn uint8 [rows, blocks * 8] (Q4_K, Q5_K); sc int8
-    [rows, blocks * 16] (Q6_K). MXFP4: q its codes, d from e (_e8m0_half)."""
+    [rows, blocks * 16] (Q6_K). MXFP4: q its codes, e uint8 [rows, blocks] d's float32 exponent (e8m0_exponent)."""
     t = TYPES[type_name]
     if not t.block_bytes:
         raise ValueError(f"{type_name} has no file blocks")
@@ -102,7 +106,7 @@ def unpack(type_name: str, raw: torch.Tensor) -> tuple[torch.Tensor, dict[str, t
     assert nbytes == t.block_bytes, (type_name, nbytes)
     s: dict[str, torch.Tensor] = {}
     if type_name == "MXFP4":  # e, then Q4_0's nibbles
-        s["d"] = _e8m0_half(raw[..., 0])
+        s["e"] = e8m0_exponent(raw[..., 0])
         return _nibbles(raw[..., 1:17]).reshape(rows, nb * 32).contiguous(), s
     if type_name in ("Q4_1", "Q5_1"):
         s["d"], s["m"] = _half(raw[..., 0:2]), _half(raw[..., 2:4])
@@ -138,7 +142,7 @@ def dequantize_unpacked(type_name: str, q: torch.Tensor, s: dict[str, torch.Tens
     t = TYPES[type_name]
     if type_name == "MXFP4":
         values = torch.tensor(MXFP4_VALUES, dtype=torch.float32)[q.long()].reshape(rows, -1, 32)
-        return (s["d"].float()[..., None] * values).reshape(rows, k)
+        return (exponent_value(s["e"])[..., None] * values).reshape(rows, k)
     if type_name in ("Q4_1", "Q5_1", "Q5_0", "Q4_Z"):
         qf = q.reshape(rows, -1, 32).float()
         d = s["d"].float()[..., None]
@@ -186,7 +190,7 @@ def pack(type_name: str, q: torch.Tensor, s: dict[str, torch.Tensor]) -> tuple[t
         x = x.reshape(nb, NR, -1, per).permute(0, 2, 3, 1).contiguous()
         return x.view(torch.uint8).reshape(nb, x.shape[1], -1)
 
-    parts = [rowwise(s["d"], 1)]
+    parts = [rowwise(s["e"] if type_name == "MXFP4" else s["d"], 1)]
     if type_name == "Q4_Z":
         parts.append(rowwise(s["z"].to(torch.uint8), 1))
     if "m" in s:
@@ -223,7 +227,7 @@ def unpack_packed(type_name: str, w: torch.Tensor, scales: torch.Tensor, k: int
         x = sb[..., offset:offset + size].contiguous().view(dtype).reshape(nb, k // t.block, per, NR)
         return x.permute(0, 3, 1, 2).reshape(nb * NR, -1)
 
-    s = {"d": field(0, 1, torch.float16)}
+    s = {"e": field(0, 1, torch.uint8)} if type_name == "MXFP4" else {"d": field(0, 1, torch.float16)}
     if type_name in ("Q4_1", "Q5_1"):
         s["m"] = field(32, 1, torch.float16)
     elif type_name == "Q4_Z":

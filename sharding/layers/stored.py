@@ -11,10 +11,9 @@ them exactly (same values, same scales):
 | int8, symmetric | int8 (Q8_0's blocks of 32) | bytes kept (the compiled kernels take -128 as -127, as for GGUF's Q8_0) |
 | int8 with zero points | bf16 | s * (q - z) rounded to bfloat16 (no int8 kernel takes zero points) |
 | float8 e4m3 (per tensor, channel or block) | bf16 | q * s rounded to bfloat16 |
-| MXFP4 (e2m1 values, e8m0 scales per 32) | MXFP4 (codes kept; d = 2^(e - 128) in float16) | exact: every e2m1 value doubled is an integer in [-12, 12], the kernel's table; scales below 2^-24 (e < 104) are served as zero, with a warning |
+| MXFP4 (e2m1 values, e8m0 scales per 32) | MXFP4 (codes kept; d = 2^(e - 128) kept as its float32 exponent byte) | exact: every e2m1 value doubled is an integer in [-12, 12], the kernel's table; scales below 2^-126 (e < 2) are served as zero, with a warning |
 
-MXFP4 takes 4.5 bits per weight in its layout (4 + a float16 d per 32; the checkpoint's 4.25 has a byte e) and Q4_Z
-4.75 (4 + d and a byte z per 32), where Q5_0, which served both exactly before them (2 * value + 16; q - z + 16),
+MXFP4 takes 4.25 bits per weight in its layout (4 + a byte per 32, as the checkpoint stores it) and Q4_Z 4.75 (4 + d and a byte z per 32), where Q5_0, which served both exactly before them (2 * value + 16; q - z + 16),
 takes 5.5; Q5_0 stays the fallback for zero points beyond 4 bits.
 
 Scales are stored as float16 by these layouts: a bfloat16 or float16 scale converts exactly (within float16's range),
@@ -76,12 +75,16 @@ def convert(g: Grouped) -> QuantizedWeight:
     if cols % 32:  # (the integer layouts are made of blocks of 32 inputs)
         return quant.quantize(g.dequantize(), "bf16")
     if g.kind == "mxfp4":
-        d = _half(g.scale / 2)
-        small = (d == 0) & (g.scale != 0)
+        # the codes as they are: MXFP4's kernel maps them to kvalues_mxfp4 (E2M1 doubled), so d is half the scale,
+        # kept as its float32 exponent field (0 where d is below float32's normal range: served as zero)
+        bits = (g.scale.float() / 2).contiguous().view(torch.int32)
+        field = (bits >> 23) & 0xFF
+        if bool((bits < 0).any() or (field == 255).any() or ((field > 0) & ((bits & 0x7FFFFF) != 0)).any()):
+            raise CheckpointError(f"{g.label or 'an MXFP4 linear'}: MXFP4 scales must be finite powers of two (e8m0)")
+        small = (field == 0) & (g.scale != 0)
         if bool(small.any()):
-            logger.warning("%d MXFP4 scales below float16's smallest (2^-24) served as zero", int(small.sum()))
-        # the codes as they are: MXFP4's kernel maps them to kvalues_mxfp4 (E2M1 doubled), so d is half the scale
-        return quant.from_gguf("MXFP4", g.codes.contiguous(), {"d": d})
+            logger.warning("%d MXFP4 scales below 2^-126 served as zero", int(small.sum()))
+        return quant.from_gguf("MXFP4", g.codes.contiguous(), {"e": field.to(torch.uint8)})
     if g.kind == "fp8":
         return quant.quantize(g.dequantize(), "bf16")
     per32 = g.group // 32 if g.group % 32 == 0 else 0

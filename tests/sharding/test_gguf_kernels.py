@@ -25,15 +25,14 @@ gguf = pytest.importorskip("gguf")
 HALF_FIELDS = {"Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208],
                "MXFP4": []}
 FILE_TYPES = [name for name, t in gguf_quant.TYPES.items() if t.block_bytes]  # all but Q4_Z
-MXFP4_EXACT_E = (104, 143)  # e8m0 scales whose 2^(e - 128) a float16 holds
 
 
 def random_blocks(name: str, rows: int, blocks: int, seed: int = 0) -> torch.Tensor:
     t = gguf_quant.TYPES[name]
     rng = np.random.default_rng(seed)
     raw = rng.integers(0, 256, (rows, blocks, t.block_bytes), dtype=np.uint8)
-    if name == "MXFP4":  # e: 2^(e - 128) from float16's smallest subnormal to 2^15
-        raw[..., 0] = rng.integers(MXFP4_EXACT_E[0], MXFP4_EXACT_E[1] + 1, (rows, blocks))
+    if name == "MXFP4":  # e: 2^(e - 128) from 2^-28 to 2^32 (products and sums of every test stay finite)
+        raw[..., 0] = rng.integers(100, 161, (rows, blocks))
     for o in HALF_FIELDS[name]:
         h = (rng.uniform(0.5, 1.5, (rows, blocks)) * 2.0 ** -8 * rng.choice([-1, 1], (rows, blocks))).astype(np.float16)
         raw[..., o:o + 2] = h.view(np.uint8).reshape(rows, blocks, 2)
@@ -75,19 +74,24 @@ def test_blocks_split_and_packed_losslessly(name):
         assert torch.equal(w, w2) and torch.equal(sc, sc2)
 
 
-def test_mxfp4_scales_outside_float16_are_clamped_alike():
-    """Every e8m0 byte: d = 2^(e - 128) exactly for e in [104, 143] (gguf-py's values), 0 below, 2^15 above, the same
-    in the torch unpacker and the compiled packer (loaders/gguf_file.py refuses e > 143 and warns of e < 104)."""
+def test_mxfp4_scale_bytes_are_exact_alike():
+    """Every e8m0 byte: d = 2^(e - 128) exactly for e in [2, 254] (gguf-py's values), 0 for e = 0 and 1 (below
+    float32's normal range), the same in the torch unpacker and the compiled packer (loaders/gguf_file.py refuses
+    255, e8m0's NaN); every one of those values dequantizes as gguf-py does."""
     e = torch.arange(256, dtype=torch.int32).to(torch.uint8)
-    d = gguf_quant._e8m0_half(e).float()
+    d = gguf_quant.exponent_value(gguf_quant.e8m0_exponent(e))
     want = torch.ldexp(torch.ones(256, dtype=torch.float64), e.long() - 128)
-    inside = (e >= MXFP4_EXACT_E[0]) & (e <= MXFP4_EXACT_E[1])
-    assert torch.equal(d[inside].double(), want[inside])
-    assert not d[e < MXFP4_EXACT_E[0]].any() and (d[e > MXFP4_EXACT_E[1]] == 2.0 ** 15).all()
+    inside = (e >= 2) & (e <= 254)
+    assert torch.equal(d[inside].double(), want[inside]) and not d[:2].any()
     raw = random_blocks("MXFP4", 16, 16)
     raw[..., 0] = e.reshape(16, 16)
     q, s = gguf_quant.unpack("MXFP4", raw)
-    assert torch.equal(s["d"].float(), d.reshape(16, 16))
+    assert torch.equal(gguf_quant.exponent_value(s["e"]), d.reshape(16, 16))
+    ok = raw.clone()
+    ok[..., 0] = ok[..., 0].clamp(2, 254)
+    ref = gguf.quants.dequantize(ok.reshape(16, -1).numpy(), gguf.GGMLQuantizationType.MXFP4).reshape(16, -1)
+    ours = gguf_quant.dequantize_unpacked("MXFP4", *gguf_quant.unpack("MXFP4", ok)).numpy()
+    assert np.array_equal(ours.view(np.uint32), ref.view(np.uint32))
     if kernels.build_kernels():
         w, sc = gguf_quant.pack("MXFP4", q, s)
         w2, sc2 = torch.ops.tpserve.kq_pack(raw.contiguous(), gguf_quant.TYPES["MXFP4"].code, 512)
@@ -95,8 +99,8 @@ def test_mxfp4_scales_outside_float16_are_clamped_alike():
 
 
 def test_gguf_file_checks_mxfp4_scales(caplog):
-    """loaders/gguf_file.py serves MXFP4 (gguf-py's block size) and checks its scales as it reads them: a float16 d
-    holds e in [104, 143]; below, a warning (served as zero); above, refused."""
+    """loaders/gguf_file.py serves MXFP4 (gguf-py's block size) and checks its scales as it reads them: e in
+    [2, 254] exactly; 0 and 1, a warning (served as zero); 255 (e8m0's NaN), refused."""
     from pathlib import Path
     from types import SimpleNamespace
 
@@ -106,12 +110,12 @@ def test_gguf_file_checks_mxfp4_scales(caplog):
     assert gguf_quant.TYPES["MXFP4"].block_bytes == 17 and gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType.MXFP4] == (
         32, 17)
     fake = SimpleNamespace(path=Path("oss.gguf"))
-    GGUFCheckpoint._check_mxfp4_scales(fake, "w", torch.tensor([104, 128, 143], dtype=torch.uint8))
+    GGUFCheckpoint._check_mxfp4_scales(fake, "w", torch.tensor([2, 128, 254], dtype=torch.uint8))
     assert not caplog.records
-    GGUFCheckpoint._check_mxfp4_scales(fake, "w", torch.tensor([103, 128], dtype=torch.uint8))
+    GGUFCheckpoint._check_mxfp4_scales(fake, "w", torch.tensor([1, 128], dtype=torch.uint8))
     assert "1 MXFP4 scales below" in caplog.text
-    with pytest.raises(CheckpointError, match="2\\^16"):
-        GGUFCheckpoint._check_mxfp4_scales(fake, "w", torch.tensor([144], dtype=torch.uint8))
+    with pytest.raises(CheckpointError, match="NaN"):
+        GGUFCheckpoint._check_mxfp4_scales(fake, "w", torch.tensor([255], dtype=torch.uint8))
 
 
 def test_q4_z_packed_losslessly():

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from loaders.checkpoint import CheckpointError
 from loaders.hf_quant import E2M1, Grouped
 from sharding.cpu import kernels
 from sharding.layers import quant, stored
@@ -115,19 +116,22 @@ def test_mxfp4_values_are_e2m1_times_a_power_of_two():
     assert set(ratio.unique().tolist()) <= values
 
 
-def test_mxfp4_scales_over_float16s_range(caplog):
-    """Every MXFP4 scale a float16 d (= scale / 2) holds is served exactly, 2^-23 to 2^16; one below is served as zero,
-    with a warning."""
-    rows, cols = 40, 64
+def test_mxfp4_scales_over_e8m0s_range(caplog):
+    """Every MXFP4 scale whose half is a normal float32 is served exactly, 2^-125 to 2^127 (e8m0's 2 to 254);
+    2^-127 and 2^-126 (e = 0, 1) are served as zero, with a warning; a scale that is not a power of two is refused."""
+    rows, cols = 253, 64
     codes = torch.randint(0, 16, (rows, cols), dtype=torch.uint8)
-    scale = torch.ldexp(torch.ones(rows, 2), torch.arange(-23, 17).view(rows, 1).expand(rows, 2))
+    scale = torch.ldexp(torch.ones(rows, 2), torch.arange(-125, 128).view(rows, 1).expand(rows, 2))
     g = Grouped("mxfp4", codes, scale, 32, 4)
     qw = stored.convert(g)
-    assert qw.mode == "MXFP4" and torch.equal(quant.dequantize(qw), g.dequantize()) and not caplog.records
-    tiny = Grouped("mxfp4", codes[:1], torch.tensor([[2.0 ** -24, 1.0]]), 32, 4)
+    assert qw.mode == "MXFP4" and qw.scale.shape[1] == 2 * 16
+    assert torch.equal(quant.dequantize(qw), g.dequantize()) and not caplog.records
+    tiny = Grouped("mxfp4", codes[:1], torch.tensor([[2.0 ** -126, 1.0]]), 32, 4)
     w = quant.dequantize(stored.convert(tiny))
     assert not w[:, :32].any() and torch.equal(w[:, 32:], tiny.dequantize()[:, 32:])
     assert "1 MXFP4 scales below" in caplog.text
+    with pytest.raises(CheckpointError, match="powers of two"):
+        stored.convert(Grouped("mxfp4", codes[:1], torch.tensor([[0.75, 1.0]]), 32, 4))
 
 
 def test_zero_points_beyond_4_bits_fall_back_to_q5_0():

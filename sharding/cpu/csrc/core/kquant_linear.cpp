@@ -8,11 +8,11 @@
 //   Q5_0         per 32 inputs: d                                           W = d * (q - 16)
 //   Q4_K, Q5_K   per 256: d, dmin (float16); per 32: sc, mn (6 bits)        W = d * sc * q - dmin * mn
 //   Q6_K         per 256: d; per 16: sc (int8)                              W = d * sc * (q - 32)
-//   MXFP4        per 32 inputs: d (float16)                                 W = d * KV[q]
+//   MXFP4        per 32 inputs: d (a float32 exponent byte)                 W = d * KV[q]
 //   Q4_Z         per 32 inputs: d (float16), z (a byte, 0..15)              W = d * (q - z)
 // MXFP4's q is an e2m1 code and KV llama.cpp's kvalues_mxfp4, the e2m1 values doubled (integers in [-12, 12]); the
-// file's e8m0 scale e (W = KV[q] * 2^(e - 128)) is d = 2^(e - 128), exact in float16 for e in [104, 143]
-// (kquant_pack.cpp clamps the rest).
+// file's e8m0 scale e (W = KV[q] * 2^(e - 128)) is kept as a byte: d's float32 exponent field, max(e - 1, 0), so d is
+// that byte shifted into place, exact for every e from 2 to 254 (e = 0, 1: d = 0, scales below 2^-126).
 //
 // The activations are int8 per row and block of 32 inputs (quantize_rows, Q8_0's scheme: the int8 / int4 kernels'
 // own, so one quantized copy of a layer's input serves every type in it) on every build, and each block's dot
@@ -27,8 +27,8 @@
 // 4h + u). MXFP4's nibbles are its codes, which the kernels map to KV[q] + 12 as they unpack them (a byte shuffle).
 // `s` holds per 16-row block, for each `kq_super` inputs: the 16 rows' d (float16), then dmin (K types) or m (Q4_1,
 // Q5_1) or z (Q4_Z, one byte each), then the 6-bit sc and mn unpacked to bytes [8][16] each (Q4_K, Q5_K) or Q6_K's
-// int8 sc [16][16]. Bytes against the file: Q4_K 148 per 256 inputs and row (file 144), Q5_K 180 (176), Q6_K 210
-// (210), MXFP4 18 per 32 (17: d as float16 where the file has e's byte), Q4_Z 19 per 32 (no file), the others equal.
+// int8 sc [16][16]; MXFP4's d is one byte per row (its exponent field). Bytes against the file: Q4_K 148 per 256 inputs and row (file 144), Q5_K 180 (176), Q6_K 210
+// (210), MXFP4 17 per 32 (17), Q4_Z 19 per 32 (no file), the others equal.
 //
 // The float steps per block of 32 and row lane, the same on every build (the SIMD loops do them lane by lane, so
 // every build's outputs are the same bits; tests/harness.cpp):
@@ -87,8 +87,8 @@ struct Traits<tpserve::KQ_Q6_K> {
   static constexpr bool nm = false;
 };
 template <>
-struct Traits<tpserve::KQ_MXFP4> {  // values KV[q] + 12 (MXFP4_U below)
-  static constexpr int bits = 4, super = 32, scale_bytes = 32, vmax = 24, offset = 12;
+struct Traits<tpserve::KQ_MXFP4> {  // values KV[q] + 12 (MXFP4_U below); d: one exponent byte per row
+  static constexpr int bits = 4, super = 32, scale_bytes = 16, vmax = 24, offset = 12;
   static constexpr bool nm = false;
 };
 template <>
@@ -121,6 +121,13 @@ inline float half_at(const uint8_t* p, int64_t i) {
   return tpserve::fp16_to_float(h);
 }
 
+inline float exponent_at(const uint8_t* p, int64_t i) {  // MXFP4's d: a float32 with exponent field p[i], mantissa 0
+  const uint32_t bits = static_cast<uint32_t>(p[i]) << 23;
+  float d;
+  std::memcpy(&d, &bits, 4);
+  return d;
+}
+
 // The per-lane scale terms of 32-input block b (see the top): sa, nm, sb for the block's 16 rows.
 template <int64_t T>
 inline void block_scales(const uint8_t* s, int64_t b, float (&sa)[NR], float (&nm)[NR], float (&sb)[NR]) {
@@ -128,7 +135,7 @@ inline void block_scales(const uint8_t* s, int64_t b, float (&sa)[NR], float (&n
   const uint8_t* sp = s + (b * 32 / Tr::super) * Tr::scale_bytes;
   const int64_t j = (b * 32 % Tr::super) / 32;  // the 32-input block within its super-block
   for (int64_t l = 0; l < NR; ++l) {
-    const float d = half_at(sp, l);
+    const float d = T == tpserve::KQ_MXFP4 ? exponent_at(sp, l) : half_at(sp, l);
     if constexpr (T == tpserve::KQ_Q4_1 || T == tpserve::KQ_Q5_1) {
       sa[l] = d;
       nm[l] = half_at(sp + 32, l);

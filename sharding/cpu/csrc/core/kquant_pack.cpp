@@ -16,24 +16,16 @@ constexpr int64_t NR = tpserve::VNNI_BLOCK;
 
 struct Decoded {  // one file block of one row
   uint8_t q[256];
-  uint8_t d[2], m[2];   // float16 bits: d (MXFP4: from e), and m (Q4_1, Q5_1) or dmin (Q4_K, Q5_K)
+  uint8_t d[2], m[2];   // float16 bits: d (MXFP4: d[0] its exponent byte), and m (Q4_1, Q5_1) or dmin (Q4_K, Q5_K)
   uint8_t sc[16], mn[8];  // Q4_K / Q5_K: 8 6-bit scales and mins; Q6_K: 16 int8 scales
 };
 
 inline uint32_t le32(const uint8_t* p) { return p[0] | (p[1] << 8) | (p[2] << 16) | (static_cast<uint32_t>(p[3]) << 24); }
 
-// MXFP4's e8m0 scale e as the float16 d = 2^(e - 128) (W = kvalues_mxfp4[q] * 2^(e - 128): ggml's
-// ggml_e8m0_to_fp32_half), little-endian bits. Exact for e in [104, 143]: 2^-24 (float16's smallest subnormal) to
-// 2^15. Outside it is clamped: e < 104 gives d = 0 (weights below 12 x 2^-25 in magnitude served as zero: what
-// rounding 2^(e - 128) to float16 gives), e > 143 gives 2^15 (float16 has no larger power of two; a weight of 2^16 or
-// more is no trained model's, and loaders/gguf_file.py refuses such a file before it gets here). gguf_quant.py's
-// _e8m0_half is the same.
-inline void e8m0_half(uint8_t e, uint8_t (&d)[2]) {
-  const int k = e - 128;
-  const uint16_t h = k < -24 ? 0 : k < -14 ? static_cast<uint16_t>(1u << (k + 24))   // subnormal: 2^(k + 24) x 2^-24
-                                 : static_cast<uint16_t>((std::min(k, 15) + 15) << 10);  // normal: exponent k + 15
-  d[0] = static_cast<uint8_t>(h & 0xFF), d[1] = static_cast<uint8_t>(h >> 8);
-}
+// MXFP4's e8m0 scale e (W = kvalues_mxfp4[q] * 2^(e - 128): ggml's ggml_e8m0_to_fp32_half) as the layout keeps it:
+// the float32 exponent field of d = 2^(e - 128), max(e - 1, 0). Exact for e from 2 to 254; e = 0 and 1 (2^-128,
+// 2^-127, below float32's normal range) give d = 0. (e = 255 is e8m0's NaN: loaders/gguf_file.py refuses it.)
+inline uint8_t e8m0_exponent(uint8_t e) { return e > 0 ? static_cast<uint8_t>(e - 1) : 0; }
 
 void decode(int64_t type, const uint8_t* b, Decoded& o) {
   using namespace tpserve;
@@ -43,7 +35,7 @@ void decode(int64_t type, const uint8_t* b, Decoded& o) {
       for (int i = 0; i < 16; ++i) o.q[i] = b[4 + i] & 15, o.q[i + 16] = b[4 + i] >> 4;
       return;
     case KQ_MXFP4:  // e, then Q4_0's nibbles (the codes: the kernels map them to values)
-      e8m0_half(b[0], o.d);
+      o.d[0] = e8m0_exponent(b[0]), o.d[1] = 0;
       for (int i = 0; i < 16; ++i) o.q[i] = b[1 + i] & 15, o.q[i + 16] = b[1 + i] >> 4;
       return;
     case KQ_Q5_0:
@@ -137,7 +129,10 @@ void kq_pack_blocks(int64_t type, const uint8_t* raw, int64_t rows, int64_t K, u
           if (bits == 6) chunk[256 + (t / 4) * 64 + 4 * l + p] |= ((v >> 4) & 3) << (2 * (t % 4));
         }
         uint8_t* sp = sblk + g * sbytes;  // the scales
-        std::memcpy(sp + 2 * l, o.d, 2);
+        if (type == KQ_MXFP4)
+          sp[l] = o.d[0];  // one byte per row
+        else
+          std::memcpy(sp + 2 * l, o.d, 2);
         if (type == KQ_Q4_1 || type == KQ_Q5_1 || type == KQ_Q4_K || type == KQ_Q5_K) std::memcpy(sp + 32 + 2 * l, o.m, 2);
         if (type == KQ_Q4_K || type == KQ_Q5_K)
           for (int j = 0; j < 8; ++j) sp[64 + j * NR + l] = o.sc[j], sp[192 + j * NR + l] = o.mn[j];

@@ -58,7 +58,7 @@ fp16_t random_scale(Rng& g) { return static_cast<fp16_t>(((5 + g.below(8)) << 10
 
 // ---- plain conversions, for the reference ---------------------------------------------------------------------------
 float half_value(fp16_t h) {  // finite halves: normal ones (the scales above), zero (the padding rows), subnormal ones
-  const int e = (h >> 10) & 0x1F, m = h & 0x3FF;     // (MXFP4's d = 2^(e8m0 - 128) below 2^-14)
+  const int e = (h >> 10) & 0x1F, m = h & 0x3FF;
   const double v = e == 0 ? std::ldexp(static_cast<double>(m), -24) : std::ldexp(1.0 + m / 1024.0, e - 15);
   return static_cast<float>(v) * ((h & 0x8000) ? -1.f : 1.f);
 }
@@ -264,7 +264,7 @@ void check_int(Rng& g, bool int4, int64_t M, int64_t N, int64_t K, int64_t G, bo
 
 // ---- GGUF block types: Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, MXFP4, and Q4_Z (core/kquant_linear.cpp) ----------------
 // Random file blocks (random bytes for the values and sub-scales, normal float16 d / m / dmin of either sign; MXFP4's
-// e8m0 e in [104, 143], where d = 2^(e - 128) is a float16), read here as ggml's dequantize_row_* reads them
+// e8m0 e mostly in [100, 160], one in 16 either 0 or 1, the two served as d = 0), read here as ggml's dequantize_row_* reads them
 // (ggml-quants.c); Q4_Z, which has no file form, from a record of the harness's own (d, then z, then 16 bytes of
 // nibbles as Q4_0's). The reference is the kernels' scheme step by step, from those fields: per block of 32 inputs the
 // exact int32 dot product of the signed values with the int8 activations (Q4_1, Q5_1, Q4_K, Q5_K: the unsigned q,
@@ -289,7 +289,7 @@ constexpr KqType KQ_TYPES[] = {
     {"Q4_1", tpserve::KQ_Q4_1, 4, 32, 20, 64, true},     {"Q5_0", tpserve::KQ_Q5_0, 5, 32, 22, 32, true},
     {"Q5_1", tpserve::KQ_Q5_1, 5, 32, 24, 64, true},     {"Q4_K", tpserve::KQ_Q4_K, 4, 256, 144, 320, true},
     {"Q5_K", tpserve::KQ_Q5_K, 5, 256, 176, 320, true},  {"Q6_K", tpserve::KQ_Q6_K, 6, 256, 210, 288, true},
-    {"MXFP4", tpserve::KQ_MXFP4, 4, 32, 17, 32, true},   {"Q4_Z", tpserve::KQ_Q4_Z, 4, 32, 19, 48, false}};
+    {"MXFP4", tpserve::KQ_MXFP4, 4, 32, 17, 16, true},   {"Q4_Z", tpserve::KQ_Q4_Z, 4, 32, 19, 48, false}};
 
 // ggml-common.h's kvalues_mxfp4: the e2m1 values doubled
 constexpr int MXFP4_VALUES[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
@@ -301,6 +301,7 @@ struct KqBlock {
   fp16_t d = 0, m = 0;          // m: Q4_1 / Q5_1's m, Q4_K / Q5_K's dmin
   uint8_t sc[16] = {}, mn[8] = {};  // Q4_K / Q5_K: 6-bit sc, mn per 32 inputs; Q6_K: int8 sc per 16 inputs
   uint8_t z = 0;                // Q4_Z's zero point
+  uint8_t e = 0;                // MXFP4's e8m0 scale: d = 2^(e - 128)
 };
 
 uint16_t le16(const uint8_t* p) { return static_cast<uint16_t>(p[0] | (p[1] << 8)); }
@@ -319,9 +320,8 @@ KqBlock read_block(const KqType& t, const uint8_t* b) {
   KqBlock k;
   const std::string n = t.name;
   if (n == "MXFP4" || n == "Q4_Z") {  // MXFP4: e, qs[16]; Q4_Z (the harness's record): d, z, qs[16]
-    if (n == "MXFP4") {  // 2^(e - 128) as a float16's bits (e in [104, 143]: subnormal below 2^-14)
-      const int x = b[0] - 128;
-      k.d = static_cast<fp16_t>(x >= -14 ? (x + 15) << 10 : 1 << (x + 24));
+    if (n == "MXFP4") {
+      k.e = b[0];
     } else {
       k.d = le16(b);
       k.z = b[2] & 0x0F;
@@ -386,8 +386,8 @@ void check_kq(Rng& g, const KqType& t, int64_t M, int64_t N, int64_t K, bool wit
     uint8_t* b = file.data() + i * t.block_bytes;
     if (q6) {
       sane_half(b + 208);
-    } else if (mx) {  // e: d = 2^(e - 128) from 2^-24 to 2^15; extreme: codes 7, the largest value (12, unsigned 24)
-      b[0] = static_cast<uint8_t>(104 + g.below(40));
+    } else if (mx) {  // e: d = 2^(e - 128) from 2^-28 to 2^32, or 0; extreme: codes 7, the largest value (12, unsigned 24)
+      b[0] = static_cast<uint8_t>(g.below(16) == 0 ? g.below(2) : 100 + g.below(61));
       if (extreme) std::memset(b + 1, 0x77, 16);
     } else if (qz) {  // d, z (any: the extreme case's values 15 against zero points of 0 to 15)
       sane_half(b);
@@ -407,8 +407,8 @@ void check_kq(Rng& g, const KqType& t, int64_t M, int64_t N, int64_t K, bool wit
 
   // the layout: per 16-row block, per 32 inputs 4 nibble lines (byte 4 row + p of line i: input 8i + p low, 8i + 4 + p
   // high), then Q5's line of bit 4 (bit t: input 4t + p) or Q6's two lines of bits 4-5 (line h, bits 2u: input
-  // 4 (4h + u) + p); the scales per block of `t.block` inputs: d [16 rows] f16, m / dmin [16], then sc [8][16] and
-  // mn [8][16] (Q4_K, Q5_K) or sc [16][16] (Q6_K)
+  // 4 (4h + u) + p); the scales per block of `t.block` inputs: d [16 rows] f16 (MXFP4: [16] bytes, d's float32
+  // exponent field), m / dmin [16], then sc [8][16] and mn [8][16] (Q4_K, Q5_K) or sc [16][16] (Q6_K)
   const int64_t cb = 256 + 64 * (t.bits - 4);
   std::vector<uint8_t> w(blocks * nb * cb, 0), s(blocks * nfb * t.scale_bytes, 0);
   for (int64_t n = 0; n < N; ++n) {
@@ -428,7 +428,10 @@ void check_kq(Rng& g, const KqType& t, int64_t M, int64_t N, int64_t K, bool wit
     for (int64_t f = 0; f < nfb; ++f) {
       const KqBlock& k = fb[n * nfb + f];
       uint8_t* sp = s.data() + (blk * nfb + f) * t.scale_bytes;
-      std::memcpy(sp + 2 * row, &k.d, 2);
+      if (mx)
+        sp[row] = static_cast<uint8_t>(k.e > 0 ? k.e - 1 : 0);  // d's float32 exponent field
+      else
+        std::memcpy(sp + 2 * row, &k.d, 2);
       if (with_m) std::memcpy(sp + 32 + 2 * row, &k.m, 2);
       if (qz) sp[32 + row] = k.z;
       if (kq)
@@ -472,7 +475,7 @@ void check_kq(Rng& g, const KqType& t, int64_t M, int64_t N, int64_t K, bool wit
           dot += (q50 ? q[i] - 16 : mx ? MXFP4_VALUES[q[i]] : qz ? q[i] - k.z : q6 ? 0 : q[i]) * xb[i];
           (i < 16 ? dot_a : dot_b) += (q[i] - 32) * xb[i];
         }
-        const float d = half_value(k.d);
+        const float d = mx ? (k.e >= 2 ? std::ldexp(1.f, k.e - 128) : 0.f) : half_value(k.d);
         float tv;
         if (q6) {
           const float sa = d * static_cast<float>(static_cast<int8_t>(k.sc[2 * j]));

@@ -100,6 +100,11 @@ inline void kq_scales(const uint8_t* s, int64_t b, int h, __m256& sa, __m256& nm
   using Tr = Traits<T>;
   const uint8_t* sp = s + (b * 32 / Tr::super) * Tr::scale_bytes;
   const int64_t j = (b * 32 % Tr::super) / 32, o = 8 * h;
+  if constexpr (T == tpserve::KQ_MXFP4) {  // d: the 8 rows' float32 exponent bytes shifted into place
+    sa = _mm256_castsi256_ps(
+        _mm256_slli_epi32(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sp + o))), 23));
+    return;
+  }
   sa = kq_halves8(sp + 2 * o);
   if constexpr (T == tpserve::KQ_Q4_1 || T == tpserve::KQ_Q5_1) {
     nm = kq_halves8(sp + 32 + 2 * o);

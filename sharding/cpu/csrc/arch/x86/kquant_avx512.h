@@ -94,6 +94,11 @@ inline void kq_scales(const uint8_t* s, int64_t b, __m512& sa, __m512& nm, __m51
   using Tr = Traits<T>;
   const uint8_t* sp = s + (b * 32 / Tr::super) * Tr::scale_bytes;
   const int64_t j = (b * 32 % Tr::super) / 32;
+  if constexpr (T == tpserve::KQ_MXFP4) {  // d: the 16 rows' float32 exponent bytes shifted into place
+    sa = _mm512_castsi512_ps(
+        _mm512_slli_epi32(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sp))), 23));
+    return;
+  }
   sa = kq_halves(sp);
   if constexpr (T == tpserve::KQ_Q4_1 || T == tpserve::KQ_Q5_1) {
     nm = kq_halves(sp + 32);
