@@ -26,6 +26,7 @@ from loaders.gguf_file import open_checkpoint
 from sharding.cpu import hugepages, kernels
 from sharding.layers.attention import AttentionMetadata, PagedKVCache, RotaryTable
 from sharding.dist import Dist, Layout
+from sharding.layers import quant
 from sharding.layers.interface import Loadable, Packable, ReadElsewhere
 from sharding.layers.linear import ParallelLMHead
 from sharding.models import model_class
@@ -222,6 +223,11 @@ class ModelRunner:
                 with phases.phase("reading the quantized cache"):
                     cached = cache.read(self.model)  # the linears it restored, nothing of theirs to read (None: a miss)
             loaders = [m for m in self.model.modules() if isinstance(m, Loadable) and m not in (cached or ())]
+            head_mode = lm_head_mode(cfg.quantization)
+            for m in loaders:  # a head quantized right after its read is read as stored (ParallelLMHead.read_as_stored)
+                if (isinstance(m, ParallelLMHead) and head_mode and not m.tied and m.weight is not None
+                        and quant.supported(head_mode, m.weight.shape[1], cfg.quantization_group_size)):
+                    m.read_as_stored = True
             itemsize = ckpt.checkpoint_dtype().itemsize
             to_read = itemsize * sum(p.numel() for m in loaders if not m.tied  # (read once)
                                      for p in m.parameters(recurse=False))

@@ -285,6 +285,9 @@ class ParallelLMHead(_Linear):
             out[self.name + ".bias"] = (self.vocab_size,)
         return out
 
+    read_as_stored = False  # set by the runner when the head is quantized right after its read (a 16-bit head then
+    # stays 16-bit until quant.quantize converts it chunk by chunk: Llama-3-8B's is never 2.1 GB of float32)
+
     def load(self, ckpt: Checkpoint) -> None:
         if self.tied and ckpt.quant_type(self.tied_name) is not None:  # the embedding's blocks, for the matmul
             self.qweight = stored.read_weight(ckpt, [(self.tied_name, 0, [(self.start, self.stop)])])
@@ -293,6 +296,10 @@ class ParallelLMHead(_Linear):
             self.qweight = stored.read_weight(ckpt, [(self.name + ".weight", 0, [(self.start, self.stop)])])
             if self.qweight is not None:  # stored quantized: served in its own layout
                 self.weight = None
+            elif (self.read_as_stored and self.weight.dtype == torch.float32
+                  and ckpt.info(self.name + ".weight").dtype in (torch.bfloat16, torch.float16)):
+                self.weight = nn.Parameter(ckpt.read(self.name + ".weight", 0, [(self.start, self.stop)]),
+                                           requires_grad=False)
             else:
                 self.weight.data.copy_(ckpt.read(self.name + ".weight", 0, [(self.start, self.stop)]))
         if self.bias is not None:

@@ -229,3 +229,23 @@ def test_two_starts_at_once_share_it(model, cache, caplog):
     after = start(model)  # reads it, whole
     assert after["bytes_read"] == not_linear_bytes(model) and not cache_warnings(caplog)
     assert [o["token_ids"] for o in a["outputs"]] == [t for t, _, _ in after["answers"]]
+
+
+def test_a_16_bit_lm_head_is_quantized_from_its_stored_rows(tmp_path):
+    """An untied bfloat16 LM head under -q int8 is read as stored and quantized chunk by chunk from it
+    (ParallelLMHead.read_as_stored): never a whole float32 copy (Llama-3-8B's would be 2.1 GB at load), and the same
+    bytes as quantizing the float32 rows."""
+    from safetensors import safe_open
+
+    from server.llm import LLM
+
+    folder = make_checkpoint(tmp_path / "bf16", "llama", dtype=torch.bfloat16, intermediate_size=128)
+    llm = LLM(str(folder), max_num_seqs=2, kv_cache_memory=8 << 20, quantization="int8", quantized_cache=False)
+    try:
+        head = llm.executor.model.lm_head
+        assert head.read_as_stored and head.weight is None
+        with safe_open(str(folder / "model.safetensors"), "pt") as f:
+            want = quant.quantize(f.get_tensor("lm_head.weight").float(), "int8")
+        assert torch.equal(head.qweight.data, want.data) and torch.equal(head.qweight.scale, want.scale)
+    finally:
+        llm.close()
