@@ -20,7 +20,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.realpath(__file__)))))
 
-from loaders.checkpoint import Checkpoint  # noqa: E402
+from loaders.gguf_file import open_checkpoint  # noqa: E402
 from sharding.dist import init_dist  # noqa: E402
 from sharding.layers.lora import LoraManager  # noqa: E402
 from server.engine.lora_registry import validate_adapter  # noqa: E402
@@ -74,7 +74,7 @@ def main() -> None:
                 continue
             _, slot, path = op
             if rank == 0:
-                with Checkpoint(job["model"]) as base:
+                with open_checkpoint(job["model"]) as base:  # (a quantized folder: its linears under float names)
                     validate_adapter(path, base, max_rank=64)
             mgr.load(slot, path)
             read[str(slot)] = mgr.bytes_read

@@ -56,14 +56,17 @@ def make_adapter(base: Path, folder: Path, seed: int, std: float = 0.15, **lora_
     return folder
 
 
-def reference(base: Path, adapter: Path | None, prompt: list[int], n: int, int8_tp: int | None = None):
+def reference(base: Path, adapter: Path | None, prompt: list[int], n: int, int8_tp: int | None = None,
+              act_tp: int | None = None):
     """PEFT's greedy tokens and log-softmax rows; int8_tp: over int8-round-tripped base linears, as `tp` ranks
-    quantize their shards (tests/sharding/test_quant.py)."""
+    quantize their shards (tests/sharding/test_quant.py); act_tp: the base's values as they are (a folder of a
+    quantized checkpoint's exact values), its linears' inputs rounded as the int8-activation kernels of `tp` ranks
+    round them."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32)
     model.generation_config.eos_token_id = None
-    if int8_tp is not None:
+    if int8_tp is not None or act_tp is not None:
         from sharding.layers import quant
         from test_quant import as_kernel_sees
 
@@ -71,12 +74,16 @@ def reference(base: Path, adapter: Path | None, prompt: list[int], n: int, int8_
             for name, mod in model.named_modules():
                 if isinstance(mod, torch.nn.Linear):
                     w = mod.weight
-                    parts = w.chunk(int8_tp, dim=1) if name.endswith(("o_proj", "down_proj")) else [w]
-                    mod.weight.copy_(torch.cat([quant.dequantize(quant.quantize(p, "int8", 32)) for p in parts], 1))
+                    parts = w.chunk(int8_tp or act_tp, dim=1) if name.endswith(("o_proj", "down_proj")) else [w]
+                    # (act_tp: the LM head the folders keep in bfloat16 is served by the bf16 kernel)
+                    mode = "bf16" if act_tp is not None and name.endswith("lm_head") else "int8"
+                    if int8_tp is not None:
+                        mod.weight.copy_(torch.cat([quant.dequantize(quant.quantize(p, "int8", 32)) for p in parts],
+                                                   1))
                     mod.register_forward_pre_hook(
-                        lambda _m, args, k=len(parts): (torch.cat([as_kernel_sees(c.reshape(-1, c.shape[-1]), "int8")
-                                                                   for c in args[0].chunk(k, dim=-1)], -1)
-                                                        .reshape(args[0].shape),))
+                        lambda _m, args, k=len(parts), mode=mode: (
+                            torch.cat([as_kernel_sees(c.reshape(-1, c.shape[-1]), mode)
+                                       for c in args[0].chunk(k, dim=-1)], -1).reshape(args[0].shape),))
     if adapter is not None:
         from peft import PeftModel
 
@@ -241,6 +248,35 @@ def test_int8_base(models, tmp_path):
                 assert tokens == ref_tokens, (tp, names[i])
                 # int8 activations (VNNI) can round one step differently (test_quant: within 2e-2)
                 assert float((torch.tensor(lp) - ref_lp).abs().max()) < 2e-2
+
+
+def test_prequantized_base(tmp_path, monkeypatch):
+    """Adapters over a base stored quantized, served as stored: compressed-tensors W4A16 (int4 group 128, symmetric:
+    tpserve's int4) and AWQ (zero points: Q4_Z), mixed and alone, against PEFT over the folders' exact values. On
+    torch's paths (TPSERVE_KERNELS=none: float32 products) at TP 1 and 2, tokens and log-probabilities within 1e-4.
+    (Through the compiled kernels the activations are rounded to int8, which moves this wide random model's
+    log-probabilities by up to ~0.5 and flips its near-ties (one margin is 0.005): no exact reference there. The
+    adapters' rows in the compiled step over every kernel layout are the same code as over int8 (test_int8_base).)"""
+    from helpers import quantized as hq
+
+    src = hq.make_source(tmp_path / "src" / "base")  # (each folder "base": the adapters' base model by name)
+    adapters = {"b1": make_adapter(src, tmp_path / "b1", seed=5, target_modules=LLAMA_ALL),
+                "b2": make_adapter(src, tmp_path / "b2", seed=6, r=4, target_modules=["q_proj", "down_proj"])}
+    ops = [["load", 1, str(adapters["b1"])], ["load", 2, str(adapters["b2"])]]
+    runs = [{"prompts": PROMPTS[:2], "slots": [1, 2], "max_tokens": MAX_TOKENS, "together": True},
+            {"prompts": PROMPTS[:2], "slots": [1, 2], "max_tokens": MAX_TOKENS, "together": False}]
+    for name, folder in (("W4A16", hq.make_compressed_tensors(src, tmp_path / "w4a16" / "base", "W4A16")),
+                         ("AWQ", hq.make_awq(src, tmp_path / "awq" / "base"))):
+        values = hq.reference_float(folder, tmp_path / f"{name}-values")
+        refs = {i: reference(values, adapters[a], PROMPTS[i], MAX_TOKENS) for i, a in enumerate(("b1", "b2"))}
+        assert any(reference(values, None, PROMPTS[i], MAX_TOKENS)[0] != refs[i][0] for i in refs), name
+        monkeypatch.setenv("TPSERVE_KERNELS", "none")
+        for tp in (1, 2):
+            result, _ = run_ranks(tp, [{"model": str(folder), "ops": ops, "runs": runs}], tmp_path)
+            for run in result["jobs"][0]["runs"]:
+                for i, (tokens, lp) in enumerate(zip(run["tokens"], run["logprobs"], strict=True)):
+                    assert tokens == refs[i][0], (name, tp, i)
+                    assert float((torch.tensor(lp) - refs[i][1]).abs().max()) < 1e-4, (name, tp, i)
 
 
 def test_unload_and_replace(models, tmp_path):
