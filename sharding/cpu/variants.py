@@ -49,7 +49,7 @@ SOURCES = CORE_SOURCES + ("paged_attention.cpp", "quant_linear.cpp", "rms_norm.c
 # (pyproject.toml's package-data); tests/sharding/test_kernel_harness.py checks that this lists every header
 HEADERS = ("tpserve_kernels.h", "core/kernels.h", "core/portable_quant.h", "core/portable_f32.h",
            "arch/x86/quant_avx512.h", "arch/x86/quant_avx2.h", "arch/x86/kquant_avx512.h", "arch/x86/kquant_avx2.h",
-           "arch/x86/avx2_rows16.h", "arch/x86/vnni_bcst.h",
+           "arch/x86/avx2_rows16.h", "arch/x86/vnni_bcst.h", "arch/x86/prefetch.h",
            "arch/x86/f32.h", "arch/x86/argmax.h", "arch/x86/amx_tiles.h",
            "arch/arm/quant_neon.h", "arch/arm/f32.h")
 HARNESS = "tests/harness.cpp"  # the kernels' own correctness harness (no torch; not part of a build)

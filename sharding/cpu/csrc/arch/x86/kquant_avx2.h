@@ -28,6 +28,7 @@
 #include <immintrin.h>
 
 #include "avx2_rows16.h"
+#include "prefetch.h"
 
 #define TPSERVE_KQ_DOT 1
 
@@ -143,6 +144,7 @@ __attribute__((noinline)) void kq_block(const tpserve::Int8Rows& xq, int64_t m0,
   const __m256i ones = _mm256_set1_epi16(1);
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* c = w + b * chunk_bytes<T>();
+    prefetch_lines_ahead(c, chunk_bytes<T>());
     __m256i v[2][8];
     __m256 sa[2], nm[2], sb[2];
     __m256i z[2];

@@ -23,6 +23,7 @@
 
 #include <immintrin.h>
 
+#include "prefetch.h"
 #include "vnni_bcst.h"
 
 #define TPSERVE_KQ_DOT 1
@@ -141,6 +142,7 @@ inline void kq_block(const tpserve::Int8Rows& xq, int64_t m0, const uint8_t* w, 
   const int64_t nb = K / 32;
   for (int64_t b = 0; b < nb; ++b) {
     __m512i v[8];
+    prefetch_lines_ahead(w + b * chunk_bytes<T>(), chunk_bytes<T>());
     kq_unpack<T>(w + b * chunk_bytes<T>(), v);
     __m512 sa, nm, sb;
     kq_scales<T>(s, b, sa, nm, sb);

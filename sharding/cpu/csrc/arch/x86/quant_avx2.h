@@ -8,6 +8,7 @@
 #include <cstring>
 
 #include "avx2_rows16.h"
+#include "prefetch.h"
 
 namespace {
 
@@ -45,6 +46,7 @@ inline void int8_dot_block(const tpserve::Int8Rows& xq, int64_t m0, const int8_t
   const __m256i ones = _mm256_set1_epi16(1);
   for (int64_t b = 0; b < nb; ++b) {
     const int8_t* wb = w + b * 8 * 64;
+    prefetch_lines_ahead(wb, 512);
     __m256 sw[2];
     row_scales16(scale + b * NV, sw);
     for (int r = 0; r < R; ++r) {
@@ -76,6 +78,7 @@ inline void int4_dot_block(const tpserve::Int8Rows& xq, int64_t m0, const uint8_
   const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* wb = w + b * 4 * 64;
+    prefetch_lines_ahead(wb, 256);
     __m256i half[2][8];  // per 8-row half: inputs 8i..8i+3 (low nibbles), 8i+4..8i+7 (high), i = 0..3
     for (int h = 0; h < 2; ++h)
       for (int i = 0; i < 4; ++i) {

@@ -6,6 +6,8 @@
 
 #include <immintrin.h>
 
+#include "prefetch.h"
+
 #define TPSERVE_AVX512 1
 
 namespace {
@@ -142,6 +144,7 @@ inline void int8_dot_block(const tpserve::Int8Rows& xq, int64_t m0, const int8_t
   const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
   for (int64_t b = 0; b < nb; ++b) {
     __m512i line[8];
+    prefetch_lines_ahead(w + b * 512, 512);
     for (int i = 0; i < 8; ++i) line[i] = _mm512_xor_si512(_mm512_loadu_si512(w + (b * 8 + i) * 64), flip);
     dot_rows<R>(xq, m0, b, line, row_scales16(scale + b * NV), 128, acc);  // the bytes flipped to w + 128
   }
@@ -158,6 +161,7 @@ inline void int4_dot_block(const tpserve::Int8Rows& xq, int64_t m0, const uint8_
   const __m512i low = _mm512_set1_epi8(0x0F);
   for (int64_t b = 0; b < nb; ++b) {
     __m512i half[8];  // inputs 8i..8i+3 (low nibbles), 8i+4..8i+7 (high), i = 0..3
+    prefetch_lines_ahead(w + b * 256, 256);
     for (int i = 0; i < 4; ++i) {
       const __m512i line = _mm512_loadu_si512(w + (b * 4 + i) * 64);
       half[2 * i] = _mm512_and_si512(line, low);
@@ -184,6 +188,7 @@ inline void bf16_dot_block(const tpserve::Int8Rows& xq, int64_t m0, const uint16
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t c = 0; c < K / 2; c += 8) {  // 8 lines: 16 inputs
     __m512bh line[8];
+    prefetch_lines_ahead(w + c * 32, 512);
     for (int i = 0; i < 8; ++i) line[i] = (__m512bh)_mm512_loadu_si512(w + (c + i) * 32);
     for (int r = 0; r < R; ++r) {
       const int32_t* xr = reinterpret_cast<const int32_t*>(xq.h.data() + (m0 + r) * K) + c;
