@@ -13,8 +13,9 @@ them exactly (same values, same scales):
 | float8 e4m3 (per tensor, channel or block) | bf16 | q * s rounded to bfloat16 |
 | MXFP4 (e2m1 values, e8m0 scales per 32) | MXFP4 (codes kept; d = 2^(e - 128) kept as its float32 exponent byte) | exact: every e2m1 value doubled is an integer in [-12, 12], the kernel's table; scales below 2^-126 (e < 2) are served as zero, with a warning |
 
-MXFP4 takes 4.25 bits per weight in its layout (4 + a byte per 32, as the checkpoint stores it) and Q4_Z 4.75 (4 + d and a byte z per 32), where Q5_0, which served both exactly before them (2 * value + 16; q - z + 16),
-takes 5.5; Q5_0 stays the fallback for zero points beyond 4 bits.
+MXFP4 takes 4.25 bits per weight in its layout (4 + a byte per 32, as the checkpoint stores it) and Q4_Z 4.75 (4 + d
+and a byte z per 32), where Q5_0, which served both exactly before them (2 * value + 16; q - z + 16), takes 5.5; Q5_0
+stays the fallback for zero points beyond 4 bits.
 
 Scales are stored as float16 by these layouts: a bfloat16 or float16 scale converts exactly (within float16's range),
 a float32 one rounds to 11 bits. The conversions run once, at load, on this rank's block of each weight.

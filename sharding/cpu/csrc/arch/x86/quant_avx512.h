@@ -7,6 +7,7 @@
 #include <immintrin.h>
 
 #include "prefetch.h"
+#include "vnni_bcst.h"
 
 #define TPSERVE_AVX512 1
 
@@ -92,8 +93,6 @@ constexpr int64_t NV = tpserve::VNNI_BLOCK;  // output rows per block: one 32-bi
 constexpr int64_t MB_VNNI = 8;  // activation rows per pass: one accumulator each (the block's 16 rows share it)
 
 #if defined(__AVX512VNNI__)
-#include "vnni_bcst.h"
-
 #define TPSERVE_VNNI 1
 #define TPSERVE_INT8_DOT 1
 
@@ -174,8 +173,6 @@ inline void int4_dot_block(const tpserve::Int8Rows& xq, int64_t m0, const uint8_
 #endif
 
 #if defined(__AVX512BF16__)
-#include "vnni_bcst.h"
-
 #define TPSERVE_BF16_DOT 1
 // bf16 weights on CPUs with AVX-512 BF16: the activations rounded to bfloat16 once per input (Int8Rows::h), and
 // vdpbf16ps multiplies a line of the block's 16 rows x 2 inputs by the row's 2 activations broadcast to every lane:

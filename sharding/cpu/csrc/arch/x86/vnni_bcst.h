@@ -11,6 +11,7 @@
 
 namespace {
 
+#if defined(__AVX512VNNI__)
 inline __m512i dpbusd_bcst(__m512i acc, __m512i v, const int32_t* p) {
 #if defined(__GNUC__) && !defined(__clang__)
   __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(v), "m"(*p));  // (AT&T syntax: GCC's default)
@@ -19,6 +20,7 @@ inline __m512i dpbusd_bcst(__m512i acc, __m512i v, const int32_t* p) {
   return _mm512_dpbusd_epi32(acc, v, _mm512_set1_epi32(*p));
 #endif
 }
+#endif
 
 #if defined(__AVX512BF16__)
 inline __m512 dpbf16_bcst(__m512 acc, __m512bh v, const int32_t* p) {
