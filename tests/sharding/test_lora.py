@@ -56,17 +56,14 @@ def make_adapter(base: Path, folder: Path, seed: int, std: float = 0.15, **lora_
     return folder
 
 
-def reference(base: Path, adapter: Path | None, prompt: list[int], n: int, int8_tp: int | None = None,
-              act_tp: int | None = None):
+def reference(base: Path, adapter: Path | None, prompt: list[int], n: int, int8_tp: int | None = None):
     """PEFT's greedy tokens and log-softmax rows; int8_tp: over int8-round-tripped base linears, as `tp` ranks
-    quantize their shards (tests/sharding/test_quant.py); act_tp: the base's values as they are (a folder of a
-    quantized checkpoint's exact values), its linears' inputs rounded as the int8-activation kernels of `tp` ranks
-    round them."""
+    quantize their shards (tests/sharding/test_quant.py)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32)
     model.generation_config.eos_token_id = None
-    if int8_tp is not None or act_tp is not None:
+    if int8_tp is not None:
         from sharding.layers import quant
         from test_quant import as_kernel_sees
 
@@ -74,16 +71,12 @@ def reference(base: Path, adapter: Path | None, prompt: list[int], n: int, int8_
             for name, mod in model.named_modules():
                 if isinstance(mod, torch.nn.Linear):
                     w = mod.weight
-                    parts = w.chunk(int8_tp or act_tp, dim=1) if name.endswith(("o_proj", "down_proj")) else [w]
-                    # (act_tp: the LM head the folders keep in bfloat16 is served by the bf16 kernel)
-                    mode = "bf16" if act_tp is not None and name.endswith("lm_head") else "int8"
-                    if int8_tp is not None:
-                        mod.weight.copy_(torch.cat([quant.dequantize(quant.quantize(p, "int8", 32)) for p in parts],
-                                                   1))
+                    parts = w.chunk(int8_tp, dim=1) if name.endswith(("o_proj", "down_proj")) else [w]
+                    mod.weight.copy_(torch.cat([quant.dequantize(quant.quantize(p, "int8", 32)) for p in parts], 1))
                     mod.register_forward_pre_hook(
-                        lambda _m, args, k=len(parts), mode=mode: (
-                            torch.cat([as_kernel_sees(c.reshape(-1, c.shape[-1]), mode)
-                                       for c in args[0].chunk(k, dim=-1)], -1).reshape(args[0].shape),))
+                        lambda _m, args, k=len(parts): (torch.cat([as_kernel_sees(c.reshape(-1, c.shape[-1]), "int8")
+                                                                   for c in args[0].chunk(k, dim=-1)], -1)
+                                                        .reshape(args[0].shape),))
     if adapter is not None:
         from peft import PeftModel
 
