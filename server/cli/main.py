@@ -24,7 +24,6 @@ logger = logging.getLogger("tpserve")
 STARTED = time.monotonic()  # the start's phases are logged with the time from here to serving
 
 
-
 def _prefill_cap(text: str) -> int | str:
     """--max-prefill-tokens-while-decoding: `auto` or a count of at least 0."""
     if text == "auto":
@@ -42,6 +41,7 @@ def _cap_text(sched) -> str:
     if sched.costs is not None:
         return "a measured cap on"
     return str(sched.max_prefill_tokens_while_decoding or "no cap on")
+
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", nargs="?", default=None,

@@ -149,8 +149,9 @@ class Scheduler:
         items: list[Scheduled] = []
         decoding = sum(1 for s in self.running if s.num_remaining == 1)
         prefill_budget = self.max_num_batched_tokens - decoding  # decoders' tokens are set aside first
-        if decoding and self.prefill_cap():
-            prefill_budget = min(prefill_budget, self.prefill_cap())
+        cap = self.prefill_cap() if decoding else None
+        if cap:
+            prefill_budget = min(prefill_budget, cap)
         preempted = False
         i = 0
         while i < len(self.running):

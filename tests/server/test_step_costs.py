@@ -57,9 +57,24 @@ def test_a_real_engine_measures_its_steps_and_keeps_the_answers(checkpoints):
     for cap in ("auto", 0):
         llm = LLM(str(checkpoints("llama")), max_num_seqs=8, kv_cache_memory=8 << 20, max_num_batched_tokens=48,
                   max_prefill_tokens_while_decoding=cap)
+        sched = llm.engine.lanes[0].scheduler
+        held = []  # per step with decoders: (prefill tokens scheduled, the cap then)
+        schedule = sched.schedule
+
+        def watched():
+            limit = sched.prefill_cap()
+            out = schedule()
+            decode = [it for it in out.items if it.n == 1 and it.start >= len(it.seq.prompt_ids)]
+            if decode:
+                held.append((sum(it.n for it in out.items if it not in decode), limit))
+            return out
+
+        sched.schedule = watched
         try:
             answers[cap] = [o.token_ids for o in llm.generate(prompts, params)]
-            sched = llm.engine.lanes[0].scheduler
+            # while streams decode, a step's prefill stays within the cap of that moment (the long prompt runs
+            # alongside them: some step carries a chunk)
+            assert any(n for n, _ in held) and all(not limit or n <= limit for n, limit in held), held
             if cap == "auto":
                 costs = sched.costs
                 assert costs.decode is not None and costs.decode > 0

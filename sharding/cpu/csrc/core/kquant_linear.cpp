@@ -27,8 +27,9 @@
 // 4h + u). MXFP4's nibbles are its codes, which the kernels map to KV[q] + 12 as they unpack them (a byte shuffle).
 // `s` holds per 16-row block, for each `kq_super` inputs: the 16 rows' d (float16), then dmin (K types) or m (Q4_1,
 // Q5_1) or z (Q4_Z, one byte each), then the 6-bit sc and mn unpacked to bytes [8][16] each (Q4_K, Q5_K) or Q6_K's
-// int8 sc [16][16]; MXFP4's d is one byte per row (its exponent field). Bytes against the file: Q4_K 148 per 256 inputs and row (file 144), Q5_K 180 (176), Q6_K 210
-// (210), MXFP4 17 per 32 (17), Q4_Z 19 per 32 (no file), the others equal.
+// int8 sc [16][16]; MXFP4's d is one byte per row (its exponent field). Bytes against the file: Q4_K 148 per 256
+// inputs and row (file 144), Q5_K 180 (176), Q6_K 210 (210), MXFP4 17 per 32 (17), Q4_Z 19 per 32 (no file), the
+// others equal.
 //
 // The float steps per block of 32 and row lane, the same on every build (the SIMD loops do them lane by lane, so
 // every build's outputs are the same bits; tests/harness.cpp):

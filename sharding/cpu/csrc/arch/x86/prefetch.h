@@ -1,8 +1,8 @@
 // Software prefetch for the x86 kernels that stream small-type weights (quant_avx512.h, quant_avx2.h,
-// kquant_avx512.h, kquant_avx2.h): each line of weights is asked for PREFETCH_AHEAD bytes before the loop loads it. The hardware
-// prefetchers alone keep too few lines in flight when the loop also computes: on Zen 4 (2 threads) the int4 kernel
-// read 24 GB/s at 5 activation rows and 44 GB/s at one (memory and arithmetic took turns), 44-47 and 46-48 GB/s
-// with 8 KiB ahead (BENCHMARKS.md section 27; 4-16 KiB measured alike). The float32 kernel (f32.h), whose loop is
+// kquant_avx512.h, kquant_avx2.h): each line of weights is asked for PREFETCH_AHEAD bytes before the loop loads it.
+// The hardware prefetchers alone keep too few lines in flight when the loop also computes: on Zen 4 (2 threads) the
+// int4 kernel read 22-25 GB/s at 5 activation rows and 36-44 GB/s at one (memory and arithmetic took turns), 40-46
+// and 43-49 GB/s with 8 KiB ahead (BENCHMARKS.md section 27; 4-16 KiB measured alike). The float32 kernel (f32.h), whose loop is
 // loads and FMAs only, already streams at the memory's rate: prefetching there measured no better. A prefetch never
 // faults, so the lines past a weight's end cost nothing but their bandwidth.
 #pragma once
@@ -15,13 +15,10 @@ namespace {
 
 constexpr int64_t PREFETCH_AHEAD = 8192;
 
-inline void prefetch_ahead(const void* line) {
-  _mm_prefetch(static_cast<const char*>(line) + PREFETCH_AHEAD, _MM_HINT_T0);
-}
-
 // every line of [p, p + bytes) (bytes a multiple of 64), PREFETCH_AHEAD ahead
 inline void prefetch_lines_ahead(const void* p, int64_t bytes) {
-  for (int64_t o = 0; o < bytes; o += 64) prefetch_ahead(static_cast<const char*>(p) + o);
+  for (int64_t o = 0; o < bytes; o += 64)
+    _mm_prefetch(static_cast<const char*>(p) + o + PREFETCH_AHEAD, _MM_HINT_T0);
 }
 
 }  // namespace

@@ -1,8 +1,8 @@
 // vpdpbusd (vdpbf16ps) with the 4 activation bytes (2 bfloat16) at p broadcast from memory ({1to16}), for the VNNI
 // and BF16 kernels of quant_avx512.h and kquant_avx512.h. GCC 12 does not fold _mm512_set1_epi32 of a load into
 // either: it emits a vpbroadcastd of its own per product (and register copies around it). That cost ~10 % of the kq
-// kernels at 8 and 128 activation rows, and a quarter of the int8/int4 kernels' time at one row, where they are
-// bound by instructions, not memory (Zen 4, BENCHMARKS.md section 27).
+// kernels at 8 and 128 activation rows, and a quarter of the int8/int4 kernels' time at one row with the weights in
+// cache; 1-9 % of a decode step, which memory bounds (Zen 4, BENCHMARKS.md section 27).
 #pragma once
 
 #include <immintrin.h>
