@@ -9,9 +9,10 @@ Which layers qualify is declared by the model (`PlanLayer.on_decode_plan`: shard
 the rest, which only the loaded values tell (CPU, float32 plain RMSNorms, no soft-capping, one head size). Per-head
 q/k RMSNorms before rotary (Qwen 3, `PlanAttention.plan_qk_norms`), attention sinks and a window per layer (gpt-oss)
 are part of the attention op. A layer whose feed-forward is not the dense SiLU MLP (an MoE layer) runs its attention
-and norms on the plan and its feed-forward as its own module (`forward(x)`, its all-reduce inside); the one compiled
-call needs every layer dense. Models whose layers differ from Llama's elsewhere (Gemma's norms, OLMoE's
-whole-projection q/k norms) take the module path.
+and norms on the plan and its feed-forward as its own module (`forward(x)`, its all-reduce inside) in the Python
+loop; the one compiled call takes it where the feed-forward offers itself whole (`PlanMoe.plan_moe`: router,
+routing and grouped experts in C++, decode_glue.cpp's MoeExperts), and otherwise needs every layer dense. Models whose
+layers differ from Llama's elsewhere (Gemma's norms, OLMoE's whole-projection q/k norms) take the module path.
 """
 
 from __future__ import annotations
@@ -59,13 +60,21 @@ class PlanMLP(Protocol):
     down_proj: RowParallelLinear
 
 
+class PlanMoe(Protocol):
+    """What the one compiled call reads of an MoE feed-forward (sharding/layers/moe.py SparseMoe)."""
+
+    def plan_moe(self) -> tuple[torch.ScriptObject, torch.Tensor | None] | None:
+        """(its experts as a compiled MoeExperts with their router and routing, the int64 expert-token counts the
+        step adds to, or None), or None where the compiled step cannot run it whole."""
+
+
 class PlanLayer(Protocol):
     """A decoder layer the plan may run in place of its forward."""
 
     input_layernorm: RMSNorm
     post_attention_layernorm: RMSNorm
     self_attn: PlanAttention
-    mlp: PlanMLP | torch.nn.Module
+    mlp: PlanMLP | PlanMoe | torch.nn.Module
 
     def on_decode_plan(self) -> bool:
         """Whether this layer computes what the plan computes around its feed-forward: input norm, fused q/k/v,
@@ -185,31 +194,45 @@ def build(layers: Sequence[PlanLayer], final_norm: RMSNorm | None, whole: bool, 
     return DecodePlan(ops, layers[0].input_layernorm, fast, layers[0].self_attn.head_dim, world_size)
 
 
+def plan_moe(ffn: torch.nn.Module) -> tuple[torch.ScriptObject, torch.Tensor | None] | None:
+    """An MoE feed-forward as the compiled step runs it (PlanMoe), or None (any other module)."""
+    offer = getattr(ffn, "plan_moe", None)
+    return offer() if offer is not None else None
+
+
 def compile_layers(plan: DecodePlan) -> torch.ScriptObject | None:
     """The layers as one compiled DecodeLayers (sharding/cpu/csrc/decode_glue.cpp), where every linear has a compiled
     kernel and there is no all-reduce between them (TP=1); else None (the Python loop of DecodePlan.forward)."""
     ops = kernels.decode_layers_ops()
-    if (ops is None or plan.world_size != 1 or any(f.q_index is not None or f.ffn is not None
-                                                   or f.sinks is not None or f.window is not None for f in plan.layers)):
-        return None  # (the one call: dense layers, even groups, one window, no sinks)
-    linears = [[kernels.plan_linear(lin) for lin in (f.qkv, f.o_proj, f.gate_up, f.down)] for f in plan.layers]
+    if (ops is None or plan.world_size != 1 or any(f.q_index is not None or f.sinks is not None or f.window is not None
+                                                   for f in plan.layers)):
+        return None  # (the one call: even groups, one window, no sinks)
+    moes = [plan_moe(f.ffn) if f.ffn is not None else None for f in plan.layers]
+    if any(f.ffn is not None and m is None for f, m in zip(plan.layers, moes)):
+        return None  # (a feed-forward the step cannot run whole: the Python loop calls its module)
+    linears = [[kernels.plan_linear(lin) for lin in (f.qkv, f.o_proj, f.gate_up, f.down) if lin is not None]
+               for f in plan.layers]
     if any(spec is None for layer in linears for spec in layer):
         return None
     compiled = ops[0]()
     try:
-        for f, specs in zip(plan.layers, linears):
+        for f, specs, moe in zip(plan.layers, linears, moes):
             for spec in specs:
                 if spec[0] == 5:  # parts of several types (kernels.plan_linear)
                     compiled.add_mixed_linear(*spec[1:])
                 else:
                     compiled.add_linear(*spec)
             a = f.attn
-            compiled.add_layer(a.cache.pool, a.num_heads, a.num_kv_heads, a.scale, f.post_norm.weight,
-                               f.post_norm.eps, f.next_norm.weight, f.next_norm.eps)
+            shape = (a.cache.pool, a.num_heads, a.num_kv_heads, a.scale, f.post_norm.weight, f.post_norm.eps,
+                     f.next_norm.weight, f.next_norm.eps)
+            if moe is not None:
+                compiled.add_moe_layer(*moe, *shape)
+            else:
+                compiled.add_layer(*shape)
             if f.qk_norms is not None:
                 compiled.set_qk_norm(f.qk_norms[0].weight, f.qk_norms[1].weight, f.qk_norms[0].eps)
             for which, lin in enumerate((f.qkv, f.o_proj, f.gate_up, f.down)):  # LoRA adapters (sharding/layers/lora.py)
-                for slot, w in enumerate(lin.lora.slots if lin.lora is not None else ()):
+                for slot, w in enumerate(lin.lora.slots if lin is not None and lin.lora is not None else ()):
                     if w is not None:
                         compiled.set_lora(compiled.size() - 1, which, slot, *w)
     except RuntimeError as e:  # a layout the compiled step does not take: the Python loop serves it

@@ -154,7 +154,8 @@ def build_kernels(verbose: bool = False) -> bool:
                               ("layers", envs.LAYERS_KERNEL,
                                (torch.classes.tpserve.DecodeLayers, ops.decode_layers.default)),
                               ("moe", envs.MOE_KERNEL,
-                               (torch.classes.tpserve.MoeExperts, ops.moe_experts.default))):
+                               (torch.classes.tpserve.MoeExperts, ops.moe_experts.default,
+                                ops.moe_forward.default))):
             if env.get():
                 _OPS[name] = op
     finally:
@@ -223,7 +224,8 @@ def decode_layers_ops():
 
 
 def moe_experts_ops():
-    """(MoeExperts, moe_experts): an MoE layer's grouped experts in one call (decode_glue.cpp), or None."""
+    """(MoeExperts, moe_experts, moe_forward): an MoE layer's grouped experts in one call, routed by the caller
+    (moe_experts) or by the plan's own router (moe_forward) (decode_glue.cpp), or None."""
     return _OPS.get("moe")
 
 

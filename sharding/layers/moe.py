@@ -274,18 +274,44 @@ class SparseMoe(nn.Module):
             if not expert.add_down_bias:
                 down = down[:3] + (None,) + down[4:]
             compiled.add_expert(index, *gate_up, *down)
+        router = kernels.plan_linear(self.router)
+        if router is not None and router[0] == 0:  # the float32 kernel's router: routed in C++ too (moe_forward)
+            r = self.routing
+            compiled.set_router(*router, r.top_k, r.renormalize, r.topk_softmax)
+            self._routes = True
         return compiled
+
+    _routes = False  # whether the compiled plan has the router and routing (moe_forward), else moe_experts
+
+    def _plan(self) -> torch.ScriptObject | None:
+        """The compiled experts (for float32 inputs on CPU), built at first use."""
+        if self._compiled is False:
+            self._compiled = self._compile()
+        return self._compiled
+
+    def _counts(self) -> torch.Tensor | None:
+        """The expert-token counts a compiled call adds to: rank 0's only (it exports them as metrics)."""
+        return self.tokens_per_expert if self.dist.is_driver else None
+
+    def plan_moe(self) -> tuple[torch.ScriptObject, torch.Tensor | None] | None:
+        """This feed-forward as the one-call decode step runs it (sharding/cpu/decode_plan.py): the compiled experts
+        with their router and routing, and the counts to add to; None where the step cannot run it whole (a shared
+        expert, no compiled experts or router)."""
+        if self.shared is not None:
+            return None
+        plan = self._plan()
+        return (plan, self._counts()) if plan is not None and self._routes else None
 
     def routed(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's share of the routed experts' weighted sum, [n, hidden] in x's dtype."""
+        compiled = self._plan() if x.dtype == torch.float32 and x.device.type == "cpu" else None
+        if compiled is not None and self._routes:  # router, routing, the metric and the experts in one call
+            return kernels.moe_experts_ops()[2](compiled, x.contiguous(), self._counts())
         weights, ids = self.routing(self.router(x))
         if self.dist.is_driver:  # the metric is exported by rank 0 only (server/api/metrics.py ExpertTokens)
             self.tokens_per_expert += torch.bincount(ids.reshape(-1), minlength=self.num_experts).cpu()
-        if x.dtype == torch.float32 and x.device.type == "cpu":
-            if self._compiled is False:
-                self._compiled = self._compile()
-            if self._compiled is not None:
-                return kernels.moe_experts_ops()[1](self._compiled, x.contiguous(), ids, weights.contiguous())
+        if compiled is not None:
+            return kernels.moe_experts_ops()[1](compiled, x.contiguous(), ids, weights.contiguous())
         k = ids.shape[1]
         flat = ids.reshape(-1)
         counts = torch.bincount(flat, minlength=self.num_experts)

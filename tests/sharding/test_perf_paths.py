@@ -218,24 +218,63 @@ def test_llama_decode_fast_path_equals_the_module_path(checkpoints, arch, quanti
     the fast path's Python loop, and through the modules: the same greedy tokens, logprobs equal to float32
     rounding (to int8 rounding of the activations where the kernels quantize them). Qwen 2's layout (q/k/v biases,
     6 heads over 2 KV heads), each linear kernel; Qwen 3's per-head q/k norms."""
+    three_decode_paths(checkpoints(arch), quantization)
+
+
+@pytest.fixture(scope="module")
+def moe_checkpoint(tmp_path_factory):
+    """Qwen 3-MoE: sparse layers 0 and 2 around dense layer 1, 6 experts, top 2 renormalised; input sizes of 64, so
+    int8 and int4 quantize every expert."""
+    import tiny
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(tiny.ARCHS, "qwen3_moe", dict(cls="Qwen3MoeConfig", num_attention_heads=8, num_key_value_heads=4,
+                                                 head_dim=16, num_experts=6, num_experts_per_tok=2,
+                                                 moe_intermediate_size=64, norm_topk_prob=True, mlp_only_layers=[1],
+                                                 num_hidden_layers=3))
+        return tiny.make_checkpoint(tmp_path_factory.mktemp("qwen3_moe"), "qwen3_moe")
+
+
+@pytest.mark.parametrize("quantization", [None, "int8", "int4"])
+def test_moe_layers_in_the_one_call(moe_checkpoint, quantization):
+    """MoE layers inside the one compiled call (router, top-k, grouped experts: decode_glue.cpp's MoeExperts), mixed
+    with a dense layer: the same tokens and logprobs, bit for bit, as the Python loop (which calls the MoE module,
+    moe_forward), and to rounding as the modules; the expert-token metric counts the same routing in each."""
+    three_decode_paths(moe_checkpoint, quantization, moe=True)
+
+
+def three_decode_paths(folder, quantization, moe: bool = False) -> None:
     from server.llm import LLM
     from server.engine.sampler import SamplingParams
     from sharding.cpu.decode_plan import DecodePlan
     from sharding.layers import quant
+    from sharding.layers.moe import SparseMoe
 
-    llm = LLM(str(checkpoints(arch)), max_num_seqs=4, kv_cache_memory=8 << 20, quantization=quantization)
+    # (no prefix cache: every run prefills every prompt token, so each counts the same tokens)
+    llm = LLM(str(folder), max_num_seqs=4, kv_cache_memory=8 << 20, quantization=quantization,
+              enable_prefix_caching=False)
     try:
         model = llm.executor.model
         params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=0)
         prompts = [[5, 6, 7, 8, 9, 10], list(range(30, 50)), [3, 4]]
-        compiled = llm.generate(prompts, params)
+        sparse = [m for m in model.modules() if isinstance(m, SparseMoe)]
+        assert bool(sparse) == moe
+        counts = []  # the expert-token counts each path adds
+
+        def generate():
+            before = [m.tokens_per_expert.clone() for m in sparse]
+            out = llm.generate(prompts, params)
+            counts.append([m.tokens_per_expert - b for m, b in zip(sparse, before)])
+            return out
+
+        compiled = generate()
         assert isinstance(model._plan, DecodePlan) and model._plan.compiled is not None
         assert model._plan.compiled.size() == len(model.layers)
         model._plan.compiled = None  # the Python loop over the same ops from here on (the pool is unchanged)
-        loop = llm.generate(prompts, params)
+        loop = generate()
         assert model._plan.compiled is None
         model._plan = None  # the module path from here on
-        modules = llm.generate(prompts, params)
+        modules = generate()
     finally:
         llm.close()
     # The modules sum some float32 products in another order (logprobs within ~2e-6 in float32). Where the int8 and int4
@@ -254,6 +293,13 @@ def test_llama_decode_fast_path_equals_the_module_path(checkpoints, arch, quanti
         assert same >= len(a.token_ids) // 2, (a.token_ids, c.token_ids)
         torch.testing.assert_close(torch.tensor(a.logprobs[:same]), torch.tensor(c.logprobs[:same]), rtol=0,
                                    atol=0.1)
+    if moe:  # every token of the prompts and of the answers (but the last) routed to k = 2 experts in each sparse layer
+        tokens = sum(len(p) for p in prompts) + len(prompts) * (params.max_tokens - 1)
+        for step in counts:
+            assert [int(c.sum()) for c in step] == [2 * tokens] * len(sparse)
+        assert all(torch.equal(x, y) for x, y in zip(counts[0], counts[1]))
+        if not rounded:
+            assert all(torch.equal(x, y) for x, y in zip(counts[0], counts[2]))
 
 
 def test_argmax_op_equals_torch_argmax():

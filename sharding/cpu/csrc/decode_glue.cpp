@@ -218,15 +218,6 @@ struct PlanLora {
   std::vector<int64_t> coff;      // per chunk: where its rows start in bp
 };
 
-struct PlanLayer {
-  PlanLinear qkv, o, gate_up, down;
-  at::Tensor pool, post_w, next_w;
-  int64_t heads, kv_heads;
-  double scale, post_eps, next_eps;
-  std::vector<PlanLora> lora[4];  // per linear (qkv, o, gate_up, down), by adapter slot (r == 0: none)
-  std::optional<at::Tensor> q_norm, k_norm;  // per-head RMSNorms of queries and keys before rotary (Qwen 3), or none
-  double qk_eps = 0.0;
-};
 
 // A linear as the compiled steps run it (kind 0 float32 in blocks of 32 columns, 1 int8, 2 int4, 3 bf16), checked
 PlanLinear make_plan_linear(int64_t kind, at::Tensor w, at::Tensor scale, std::optional<at::Tensor> bias, int64_t n,
@@ -300,6 +291,87 @@ PlanLinear make_mixed_linear(const std::vector<int64_t>& kinds, const std::vecto
   return l;
 }
 
+// ---- the grouped experts of an MoE layer (sharding/layers/moe.py) ---------------------------------------------------
+// MoeExperts holds one MoE layer's experts on this rank (their gate/up and down linears with their kernels, the
+// activation) and, optionally, its router and routing. Three ways to run it, all through the same functions below
+// (moe_route, moe_group, moe_run):
+// - moe_experts(plan, x [M, H], ids [M, k], weights [M, k]) -> out [M, H]: routed elsewhere (torch);
+// - moe_forward(plan, x [M, H], counts) -> out [M, H]: the router and routing too (the plan's set_router);
+// - inside decode_layers, as an MoE layer's feed-forward (DecodeLayers.add_moe_layer).
+// For each expert of the plan that a row was routed to: gate/up -> SiLU(gate) * up (or the plan's clamped SwiGLU)
+// -> down over the rows routed to it (each expert's weights read once per call, whatever its row count), then
+// out[m] = sum over m's experts, in expert order, of weight * expert(x[m]). Experts not in the plan (another rank's,
+// under expert parallelism) are skipped. One OpenMP team through every phase: the rows gathered, each phase's work
+// (the active experts' output blocks) split over the threads, barriers between.
+
+struct MoeExperts : torch::CustomClassHolder {
+  std::vector<int64_t> index;  // the global expert id of each local expert, ascending
+  std::vector<PlanLinear> gate_up, down;
+  // the activation of gate|up: 0 SiLU(gate) * up; 1 gpt-oss's clamped SwiGLU, gate clamped above at `limit`, up to
+  // [-limit, limit], (up + 1) * gate * sigmoid(alpha * gate)
+  int64_t act = 0;
+  float alpha = 1.f, limit = 0.f;
+  // the router (float32 logits over every expert: moe.py's ReplicatedLinear) and its routing (moe.py's Routing):
+  // the top_k experts by logit; their weights a softmax over all experts (renormalised to sum 1 over the k when
+  // `renormalize`), or, `topk_softmax`, a softmax over the k logits alone
+  std::optional<PlanLinear> router;
+  int64_t top_k = 0;
+  bool renormalize = false, topk_softmax = false;
+
+  void set_activation(int64_t kind, double alpha_, double limit_) {
+    TORCH_CHECK(kind == 0 || kind == 1, "MoeExperts.set_activation: kind 0 (SiLU) or 1 (clamped SwiGLU)");
+    act = kind;
+    alpha = static_cast<float>(alpha_);
+    limit = static_cast<float>(limit_);
+  }
+
+  void add_expert(int64_t id, int64_t kind, at::Tensor w, at::Tensor scale, std::optional<at::Tensor> bias, int64_t n,
+                  int64_t group, int64_t kind2, at::Tensor w2, at::Tensor scale2, std::optional<at::Tensor> bias2,
+                  int64_t n2, int64_t group2) {
+    TORCH_CHECK(index.empty() || id > index.back(), "MoeExperts.add_expert: ascending expert ids");
+    TORCH_CHECK(id >= 0 && (!router.has_value() || id < router->n), "MoeExperts.add_expert: an id the router scores");
+    PlanLinear gu = make_plan_linear(kind, std::move(w), std::move(scale), std::move(bias), n, group);
+    PlanLinear dn = make_plan_linear(kind2, std::move(w2), std::move(scale2), std::move(bias2), n2, group2);
+    TORCH_CHECK(gu.n % 2 == 0 && dn.k == gu.n / 2 && dn.n == gu.k, "MoeExperts.add_expert: shapes do not chain");
+    TORCH_CHECK(gate_up.empty() || (gu.k == gate_up[0].k && gu.n == gate_up[0].n),
+                "MoeExperts.add_expert: experts of one shape");
+    index.push_back(id);
+    gate_up.push_back(std::move(gu));
+    down.push_back(std::move(dn));
+  }
+
+  // after the experts: the router, a float32 linear (kind 0) with one output per expert of the model
+  void set_router(int64_t kind, at::Tensor w, at::Tensor scale, std::optional<at::Tensor> bias, int64_t n,
+                  int64_t group, int64_t k, bool renormalize_, bool topk_softmax_) {
+    TORCH_CHECK(kind == 0, "MoeExperts.set_router: a float32 router");
+    TORCH_CHECK(!index.empty(), "MoeExperts.set_router: add the experts first");
+    PlanLinear r = make_plan_linear(kind, std::move(w), std::move(scale), std::move(bias), n, group);
+    TORCH_CHECK(r.k == gate_up[0].k && index.back() < r.n, "MoeExperts.set_router: one logit per expert of the inputs");
+    TORCH_CHECK(k >= 1 && k <= r.n, "MoeExperts.set_router: top_k between 1 and the expert count");
+    router = std::move(r);
+    top_k = k;
+    renormalize = renormalize_;
+    topk_softmax = topk_softmax_;
+  }
+
+  int64_t size() const { return static_cast<int64_t>(index.size()); }
+  int64_t hidden() const { return gate_up[0].k; }
+  int64_t inter() const { return gate_up[0].n / 2; }
+};
+
+struct PlanLayer {
+  PlanLinear qkv, o, gate_up, down;
+  at::Tensor pool, post_w, next_w;
+  int64_t heads, kv_heads;
+  double scale, post_eps, next_eps;
+  std::vector<PlanLora> lora[4];  // per linear (qkv, o, gate_up, down), by adapter slot (r == 0: none)
+  std::optional<at::Tensor> q_norm, k_norm;  // per-head RMSNorms of queries and keys before rotary (Qwen 3), or none
+  double qk_eps = 0.0;
+  // an MoE layer's feed-forward (add_moe_layer: gate_up and down unused), and the expert-token counts to add to
+  c10::intrusive_ptr<MoeExperts> moe;
+  std::optional<at::Tensor> counts;
+};
+
 struct DecodeLayers : torch::CustomClassHolder {
   std::vector<PlanLinear> pending;
   std::vector<PlanLayer> layers;
@@ -322,14 +394,39 @@ struct DecodeLayers : torch::CustomClassHolder {
   void add_layer(at::Tensor pool, int64_t heads, int64_t kv_heads, double scale, at::Tensor post_w, double post_eps,
                  at::Tensor next_w, double next_eps) {
     TORCH_CHECK(pending.size() == 4, "DecodeLayers.add_layer: add the layer's 4 linears first");
-    const PlanLinear &qkv = pending[0], &o = pending[1], &gu = pending[2], &down = pending[3];
+    const PlanLinear &gu = pending[2], &down = pending[3];
+    const int64_t hidden = pending[0].k;
+    TORCH_CHECK(gu.k == hidden && gu.n % 2 == 0 && down.k == gu.n / 2 && down.n == hidden,
+                "DecodeLayers.add_layer: the linears' shapes do not chain");
+    push(std::move(pool), heads, kv_heads, scale, std::move(post_w), post_eps, std::move(next_w), next_eps);
+  }
+
+  // an MoE layer, after its two attention linears (qkv, o): its feed-forward is `moe` (with its router: set_router),
+  // `counts` ([experts] int64, or None) counts every routed token's experts
+  void add_moe_layer(c10::intrusive_ptr<MoeExperts> moe, std::optional<at::Tensor> counts, at::Tensor pool,
+                     int64_t heads, int64_t kv_heads, double scale, at::Tensor post_w, double post_eps,
+                     at::Tensor next_w, double next_eps) {
+    TORCH_CHECK(pending.size() == 2, "DecodeLayers.add_moe_layer: add the layer's 2 attention linears first");
+    TORCH_CHECK(moe->size() > 0 && moe->router.has_value() && moe->hidden() == pending[0].k,
+                "DecodeLayers.add_moe_layer: experts of the layer's hidden size, with their router");
+    TORCH_CHECK(!counts.has_value() || (counts->dim() == 1 && counts->size(0) == moe->router->n &&
+                                        counts->scalar_type() == at::kLong && counts->is_contiguous()),
+                "DecodeLayers.add_moe_layer: counts [experts] int64");
+    pending.resize(4);  // (gate_up and down unused)
+    push(std::move(pool), heads, kv_heads, scale, std::move(post_w), post_eps, std::move(next_w), next_eps);
+    layers.back().moe = std::move(moe);
+    layers.back().counts = std::move(counts);
+  }
+
+  void push(at::Tensor pool, int64_t heads, int64_t kv_heads, double scale, at::Tensor post_w, double post_eps,
+            at::Tensor next_w, double next_eps) {
+    const PlanLinear &qkv = pending[0], &o = pending[1];
     TORCH_CHECK(pool.dim() == 5 && pool.scalar_type() == at::kFloat && pool.is_contiguous() && pool.size(0) == 2 &&
                     pool.size(1) == kv_heads && kv_heads > 0 && heads % kv_heads == 0,
                 "DecodeLayers.add_layer: cache pool [2, kv_heads, blocks, block_size, head_dim], even groups");
     const int64_t D = pool.size(4), hidden = qkv.k;
-    TORCH_CHECK(D % 2 == 0 && qkv.n == (heads + 2 * kv_heads) * D && o.k == heads * D && o.n == hidden &&
-                    gu.k == hidden && gu.n % 2 == 0 && down.k == gu.n / 2 && down.n == hidden,
-                "DecodeLayers.add_layer: the linears' shapes do not chain");
+    TORCH_CHECK(D % 2 == 0 && qkv.n == (heads + 2 * kv_heads) * D && o.k == heads * D && o.n == hidden,
+                "DecodeLayers.add_layer: the attention linears' shapes do not chain");
     TORCH_CHECK(post_w.scalar_type() == at::kFloat && next_w.scalar_type() == at::kFloat && post_w.is_contiguous() &&
                     next_w.is_contiguous() && post_w.numel() == hidden && next_w.numel() == hidden,
                 "DecodeLayers.add_layer: float32 norm weights [hidden]");
@@ -358,6 +455,7 @@ struct DecodeLayers : torch::CustomClassHolder {
                 std::optional<at::Tensor> bt) {
     TORCH_CHECK(layer >= 0 && layer < size() && which >= 0 && which < 4 && slot > 0, "set_lora: no such linear");
     PlanLayer& l = layers[layer];
+    TORCH_CHECK(!l.moe || which < 2, "set_lora: an MoE layer's feed-forward takes no adapter");
     const PlanLinear& lin = which == 0 ? l.qkv : which == 1 ? l.o : which == 2 ? l.gate_up : l.down;
     auto& slots = l.lora[which];
     if (static_cast<int64_t>(slots.size()) <= slot) slots.resize(slot + 1);
@@ -643,6 +741,253 @@ void linear_range(const PlanLinear& l, const float* x, const tpserve::Int8Rows* 
   }
 }
 
+// ---- running an MoE layer's experts (MoeExperts, above) ---------------------------------------------------------------
+
+// What one MoE call works in, sized before the team (moe_reserve) for M rows of k experts each: inside the team only
+// the per-expert activation copies are resized, on one thread (moe_group).
+struct MoeScratch {
+  std::vector<int64_t> ids;             // [M, k]: each row's experts (global ids)
+  std::vector<float> wts, logits;       // [M, k]: their weights; [M, experts]: the router's logits
+  std::vector<int64_t> local;           // global id -> local expert, -1: not this plan's
+  std::vector<int64_t> start, fill;     // [E + 1]: each local expert's first pair
+  std::vector<int64_t> row, row_start, row_pairs, active, gu_items, dn_items;
+  std::vector<float> pw;                // each pair's weight
+  at::Tensor xg, gu, act, y;            // [P, H], [P, 2I], [P, I], [P, H] with P <= M * k pairs
+  std::vector<tpserve::Int8Rows> xq, aq;  // int8 / bfloat16 copies of each active expert's input rows, per linear
+  int64_t M = 0, K = 0, P = 0, A = 0;
+};
+
+// sizes for up to M rows of k experts each, experts of hidden size H and intermediate size I, `experts` router logits
+void moe_reserve(MoeScratch& s, int64_t M, int64_t k, int64_t H, int64_t I, int64_t experts, int64_t local,
+                 const at::TensorOptions& opts) {
+  const int64_t P = M * k;
+  s.ids.resize(P);
+  s.wts.resize(P);
+  s.logits.resize(M * experts);
+  s.row.resize(P);
+  s.pw.resize(P);
+  s.row_pairs.resize(P);
+  s.row_start.resize(M + 1);
+  s.xg = at::empty({P, H}, opts);
+  s.gu = at::empty({P, 2 * I}, opts);
+  s.act = at::empty({P, I}, opts);
+  s.y = at::empty({P, H}, opts);
+  s.xq.resize(std::min(local, P));
+  s.aq.resize(std::min(local, P));
+}
+
+// one row's routing (moe.py's Routing): its k experts by logit (descending; ties: the lower id first) and their weights
+void route_row(const float* l, int64_t E, int64_t k, bool renormalize, bool topk_softmax, int64_t* ids, float* w) {
+  for (int64_t j = 0; j < k; ++j) {
+    int64_t best = -1;
+    for (int64_t e = 0; e < E; ++e) {
+      bool taken = false;
+      for (int64_t i = 0; i < j && !taken; ++i) taken = ids[i] == e;
+      if (!taken && (best < 0 || l[e] > l[best])) best = e;
+    }
+    ids[j] = best;
+  }
+  const float top = l[ids[0]];
+  float z = 0.f;
+  if (topk_softmax) {  // a softmax over the k logits
+    for (int64_t j = 0; j < k; ++j) z += std::exp(l[ids[j]] - top);
+    for (int64_t j = 0; j < k; ++j) w[j] = std::exp(l[ids[j]] - top) / z;
+    return;
+  }
+  for (int64_t e = 0; e < E; ++e) z += std::exp(l[e] - top);  // a softmax over every expert, its k taken
+  for (int64_t j = 0; j < k; ++j) w[j] = std::exp(l[ids[j]] - top) / z;
+  if (renormalize) {
+    float sum = 0.f;
+    for (int64_t j = 0; j < k; ++j) sum += w[j];
+    for (int64_t j = 0; j < k; ++j) w[j] /= sum;
+  }
+}
+
+// inside a team: the router's logits over x's M rows, then each row's experts and weights into s.ids / s.wts
+// (a barrier after each phase)
+void moe_route(const MoeExperts& p, MoeScratch& s, const float* x, int64_t M, int t, int T) {
+  const PlanLinear& r = *p.router;
+  linear_range(r, x, nullptr, M, s.logits.data(), r.blocks * t / T, r.blocks * (t + 1) / T);
+#pragma omp barrier
+  for (int64_t m = M * t / T; m < M * (t + 1) / T; ++m)
+    route_row(s.logits.data() + m * r.n, r.n, p.top_k, p.renormalize, p.topk_softmax, s.ids.data() + m * p.top_k,
+              s.wts.data() + m * p.top_k);
+#pragma omp barrier
+}
+
+// one thread: the (row, expert) pairs of s.ids that are this plan's, grouped by expert (ascending), rows ascending
+// within; each row's pairs in expert order (for the sum); the active experts and their phases' work items; the
+// activation copies sized. `counts` (or null): every pair's expert counted, this plan's or not (the metric).
+void moe_group(const MoeExperts& p, MoeScratch& s, int64_t M, int64_t k, int64_t* counts) {
+  const int64_t E = p.size(), first_id = p.index.front(), last_id = p.index.back(), H = p.hidden(), I = p.inter();
+  s.M = M, s.K = k;
+  s.local.assign(last_id - first_id + 1, -1);
+  for (int64_t e = 0; e < E; ++e) s.local[p.index[e] - first_id] = e;
+  const auto local = [&](int64_t g) { return g < first_id || g > last_id ? -1 : s.local[g - first_id]; };
+  s.start.assign(E + 1, 0);
+  for (int64_t i = 0; i < M * k; ++i) {
+    if (counts != nullptr) ++counts[s.ids[i]];
+    const int64_t e = local(s.ids[i]);
+    if (e >= 0) ++s.start[e + 1];
+  }
+  for (int64_t e = 0; e < E; ++e) s.start[e + 1] += s.start[e];
+  s.P = s.start[E];
+  s.fill.assign(s.start.begin(), s.start.end() - 1);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t j = 0; j < k; ++j) {
+      const int64_t e = local(s.ids[m * k + j]);
+      if (e < 0) continue;
+      const int64_t q = s.fill[e]++;
+      s.row[q] = m;
+      s.pw[q] = s.wts[m * k + j];
+    }
+  std::fill(s.row_start.begin(), s.row_start.begin() + M + 1, 0);
+  for (int64_t q = 0; q < s.P; ++q) ++s.row_start[s.row[q] + 1];
+  for (int64_t m = 0; m < M; ++m) s.row_start[m + 1] += s.row_start[m];
+  s.fill.assign(s.row_start.begin(), s.row_start.begin() + M);
+  for (int64_t q = 0; q < s.P; ++q) s.row_pairs[s.fill[s.row[q]]++] = q;
+  s.active.clear();
+  for (int64_t e = 0; e < E; ++e)
+    if (s.start[e + 1] > s.start[e]) s.active.push_back(e);
+  s.A = static_cast<int64_t>(s.active.size());
+  s.gu_items.assign(s.A + 1, 0);  // prefix sums of output blocks per active expert
+  s.dn_items.assign(s.A + 1, 0);
+  for (int64_t a = 0; a < s.A; ++a) {
+    const int64_t e = s.active[a], c = s.start[e + 1] - s.start[e];
+    s.gu_items[a + 1] = s.gu_items[a] + p.gate_up[e].blocks;
+    s.dn_items[a + 1] = s.dn_items[a] + p.down[e].blocks;
+    if (takes_rows(p.gate_up[e])) tpserve::resize_rows(s.xq[a], c, H);
+    if (takes_bf16(p.gate_up[e])) tpserve::resize_bf16_rows(s.xq[a], c, H);
+    if (takes_rows(p.down[e])) tpserve::resize_rows(s.aq[a], c, I);
+    if (takes_bf16(p.down[e])) tpserve::resize_bf16_rows(s.aq[a], c, I);
+  }
+}
+
+// inside a team, after moe_group: out[m] (M rows of H) = the weighted sum of row m's experts of this plan (zero for a
+// row with none); no barrier after the last phase (each thread writes its own rows)
+void moe_run(const MoeExperts& p, MoeScratch& s, const float* x, float* out, int t, int T) {
+  const int64_t H = p.hidden(), I = p.inter(), A = s.A, P = s.P, M = s.M;
+  float *xgp = s.xg.data_ptr<float>(), *gup = s.gu.data_ptr<float>(), *actp = s.act.data_ptr<float>();
+  float* yp = s.y.data_ptr<float>();
+  const auto share = [&](int64_t n, int64_t& lo, int64_t& hi) {
+    lo = n * t / T;
+    hi = n * (t + 1) / T;
+  };
+  // runs f(active expert a, its first pair, its pair count, blocks [b0, b1)) over this thread's share of the work
+  // items (the active experts' output blocks, laid end to end)
+  const auto blocks = [&](const std::vector<int64_t>& items, const auto& f) {
+    int64_t lo, hi;
+    share(items[A], lo, hi);
+    for (int64_t a = 0; a < A && lo < hi; ++a) {
+      const int64_t b0 = std::max(lo, items[a]) - items[a], b1 = std::min(hi, items[a + 1]) - items[a];
+      const int64_t e = s.active[a];
+      if (b0 < b1) f(a, s.start[e], s.start[e + 1] - s.start[e], b0, b1);
+    }
+  };
+  // a linear's input rows as int8 / bfloat16 copies, per active expert (this thread's share of the experts)
+  const auto quantize = [&](const std::vector<PlanLinear>& lin, const float* src, int64_t width,
+                            std::vector<tpserve::Int8Rows>& rows) {
+    int64_t a0, a1;
+    share(A, a0, a1);
+    for (int64_t a = a0; a < a1; ++a) {
+      const int64_t e = s.active[a], s0 = s.start[e], c = s.start[e + 1] - s0;
+      if (takes_rows(lin[e])) tpserve::quantize_rows(src + s0 * width, rows[a], 0, c, 0, width / 32);
+      if (takes_bf16(lin[e])) tpserve::round_rows_bf16(src + s0 * width, rows[a], 0, c);
+    }
+  };
+  int64_t lo, hi;
+  if (P > 0) {
+    share(P, lo, hi);
+    for (int64_t q = lo; q < hi; ++q) std::copy(x + s.row[q] * H, x + s.row[q] * H + H, xgp + q * H);
+#pragma omp barrier
+    quantize(p.gate_up, xgp, H, s.xq);
+#pragma omp barrier
+    blocks(s.gu_items, [&](int64_t a, int64_t s0, int64_t c, int64_t b0, int64_t b1) {
+      linear_range(p.gate_up[s.active[a]], xgp + s0 * H, &s.xq[a], c, gup + s0 * 2 * I, b0, b1);
+    });
+#pragma omp barrier
+    share(P, lo, hi);
+    for (int64_t q = lo; q < hi; ++q) {
+      if (p.act == 1)
+        clamped_swiglu_row(gup + q * 2 * I, gup + q * 2 * I + I, actp + q * I, I, p.alpha, p.limit);
+      else
+        silu_mul_row(gup + q * 2 * I, gup + q * 2 * I + I, actp + q * I, I);
+    }
+#pragma omp barrier
+    quantize(p.down, actp, I, s.aq);
+#pragma omp barrier
+    blocks(s.dn_items, [&](int64_t a, int64_t s0, int64_t c, int64_t b0, int64_t b1) {
+      linear_range(p.down[s.active[a]], actp + s0 * I, &s.aq[a], c, yp + s0 * H, b0, b1);
+    });
+#pragma omp barrier
+  }
+  share(M, lo, hi);  // each row: its experts' weighted outputs, summed in expert order
+  for (int64_t m = lo; m < hi; ++m) {
+    float* o = out + m * H;
+    std::fill(o, o + H, 0.f);
+    for (int64_t r = s.row_start[m]; r < s.row_start[m + 1]; ++r) {
+      const int64_t q = s.row_pairs[r];
+      const float w = s.pw[q];
+      const float* yr = yp + q * H;
+#pragma omp simd
+      for (int64_t i = 0; i < H; ++i) o[i] += yr[i] * w;
+    }
+  }
+}
+
+void check_moe_input(const MoeExperts& p, const at::Tensor& x, const char* op) {
+  TORCH_CHECK(p.size() > 0, op, ": an empty plan");
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == p.hidden() && x.scalar_type() == at::kFloat && x.is_contiguous(), op,
+              ": x [M, hidden] float32, contiguous");
+}
+
+at::Tensor moe_experts(const c10::intrusive_ptr<MoeExperts>& plan, const at::Tensor& x, const at::Tensor& ids,
+                       const at::Tensor& weights) {
+  check_moe_input(*plan, x, "moe_experts");
+  const int64_t M = x.size(0), K = ids.size(1);
+  TORCH_CHECK(ids.dim() == 2 && ids.size(0) == M && ids.scalar_type() == at::kLong && ids.is_contiguous() &&
+                  weights.sizes() == ids.sizes() && weights.scalar_type() == at::kFloat && weights.is_contiguous(),
+              "moe_experts: ids [M, k] int64 and weights [M, k] float32, contiguous");
+  MoeScratch s;
+  moe_reserve(s, M, K, plan->hidden(), plan->inter(), 0, plan->size(), x.options());
+  std::copy(ids.data_ptr<int64_t>(), ids.data_ptr<int64_t>() + M * K, s.ids.begin());
+  std::copy(weights.data_ptr<float>(), weights.data_ptr<float>() + M * K, s.wts.begin());
+  moe_group(*plan, s, M, K, nullptr);
+  at::Tensor out = at::empty({M, plan->hidden()}, x.options());
+  const float* xp = x.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int nt = std::max(1, at::get_num_threads());
+#pragma omp parallel num_threads(nt)
+  moe_run(*plan, s, xp, op, omp_get_thread_num(), omp_get_num_threads());
+  return out;
+}
+
+at::Tensor moe_forward(const c10::intrusive_ptr<MoeExperts>& plan, const at::Tensor& x,
+                       const std::optional<at::Tensor>& counts) {
+  check_moe_input(*plan, x, "moe_forward");
+  TORCH_CHECK(plan->router.has_value(), "moe_forward: a plan with its router (set_router)");
+  TORCH_CHECK(!counts.has_value() || (counts->dim() == 1 && counts->size(0) == plan->router->n &&
+                                      counts->scalar_type() == at::kLong && counts->is_contiguous()),
+              "moe_forward: counts [experts] int64");
+  const int64_t M = x.size(0), K = plan->top_k;
+  MoeScratch s;
+  moe_reserve(s, M, K, plan->hidden(), plan->inter(), plan->router->n, plan->size(), x.options());
+  at::Tensor out = at::empty({M, plan->hidden()}, x.options());
+  const float* xp = x.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  int64_t* cp = counts.has_value() ? counts->data_ptr<int64_t>() : nullptr;
+  const int nt = std::max(1, at::get_num_threads());
+#pragma omp parallel num_threads(nt)
+  {
+    const int t = omp_get_thread_num(), T = omp_get_num_threads();
+    moe_route(*plan, s, xp, M, t, T);
+    if (t == 0) moe_group(*plan, s, M, K, cp);
+#pragma omp barrier
+    moe_run(*plan, s, xp, op, t, T);
+  }
+  return out;
+}
+
 at::Tensor decode_layers(const c10::intrusive_ptr<DecodeLayers>& plan, at::Tensor h, const at::Tensor& x,
                          const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& slots,
                          const at::Tensor& table, const at::Tensor& lens, int64_t window,
@@ -671,7 +1016,20 @@ at::Tensor decode_layers(const c10::intrusive_ptr<DecodeLayers>& plan, at::Tenso
   const int64_t* lp = lens.data_ptr<int64_t>();
   const int64_t* tp = table.data_ptr<int64_t>();
   const int64_t MAXB = table.size(1);
-  const int64_t max_q = layers[0].qkv.n, max_att = layers[0].o.k, max_gu = layers[0].gate_up.n;
+  const int64_t max_q = layers[0].qkv.n, max_att = layers[0].o.k;
+  int64_t max_gu = 0;  // the dense layers' widest gate|up
+  int64_t moe_k = 0, moe_h = 0, moe_i = 0, moe_e = 0, moe_local = 0;  // the MoE layers' widest routing and experts
+  for (const PlanLayer& l : layers) {
+    if (!l.moe) {
+      max_gu = std::max(max_gu, l.gate_up.n);
+      continue;
+    }
+    moe_k = std::max(moe_k, l.moe->top_k);
+    moe_h = std::max(moe_h, l.moe->hidden());
+    moe_i = std::max(moe_i, l.moe->inter());
+    moe_e = std::max(moe_e, l.moe->router->n);
+    moe_local = std::max(moe_local, l.moe->size());
+  }
   const int64_t NB = layers[0].pool.size(2), BS = layers[0].pool.size(3);
   for (int64_t b = 0; b < B; ++b) {  // one block table for every layer's pool (all of one geometry, checked below)
     TORCH_CHECK(sp[b] >= 0 && sp[b] < NB * BS && lp[b] >= 1 && lp[b] <= MAXB * BS,
@@ -683,9 +1041,9 @@ at::Tensor decode_layers(const c10::intrusive_ptr<DecodeLayers>& plan, at::Tenso
   for (const PlanLayer& l : layers) {
     TORCH_CHECK(l.pool.size(2) == NB && l.pool.size(3) == BS && l.pool.size(4) == D,
                 "decode_layers: every layer's cache of one geometry");
-    TORCH_CHECK(l.qkv.n == layers[0].qkv.n && l.o.k == layers[0].o.k && l.gate_up.n == layers[0].gate_up.n,
-                "decode_layers: layers of one shape");
+    TORCH_CHECK(l.qkv.n == layers[0].qkv.n && l.o.k == layers[0].o.k, "decode_layers: layers of one attention shape");
     for (const PlanLinear* lin : {&l.qkv, &l.o, &l.gate_up, &l.down}) {
+      if (l.moe && (lin == &l.gate_up || lin == &l.down)) continue;  // (the experts quantize their own rows)
       int8_rows |= takes_rows(*lin);
       bf16_rows |= takes_bf16(*lin);
     }
@@ -719,6 +1077,8 @@ at::Tensor decode_layers(const c10::intrusive_ptr<DecodeLayers>& plan, at::Tenso
   if (groups.size() > 0)
     for (auto& u : lora_u) u.assign(B * lstride, 0.0f);
   const float* x0 = x.data_ptr<float>();
+  MoeScratch moe;  // the MoE layers' (one at a time)
+  if (moe_k > 0) moe_reserve(moe, B, moe_k, moe_h, moe_i, moe_e, moe_local, opts);
 
 #pragma omp parallel num_threads(nt)
   {
@@ -807,19 +1167,28 @@ at::Tensor decode_layers(const c10::intrusive_ptr<DecodeLayers>& plan, at::Tenso
       linear(l, 1, l.o, attp, &xq_att, obp);
 #pragma omp barrier
       residual_norm(obp, l.post_w, l.post_eps);  // the post-attention norm
-      quantize(l.gate_up, outp, xq_x, a, b);
+      if (l.moe) {  // an MoE feed-forward: router, routing, the grouped experts (moe_forward's phases)
 #pragma omp barrier
-      share(l.gate_up.blocks, a, b);
-      linear(l, 2, l.gate_up, outp, &xq_x, gup);
+        moe_route(*l.moe, moe, outp, B, t, T);
+        if (t == 0) moe_group(*l.moe, moe, B, l.moe->top_k, l.counts.has_value() ? l.counts->data_ptr<int64_t>() : nullptr);
 #pragma omp barrier
-      const int64_t I = l.gate_up.n / 2;
-      share(B, a, b);
-      for (int64_t r = a; r < b; ++r) silu_mul_row(gup + r * 2 * I, gup + r * 2 * I + I, actp + r * I, I);
-      quantize(l.down, actp, xq_act, a, b);
+        moe_run(*l.moe, moe, outp, ddp, t, T);
 #pragma omp barrier
-      share(l.down.blocks, a, b);
-      linear(l, 3, l.down, actp, &xq_act, ddp);
+      } else {
+        quantize(l.gate_up, outp, xq_x, a, b);
 #pragma omp barrier
+        share(l.gate_up.blocks, a, b);
+        linear(l, 2, l.gate_up, outp, &xq_x, gup);
+#pragma omp barrier
+        const int64_t I = l.gate_up.n / 2;
+        share(B, a, b);
+        for (int64_t r = a; r < b; ++r) silu_mul_row(gup + r * 2 * I, gup + r * 2 * I + I, actp + r * I, I);
+        quantize(l.down, actp, xq_act, a, b);
+#pragma omp barrier
+        share(l.down.blocks, a, b);
+        linear(l, 3, l.down, actp, &xq_act, ddp);
+#pragma omp barrier
+      }
       residual_norm(ddp, l.next_w, l.next_eps);  // the next layer's input norm (or the final norm)
       if (li + 1 < layers.size()) quantize(layers[li + 1].qkv, outp, xq_x, a, b);
       xin = outp;
@@ -830,182 +1199,6 @@ at::Tensor decode_layers(const c10::intrusive_ptr<DecodeLayers>& plan, at::Tenso
 }
 
 
-// ---- the grouped experts of an MoE layer (sharding/layers/moe.py) ----------------------------------------------------------
-// moe_experts(plan, x [M, H], ids [M, k], weights [M, k]) -> out [M, H]: for each expert of the plan that a row was
-// routed to, gate/up -> SiLU(gate) * up (or the plan's clamped SwiGLU) -> down over the rows routed to it (each
-// expert's weights read once per call, whatever its row count), then out[m] = sum over m's experts, in expert order,
-// of weight * expert(x[m]). Experts not in the plan (another rank's, under expert parallelism) are skipped. One
-// OpenMP team through every phase: the rows gathered, each phase's work (the active experts' output blocks) split over
-// the threads, barriers between.
-
-struct MoeExperts : torch::CustomClassHolder {
-  std::vector<int64_t> index;  // the global expert id of each local expert, ascending
-  std::vector<PlanLinear> gate_up, down;
-  // the activation of gate|up: 0 SiLU(gate) * up; 1 gpt-oss's clamped SwiGLU, gate clamped above at `limit`, up to
-  // [-limit, limit], (up + 1) * gate * sigmoid(alpha * gate)
-  int64_t act = 0;
-  float alpha = 1.f, limit = 0.f;
-
-  void set_activation(int64_t kind, double alpha_, double limit_) {
-    TORCH_CHECK(kind == 0 || kind == 1, "MoeExperts.set_activation: kind 0 (SiLU) or 1 (clamped SwiGLU)");
-    act = kind;
-    alpha = static_cast<float>(alpha_);
-    limit = static_cast<float>(limit_);
-  }
-
-  void add_expert(int64_t id, int64_t kind, at::Tensor w, at::Tensor scale, std::optional<at::Tensor> bias, int64_t n,
-                  int64_t group, int64_t kind2, at::Tensor w2, at::Tensor scale2, std::optional<at::Tensor> bias2,
-                  int64_t n2, int64_t group2) {
-    TORCH_CHECK(index.empty() || id > index.back(), "MoeExperts.add_expert: ascending expert ids");
-    PlanLinear gu = make_plan_linear(kind, std::move(w), std::move(scale), std::move(bias), n, group);
-    PlanLinear dn = make_plan_linear(kind2, std::move(w2), std::move(scale2), std::move(bias2), n2, group2);
-    TORCH_CHECK(gu.n % 2 == 0 && dn.k == gu.n / 2 && dn.n == gu.k, "MoeExperts.add_expert: shapes do not chain");
-    TORCH_CHECK(gate_up.empty() || (gu.k == gate_up[0].k && gu.n == gate_up[0].n),
-                "MoeExperts.add_expert: experts of one shape");
-    index.push_back(id);
-    gate_up.push_back(std::move(gu));
-    down.push_back(std::move(dn));
-  }
-
-  int64_t size() const { return static_cast<int64_t>(index.size()); }
-};
-
-at::Tensor moe_experts(const c10::intrusive_ptr<MoeExperts>& plan, const at::Tensor& x, const at::Tensor& ids,
-                       const at::Tensor& weights) {
-  TORCH_CHECK(plan->size() > 0, "moe_experts: an empty plan");
-  const int64_t M = x.size(0), H = plan->gate_up[0].k, I = plan->gate_up[0].n / 2, K = ids.size(1);
-  TORCH_CHECK(x.dim() == 2 && x.size(1) == H && x.scalar_type() == at::kFloat && x.is_contiguous(),
-              "moe_experts: x [M, hidden] float32, contiguous");
-  TORCH_CHECK(ids.dim() == 2 && ids.size(0) == M && ids.scalar_type() == at::kLong && ids.is_contiguous() &&
-                  weights.sizes() == ids.sizes() && weights.scalar_type() == at::kFloat && weights.is_contiguous(),
-              "moe_experts: ids [M, k] int64 and weights [M, k] float32, contiguous");
-  // the (row, expert) pairs of this plan's experts, grouped by expert (ascending), rows ascending within
-  const int64_t E = plan->size();
-  const int64_t* idp = ids.data_ptr<int64_t>();
-  const float* wp = weights.data_ptr<float>();
-  const int64_t first_id = plan->index.front(), last_id = plan->index.back();
-  std::vector<int64_t> local(last_id - first_id + 1, -1);
-  for (int64_t e = 0; e < E; ++e) local[plan->index[e] - first_id] = e;
-  std::vector<int64_t> count(E + 1, 0);
-  for (int64_t i = 0; i < M * K; ++i) {
-    const int64_t g = idp[i];
-    if (g >= first_id && g <= last_id && local[g - first_id] >= 0) ++count[local[g - first_id] + 1];
-  }
-  std::vector<int64_t> start(E + 1, 0);
-  for (int64_t e = 0; e < E; ++e) start[e + 1] = start[e] + count[e + 1];
-  const int64_t P = start[E];
-  at::Tensor out = at::zeros({M, H}, x.options());
-  if (P == 0) return out;
-  std::vector<int64_t> row(P), fill(start.begin(), start.end() - 1);
-  std::vector<float> pw(P);
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t j = 0; j < K; ++j) {
-      const int64_t g = idp[m * K + j];
-      if (g < first_id || g > last_id || local[g - first_id] < 0) continue;
-      const int64_t p = fill[local[g - first_id]]++;
-      row[p] = m;
-      pw[p] = wp[m * K + j];
-    }
-  // each row's pairs in expert order (for the sum), and the active experts with their phases' work items
-  std::vector<int64_t> row_start(M + 1, 0), row_pairs(P);
-  for (int64_t p = 0; p < P; ++p) ++row_start[row[p] + 1];
-  for (int64_t m = 0; m < M; ++m) row_start[m + 1] += row_start[m];
-  {
-    std::vector<int64_t> at(row_start.begin(), row_start.end() - 1);
-    for (int64_t p = 0; p < P; ++p) row_pairs[at[row[p]]++] = p;
-  }
-  std::vector<int64_t> active;
-  for (int64_t e = 0; e < E; ++e)
-    if (start[e + 1] > start[e]) active.push_back(e);
-  const int64_t A = static_cast<int64_t>(active.size());
-  std::vector<int64_t> gu_items(A + 1, 0), dn_items(A + 1, 0);  // prefix sums of output blocks per active expert
-  for (int64_t a = 0; a < A; ++a) {
-    gu_items[a + 1] = gu_items[a] + plan->gate_up[active[a]].blocks;
-    dn_items[a + 1] = dn_items[a] + plan->down[active[a]].blocks;
-  }
-  const auto opts = x.options();
-  at::Tensor xg = at::empty({P, H}, opts), gu = at::empty({P, 2 * I}, opts), act = at::empty({P, I}, opts);
-  at::Tensor y = at::empty({P, H}, opts);
-  float *xgp = xg.data_ptr<float>(), *gup = gu.data_ptr<float>(), *actp = act.data_ptr<float>();
-  float *yp = y.data_ptr<float>(), *outp = out.data_ptr<float>();
-  const float* xp = x.data_ptr<float>();
-  // int8 (VNNI) or bfloat16 copies of each active expert's input rows, per linear
-  std::vector<tpserve::Int8Rows> xq(A), aq(A);
-  for (int64_t a = 0; a < A; ++a) {
-    const int64_t e = active[a], c = start[e + 1] - start[e];
-    if (takes_rows(plan->gate_up[e])) tpserve::resize_rows(xq[a], c, H);
-    if (takes_bf16(plan->gate_up[e])) tpserve::resize_bf16_rows(xq[a], c, H);
-    if (takes_rows(plan->down[e])) tpserve::resize_rows(aq[a], c, I);
-    if (takes_bf16(plan->down[e])) tpserve::resize_bf16_rows(aq[a], c, I);
-  }
-  const int nt = std::max(1, at::get_num_threads());
-#pragma omp parallel num_threads(nt)
-  {
-    const int t = omp_get_thread_num(), T = omp_get_num_threads();
-    const auto share = [&](int64_t n, int64_t& lo, int64_t& hi) {
-      lo = n * t / T;
-      hi = n * (t + 1) / T;
-    };
-    // runs f(active expert a, its first pair, its pair count, blocks [b0, b1)) over this thread's share of the
-    // work items (the active experts' output blocks, laid end to end)
-    const auto blocks = [&](const std::vector<int64_t>& items, const auto& f) {
-      int64_t lo, hi;
-      share(items[A], lo, hi);
-      for (int64_t a = 0; a < A && lo < hi; ++a) {
-        const int64_t b0 = std::max(lo, items[a]) - items[a], b1 = std::min(hi, items[a + 1]) - items[a];
-        if (b0 < b1) f(a, start[active[a]], start[active[a] + 1] - start[active[a]], b0, b1);
-      }
-    };
-    int64_t lo, hi;
-    share(P, lo, hi);
-    for (int64_t p = lo; p < hi; ++p) std::copy(xp + row[p] * H, xp + row[p] * H + H, xgp + p * H);
-#pragma omp barrier
-    // a linear's input rows as int8 / bfloat16 copies, per active expert (this thread's share of the experts)
-    const auto quantize = [&](const std::vector<PlanLinear>& lin, const float* src, int64_t width,
-                              std::vector<tpserve::Int8Rows>& rows) {
-      int64_t a0, a1;
-      share(A, a0, a1);
-      for (int64_t a = a0; a < a1; ++a) {
-        const int64_t e = active[a], s0 = start[e], c = start[e + 1] - s0;
-        if (takes_rows(lin[e])) tpserve::quantize_rows(src + s0 * width, rows[a], 0, c, 0, width / 32);
-        if (takes_bf16(lin[e])) tpserve::round_rows_bf16(src + s0 * width, rows[a], 0, c);
-      }
-    };
-    quantize(plan->gate_up, xgp, H, xq);
-#pragma omp barrier
-    blocks(gu_items, [&](int64_t a, int64_t s0, int64_t c, int64_t b0, int64_t b1) {
-      linear_range(plan->gate_up[active[a]], xgp + s0 * H, &xq[a], c, gup + s0 * 2 * I, b0, b1);
-    });
-#pragma omp barrier
-    share(P, lo, hi);
-    for (int64_t p = lo; p < hi; ++p) {
-      if (plan->act == 1)
-        clamped_swiglu_row(gup + p * 2 * I, gup + p * 2 * I + I, actp + p * I, I, plan->alpha, plan->limit);
-      else
-        silu_mul_row(gup + p * 2 * I, gup + p * 2 * I + I, actp + p * I, I);
-    }
-#pragma omp barrier
-    quantize(plan->down, actp, I, aq);
-#pragma omp barrier
-    blocks(dn_items, [&](int64_t a, int64_t s0, int64_t c, int64_t b0, int64_t b1) {
-      linear_range(plan->down[active[a]], actp + s0 * I, &aq[a], c, yp + s0 * H, b0, b1);
-    });
-#pragma omp barrier
-    share(M, lo, hi);  // each row: its experts' weighted outputs, summed in expert order
-    for (int64_t m = lo; m < hi; ++m) {
-      float* o = outp + m * H;
-      for (int64_t r = row_start[m]; r < row_start[m + 1]; ++r) {
-        const int64_t p = row_pairs[r];
-        const float w = pw[p];
-        const float* yr = yp + p * H;
-#pragma omp simd
-        for (int64_t i = 0; i < H; ++i) o[i] += yr[i] * w;
-      }
-    }
-  }
-  return out;
-}
-
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(tpserve, m) {
@@ -1015,23 +1208,26 @@ TORCH_LIBRARY_FRAGMENT(tpserve, m) {
   m.def("add_rms_norm_(Tensor(a!) h, Tensor delta, Tensor w, float eps) -> Tensor");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
   m.def("argmax_rows(Tensor logits) -> Tensor");
+  m.class_<MoeExperts>("MoeExperts")
+      .def(torch::init<>())
+      .def("add_expert", &MoeExperts::add_expert)
+      .def("set_activation", &MoeExperts::set_activation)
+      .def("set_router", &MoeExperts::set_router)
+      .def("size", &MoeExperts::size);
   m.class_<DecodeLayers>("DecodeLayers")
       .def(torch::init<>())
       .def("add_linear", &DecodeLayers::add_linear)
       .def("add_mixed_linear", &DecodeLayers::add_mixed_linear)
       .def("add_layer", &DecodeLayers::add_layer)
+      .def("add_moe_layer", &DecodeLayers::add_moe_layer)
       .def("set_lora", &DecodeLayers::set_lora)
       .def("set_qk_norm", &DecodeLayers::set_qk_norm)
       .def("size", &DecodeLayers::size);
   m.def("decode_layers(__torch__.torch.classes.tpserve.DecodeLayers plan, Tensor(a!) h, Tensor x, Tensor cos, "
         "Tensor sin, Tensor slots, Tensor table, Tensor lens, int window, Tensor? lora_slots=None) -> Tensor");
-  m.class_<MoeExperts>("MoeExperts")
-      .def(torch::init<>())
-      .def("add_expert", &MoeExperts::add_expert)
-      .def("set_activation", &MoeExperts::set_activation)
-      .def("size", &MoeExperts::size);
   m.def("moe_experts(__torch__.torch.classes.tpserve.MoeExperts plan, Tensor x, Tensor ids, Tensor weights) -> "
         "Tensor");
+  m.def("moe_forward(__torch__.torch.classes.tpserve.MoeExperts plan, Tensor x, Tensor(a!)? counts=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tpserve, CPU, m) {
@@ -1041,4 +1237,5 @@ TORCH_LIBRARY_IMPL(tpserve, CPU, m) {
   m.impl("argmax_rows", &argmax_rows);
   m.impl("decode_layers", &decode_layers);
   m.impl("moe_experts", &moe_experts);
+  m.impl("moe_forward", &moe_forward);
 }
