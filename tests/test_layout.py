@@ -187,8 +187,9 @@ def test_every_model_declares_the_model_interface():
 
 def test_decode_plan_declarations_match_the_overrides():
     """A layer class that declares the CPU decode plan's shape (`llama_shaped`, sharding/cpu/decode_plan.py) keeps
-    Llama's methods the plan replaces; one that overrides any of them must say False (the plan would otherwise run
-    Llama's arithmetic in place of its own, silently)."""
+    Llama's methods the plan replaces, or declares what its override changes (per-head q/k norms: plan_qk_norms; the
+    norms around the feed-forward: plan_norms; the MLP's activation: plan_activation); one that overrides any of them
+    otherwise must say False (the plan would run Llama's arithmetic in place of its own, silently)."""
     from sharding.models import MODELS
     from sharding.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP
 
@@ -201,8 +202,16 @@ def test_decode_plan_declarations_match_the_overrides():
             continue  # not Llama-shaped at all (GPT-2): never on the plan
         for cls, base in ((layer, LlamaDecoderLayer), (layer.attention_cls, LlamaAttention), (layer.mlp_cls, LlamaMLP)):
             changed = [m for m in replaced[base] if getattr(cls, m) is not getattr(base, m)]
-            if "norm_qk" in changed and cls.plan_qk_norms is not LlamaAttention.plan_qk_norms:
-                changed.remove("norm_qk")  # per-head RMSNorms, declared to the plan by plan_qk_norms
+            declared = {"norm_qk": (LlamaAttention, "plan_qk_norms"), "act": (LlamaMLP, "plan_activation")}
+            if base is LlamaAttention and cls.plan_whole_qk_norms is not LlamaAttention.plan_whole_qk_norms:
+                # whole-projection q/k norms and clip_qkv (OLMoE)
+                declared.update(norm_qk=(LlamaAttention, "plan_whole_qk_norms"),
+                                project_qkv=(LlamaAttention, "plan_whole_qk_norms"))
+            if base is LlamaDecoderLayer:
+                declared["forward"] = (LlamaDecoderLayer, "plan_norms")
+            for method, (owner, declaration) in declared.items():
+                if method in changed and getattr(cls, declaration) is not getattr(owner, declaration):
+                    changed.remove(method)  # declared to the plan
             if cls.llama_shaped and changed:
                 wrong.append(f"{arch}: {cls.__name__} overrides {changed} but declares llama_shaped")
     assert not wrong, wrong

@@ -52,12 +52,21 @@ class PlanAttention(Protocol):
     def attention_sinks(self) -> torch.Tensor | None:
         """One logit per local query head in every softmax's denominator (gpt-oss), float32 [heads], or None."""
 
+    def plan_whole_qk_norms(self) -> tuple[torch.Tensor, torch.Tensor, float, float] | None | Literal[False]:
+        """RMSNorms over the whole query and key projections before rotary, then q, k, v clamped (OLMoE): (query
+        weight [heads * head_dim], key weight [kv_heads * head_dim], eps, clip or 0.0); None where it has none; False
+        where the plan cannot take them (split over ranks: the mean of squares needs a reduction)."""
+
 
 class PlanMLP(Protocol):
     """What the plan reads of a layer's feed-forward."""
 
     gate_up_proj: ColumnParallelLinear
     down_proj: RowParallelLinear
+
+    def plan_activation(self) -> int | None:
+        """Its act(gate) * up as the compiled ops compute it (decode_glue.cpp act_mul_row): 0 SiLU, 1 GELU with the
+        tanh approximation (Gemma); None: another (the plan then calls the module)."""
 
 
 class PlanMoe(Protocol):
@@ -82,8 +91,14 @@ class PlanLayer(Protocol):
         residual. A declaration of its classes (sharding/models/llama.py); the values are the plan's to check."""
 
     def dense_mlp(self) -> bool:
-        """Whether its feed-forward is the plan's own: fused gate/up, SiLU(gate) * up, down (a PlanMLP). Otherwise
+        """Whether its feed-forward is the plan's own: fused gate/up, act(gate) * up, down (a PlanMLP). Otherwise
         the plan calls `mlp(x)`, which returns the layer's reduced output."""
+
+    def plan_norms(self) -> tuple[RMSNorm, RMSNorm | None, RMSNorm | None]:
+        """Its norms around the feed-forward: (the norm of the residual stream into it, the norm of the attention's
+        output before its residual add or None, the norm of the feed-forward's output before its residual add or
+        None). Llama: (post_attention_layernorm, None, None); Gemma 2's four-norm layer: (pre_feedforward_layernorm,
+        post_attention_layernorm, post_feedforward_layernorm)."""
 
 
 @dataclass(slots=True)
@@ -98,16 +113,37 @@ class FastLayer:
     ffn: torch.nn.Module | None  # a feed-forward that is not the plan's own (an MoE layer), run as its module
     q_index: torch.Tensor | None
     out_index: torch.Tensor | None
-    post_norm: RMSNorm
-    next_norm: RMSNorm  # the next layer's input norm, or the final norm after the last layer
+    post_norm: Norm  # the norm of the residual stream into the feed-forward
+    next_norm: Norm  # the next layer's input norm, or the final norm after the last layer
     qk_norms: tuple[RMSNorm, RMSNorm] | None
     sinks: torch.Tensor | None
     window: int | None  # the layer's own window (else the step's)
+    softcap: float  # of the attention scores, 0: none
+    act: int  # the dense MLP's (PlanMLP.plan_activation)
+    attn_out: Norm | None  # the norms of the attention's and the feed-forward's outputs (PlanLayer.plan_norms)
+    ffn_out: Norm | None
+    whole_qk: tuple[torch.Tensor, torch.Tensor, float, float] | None  # PlanAttention.plan_whole_qk_norms
+
+
+@dataclass(slots=True)
+class Norm:
+    """An RMSNorm as the compiled ops take it: float32 weight with Gemma's offset folded in (the module computes
+    x * (offset + w)), and eps."""
+
+    weight: torch.Tensor
+    eps: float
+
+    @classmethod
+    def of(cls, norm: RMSNorm | None) -> Norm | None:
+        """None where it is not a float32 RMSNorm (the plan does not take the layer)."""
+        if type(norm) is not RMSNorm or norm.weight is None or norm.weight.dtype != torch.float32:
+            return None
+        return cls(norm.weight + norm.offset if norm.offset else norm.weight, norm.eps)
 
 
 @dataclass(slots=True)
 class DecodePlan:
-    ops: tuple[kernels.Op, kernels.Op, kernels.Op]  # decode_attention, add_rms_norm_, silu_mul
+    ops: tuple[kernels.Op, ...]  # decode_attention, add_rms_norm_, silu_mul, whole_qk_norm_ (kernels.decode_glue_ops)
     first_norm: RMSNorm
     layers: list[FastLayer]
     head_dim: int
@@ -123,7 +159,8 @@ class DecodePlan:
     def forward(self, h: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Every layer over the embedded decode tokens `h` (a fresh tensor: the residual stream, updated in place);
         returns the final norm of every token's hidden state."""
-        attention, add_rms_norm_, silu_mul = self.ops
+        attention, add_rms_norm_, silu_mul, whole_qk_norm_ = self.ops
+        norm = kernels.rms_norm_op()
         x = self.first_norm.forward(h)
         n = h.shape[0]
         if self.pool is not self.layers[0].attn.cache.pool:  # first use, or a new cache
@@ -136,18 +173,25 @@ class DecodePlan:
         for f in self.layers:
             qkv = f.qkv.matmul(x, f.qkv.bias)
             a = f.attn
+            if f.whole_qk is not None:
+                whole_qk_norm_(qkv, f.whole_qk[0], f.whole_qk[1], a.num_heads, a.num_kv_heads, *f.whole_qk[2:])
             qn, kn = f.qk_norms or (None, None)
             o = attention(qkv, meta.cos, meta.sin, a.cache.pool, meta.slots, meta.decode_table, meta.decode_lens,
                           f.q_index, a.num_heads, a.num_kv_heads, a.scale, f.window or meta.window or 0,
                           qn.weight if qn is not None else None, kn.weight if kn is not None else None,
-                          qn.eps if qn is not None else 0.0, f.sinks)
+                          qn.eps if qn is not None else 0.0, f.sinks, f.softcap)
             if f.out_index is not None:  # uneven GQA groups: drop the padding positions
                 o = o.view(n, -1, self.head_dim).index_select(1, f.out_index).reshape(n, -1)
-            x = add_rms_norm_(h, f.o_proj.forward(o), f.post_norm.weight, f.post_norm.eps)
+            o = f.o_proj.forward(o)
+            if f.attn_out is not None:  # (Gemma 2) the same rows the compiled step norms in place
+                o = norm(o, f.attn_out.weight, f.attn_out.eps)
+            x = add_rms_norm_(h, o, f.post_norm.weight, f.post_norm.eps)
             if f.ffn is not None:
                 d = f.ffn(x)
             else:
-                d = f.down.forward(silu_mul(f.gate_up.matmul(x, f.gate_up.bias)))
+                d = f.down.forward(silu_mul(f.gate_up.matmul(x, f.gate_up.bias), f.act))
+            if f.ffn_out is not None:
+                d = norm(d, f.ffn_out.weight, f.ffn_out.eps)
             x = add_rms_norm_(h, d, f.next_norm.weight, f.next_norm.eps)
         return x
 
@@ -170,27 +214,35 @@ def qk_norms(attn: PlanAttention) -> tuple[RMSNorm, RMSNorm] | None | Literal[Fa
 
 def build(layers: Sequence[PlanLayer], final_norm: RMSNorm | None, whole: bool, world_size: int) -> DecodePlan | None:
     """The plan of a whole model (`whole`: one pipeline stage holding every layer) on CPU in float32 whose layers all
-    declare the plan's shape, with plain RMSNorms, no soft-capping and one head size; None where it does not apply."""
+    declare the plan's shape, with float32 RMSNorms and one head size; None where it does not apply."""
     ops = kernels.decode_glue_ops()
-    if (ops is None or not whole or not layers or final_norm.weight.device.type != "cpu"
-            or not plain_rms_norm(final_norm)):
+    if (ops is None or kernels.rms_norm_op() is None or not whole or not layers
+            or final_norm.weight.device.type != "cpu" or Norm.of(final_norm) is None):
         return None
     fast = []
     for i, layer in enumerate(layers):
         attn, mlp = layer.self_attn, layer.mlp
         norms = qk_norms(attn) if layer.on_decode_plan() else False
-        sinks = attn.attention_sinks() if norms is not False else None
-        if (norms is False or attn.softcap is not None
+        if norms is False:
+            return None
+        sinks = attn.attention_sinks()
+        whole = attn.plan_whole_qk_norms()
+        if whole is False or (whole is not None and (norms is not None or any(
+                w.dtype != torch.float32 for w in whole[:2]))):
+            return None
+        ffn_in, attn_out, ffn_out = layer.plan_norms()
+        around = [Norm.of(n) for n in (layer.input_layernorm, ffn_in, attn_out, ffn_out)]
+        if (any(p is None for p, n in zip(around, (True, True, attn_out, ffn_out)) if n is not None)
                 or (sinks is not None and (sinks.dtype != torch.float32 or sinks.shape != (attn.num_heads,)))
-                or not plain_rms_norm(layer.input_layernorm) or not plain_rms_norm(layer.post_attention_layernorm)
                 or attn.head_dim != layers[0].self_attn.head_dim):
             return None
         nxt = layers[i + 1].input_layernorm if i + 1 < len(layers) else final_norm
         dense = layer.dense_mlp()
         fast.append(FastLayer(attn, attn.qkv_proj, attn.o_proj, mlp.gate_up_proj if dense else None,
                               mlp.down_proj if dense else None, None if dense else mlp, attn.groups.q_index,
-                              attn.groups.out_index, layer.post_attention_layernorm, nxt, norms, sinks,
-                              attn.window))
+                              attn.groups.out_index, around[1], Norm.of(nxt), norms, sinks, attn.window,
+                              attn.softcap or 0.0, mlp.plan_activation() if dense else 0, around[2], around[3],
+                              whole))
     return DecodePlan(ops, layers[0].input_layernorm, fast, layers[0].self_attn.head_dim, world_size)
 
 
@@ -204,9 +256,8 @@ def compile_layers(plan: DecodePlan) -> torch.ScriptObject | None:
     """The layers as one compiled DecodeLayers (sharding/cpu/csrc/decode_glue.cpp), where every linear has a compiled
     kernel and there is no all-reduce between them (TP=1); else None (the Python loop of DecodePlan.forward)."""
     ops = kernels.decode_layers_ops()
-    if (ops is None or plan.world_size != 1 or any(f.q_index is not None or f.sinks is not None or f.window is not None
-                                                   for f in plan.layers)):
-        return None  # (the one call: even groups, one window, no sinks)
+    if ops is None or plan.world_size != 1 or any(f.q_index is not None for f in plan.layers):
+        return None  # (the one call: even groups)
     moes = [plan_moe(f.ffn) if f.ffn is not None else None for f in plan.layers]
     if any(f.ffn is not None and m is None for f, m in zip(plan.layers, moes)):
         return None  # (a feed-forward the step cannot run whole: the Python loop calls its module)
@@ -231,6 +282,13 @@ def compile_layers(plan: DecodePlan) -> torch.ScriptObject | None:
                 compiled.add_layer(*shape)
             if f.qk_norms is not None:
                 compiled.set_qk_norm(f.qk_norms[0].weight, f.qk_norms[1].weight, f.qk_norms[0].eps)
+            if f.whole_qk is not None:
+                compiled.set_whole_qk_norm(*f.whole_qk)
+            if f.window is not None or f.sinks is not None or f.softcap:
+                compiled.set_attention(f.window or 0, f.sinks, f.softcap)
+            if f.act or f.attn_out is not None or f.ffn_out is not None:
+                compiled.set_ffn(f.act, *(x for n in (f.attn_out, f.ffn_out)
+                                          for x in ((n.weight, n.eps) if n is not None else (None, 0.0))))
             for which, lin in enumerate((f.qkv, f.o_proj, f.gate_up, f.down)):  # LoRA adapters (sharding/layers/lora.py)
                 for slot, w in enumerate(lin.lora.slots if lin is not None and lin.lora is not None else ()):
                     if w is not None:

@@ -148,7 +148,7 @@ def build_kernels(verbose: bool = False) -> bool:
                                (ops.int8_linear.default, ops.int4_linear.default, ops.bf16_linear.default,
                                 ops.kq_linear.default)),
                               ("glue", envs.GLUE_KERNEL, (ops.decode_attention.default, ops.add_rms_norm_.default,
-                                                          ops.silu_mul.default)),
+                                                          ops.silu_mul.default, ops.whole_qk_norm_.default)),
                               ("f32", envs.F32_KERNEL, ops.f32_linear.default),
                               ("argmax", envs.GLUE_KERNEL, ops.argmax_rows.default),
                               ("layers", envs.LAYERS_KERNEL,
@@ -262,7 +262,7 @@ class _Part:
 
 
 def decode_glue_ops():
-    """(decode_attention, add_rms_norm_, silu_mul), or None."""
+    """(decode_attention, add_rms_norm_, silu_mul, whole_qk_norm_), or None."""
     return _OPS.get("glue")
 
 

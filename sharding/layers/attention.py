@@ -433,11 +433,11 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: PagedKVCach
         sd = None
         if sinks is not None:  # laid out as the grouped queries: [kv_heads, group] (padding repeats a head's)
             sd = (sinks if gh.q_index is None else sinks.index_select(0, gh.q_index)).view(kv_heads, gh.group)
-        # the compiled kernel: no soft-capping; sinks float32 as the queries
-        kernel = kernels.paged_decode_attention() if softcap is None and qd.dtype == torch.float32 else None
+        # the compiled kernel (soft-capping and sinks too): float32 queries
+        kernel = kernels.paged_decode_attention() if qd.dtype == torch.float32 else None
         if kernel is not None and qd.device.type == "cpu":  # reads the blocks in place
             o = kernel(qd, cache.pool, meta.decode_table, meta.decode_lens, scale, meta.window or 0,
-                       None if sd is None else sd.float().contiguous())
+                       None if sd is None else sd.float().contiguous(), softcap or 0.0)
         else:
             kd, vd = cache.gather(meta.decode_blocks, meta.decode_range, b, meta.decode_len)  # [kv, B, T, d]
             o = _decode_attention(qd, kd, vd, meta.decode_mask, scale, softcap, sd)

@@ -16,14 +16,19 @@ def gemma_norm(name: str, config, dtype: torch.dtype, device: torch.device) -> R
 
 
 class GemmaMLP(LlamaMLP):
-    llama_shaped = False  # GeGLU (act): not the CPU decode plan's arithmetic
     def __init__(self, config, prefix, dist, dtype, device):
         super().__init__(config, prefix, dist, dtype, device)
         # Gemma names it hidden_act, Gemma 2 hidden_activation; both mean gelu_pytorch_tanh in released checkpoints
-        self.act_fn = activation(getattr(config, "hidden_activation", None) or config.hidden_act)
+        self.act_name = getattr(config, "hidden_activation", None) or config.hidden_act
+        self.act_fn = activation(self.act_name)
 
     def act(self, gate: torch.Tensor) -> torch.Tensor:
         return self.act_fn(gate)
+
+    def plan_activation(self) -> int | None:
+        """1 (GELU, tanh approximation) for the released checkpoints' activations; None for another (the plan then
+        runs this MLP as its module)."""
+        return 1 if self.act_name in ("gelu_pytorch_tanh", "gelu_new") else None
 
 
 class GemmaDecoderLayer(LlamaDecoderLayer):

@@ -28,7 +28,6 @@ class Gemma2Attention(LlamaAttention):
 
 class Gemma2DecoderLayer(GemmaDecoderLayer):
     attention_cls = Gemma2Attention
-    llama_shaped = False  # four norms per layer (forward): not the CPU decode plan's arithmetic
 
     def __init__(self, config, prefix, dist, dtype, device):
         super().__init__(config, prefix, dist, dtype, device)
@@ -39,6 +38,11 @@ class Gemma2DecoderLayer(GemmaDecoderLayer):
     def forward(self, h: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         h = h + self.post_attention_layernorm(self.self_attn(self.input_layernorm(h), meta))
         return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
+
+    def plan_norms(self):
+        """forward's four norms, for the CPU decode plan: pre-feedforward into the MLP, post-attention and
+        post-feedforward on the two outputs before their residual adds."""
+        return self.pre_feedforward_layernorm, self.post_attention_layernorm, self.post_feedforward_layernorm
 
 
 class Gemma2ForCausalLM(GemmaForCausalLM):
@@ -57,6 +61,9 @@ class Gemma2ForCausalLM(GemmaForCausalLM):
     def forward(self, ids: torch.Tensor, meta: AttentionMetadata, hidden: torch.Tensor | None = None):
         if self.lora is not None:  # LoRA adapter rows of this step (sharding/layers/lora.py)
             self.lora.rows = meta.lora
+        plan = self.plan_for(meta)  # a decode step on the CPU decode plan (each sliding layer with its window)
+        if plan is not None:
+            return stage_output(plan.forward(self.embed(ids), meta), meta, self._head)
         windows = {layer.self_attn.window for layer in self.layers} - {None}
         metas = {None: meta, **{w: window_meta(meta, w) for w in windows}}
         h = self.embed(ids) if self.first_stage else hidden

@@ -7,10 +7,13 @@ down_proj (row-parallel, all-reduce) -> residual. Two all-reduces per layer, one
 Decode fast path (CPU, float32): a step of decode tokens only runs through the CPU decode plan
 (sharding/cpu/decode_plan.py), the same arithmetic as the modules in a few compiled ops. Each of the three classes
 below declares, in `llama_shaped`, that it computes what the plan computes; a subclass that changes its forward (or
-the methods the plan replaces: project_qkv and norm_qk, act) says False, and its model takes the module path
-(Gemma 2's extra norms, OLMoE's whole-projection q/k norms). Per-head q/k RMSNorms (Qwen 3) are declared to the
-plan by plan_qk_norms, attention sinks (gpt-oss) by attention_sinks, a layer's own window by `window`; an MLP that is
-not llama_shaped, or an MoE layer, runs as its own module inside the plan. tests/test_layout.py checks each registered model's declarations against its overrides.
+the methods the plan replaces: project_qkv and norm_qk, act) without declaring the change says False, and its model
+takes the module path (OLMoE's whole-projection q/k norms). Declared to the plan: per-head q/k RMSNorms (Qwen 3) by
+plan_qk_norms, attention sinks (gpt-oss) by attention_sinks, a layer's own window by `window`, soft-capped scores
+(Gemma 2) by `softcap`, the MLP's activation (Gemma's GELU) by plan_activation, norms around the attention's and the
+feed-forward's outputs (Gemma 2) by plan_norms. An MLP that is not llama_shaped, or an MoE layer, runs as its own
+module inside the plan's Python loop (an MoE layer offers itself to the one compiled call: SparseMoe.plan_moe).
+tests/test_layout.py checks each registered model's declarations against its overrides.
 """
 
 from __future__ import annotations
@@ -87,6 +90,11 @@ class LlamaAttention(nn.Module):
         """One learned logit per local query head that joins every softmax's denominator (gpt-oss), or None."""
         return None
 
+    def plan_whole_qk_norms(self) -> tuple[torch.Tensor, torch.Tensor, float, float] | None | Literal[False]:
+        """What norm_qk computes where it norms the whole projections (OLMoE), for the CPU decode plan
+        (decode_plan.PlanAttention); None: it does not."""
+        return None
+
     def plan_qk_norms(self) -> tuple[RMSNorm, RMSNorm] | None:
         """What norm_qk computes, for the CPU decode plan: the RMSNorms over each query and key head, or None (a
         subclass that overrides norm_qk with per-head RMSNorms returns them here and stays llama_shaped)."""
@@ -131,6 +139,10 @@ class LlamaMLP(nn.Module):
     def act(self, gate: torch.Tensor) -> torch.Tensor:
         return F.silu(gate)
 
+    def plan_activation(self) -> int | None:
+        """What act computes, for the CPU decode plan (decode_plan.PlanMLP): 0, SiLU."""
+        return 0
+
     def partial(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's share of the output, before the all-reduce (a shared expert joins its MoE layer's reduce)."""
         gate, up = self.gate_up_proj(x).split([self.local_inter, self.local_inter], dim=-1)
@@ -168,8 +180,13 @@ class LlamaDecoderLayer(nn.Module):
         return self.llama_shaped and self.self_attn.llama_shaped
 
     def dense_mlp(self) -> bool:
-        """Its feed-forward is the plan's own SiLU MLP (make_mlp may give an MoE layer instead)."""
-        return isinstance(self.mlp, LlamaMLP) and self.mlp.llama_shaped
+        """Its feed-forward is the plan's own MLP with an activation the plan computes (make_mlp may give an MoE
+        layer instead)."""
+        return isinstance(self.mlp, LlamaMLP) and self.mlp.llama_shaped and self.mlp.plan_activation() is not None
+
+    def plan_norms(self) -> tuple[RMSNorm, RMSNorm | None, RMSNorm | None]:
+        """What forward norms around the feed-forward (decode_plan.PlanLayer): the post-attention norm into it."""
+        return self.post_attention_layernorm, None, None
 
     def forward(self, h: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         if meta.seq_parallel:
@@ -244,7 +261,7 @@ class LlamaForCausalLM(CausalLM):
         if meta.all_decode and not meta.seq_parallel and meta.cos is not None:
             if self._plan is False:
                 self._plan = self._decode_plan()
-            if self._plan is not None and meta.cos.shape[-1] == self._plan.head_dim:
+            if self._plan is not None and meta.cos.shape[-1] <= self._plan.head_dim:  # (partial rotary: fewer)
                 return self._plan
         return None
 

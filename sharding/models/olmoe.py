@@ -32,7 +32,6 @@ class _NormSlice(Replicated):
 
 
 class OlmoeAttention(LlamaAttention):
-    llama_shaped = False  # whole-projection q/k norms and clipping: not the CPU decode plan's arithmetic
     def __init__(self, config, prefix, dist, dtype, device):
         super().__init__(config, prefix, dist, dtype, device)
         hd, tp = self.head_dim, dist.world_size
@@ -57,6 +56,13 @@ class OlmoeAttention(LlamaAttention):
         if self.clip is not None:  # transformers clips after the norms; v is not normed, so here is the same
             v = v.clamp(-self.clip, self.clip)
         return q, k, v
+
+    def plan_whole_qk_norms(self):
+        """norm_qk and the clip of project_qkv, for the CPU decode plan: at TP 1, where this rank holds the whole
+        projections (False otherwise: the plan has no cross-rank reduction)."""
+        if self.dist.world_size != 1:
+            return False
+        return self.q_norm.weight, self.k_norm.weight, self.eps, float(self.clip or 0.0)
 
     def norm_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         dtype, hd = q.dtype, self.head_dim

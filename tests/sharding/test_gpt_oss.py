@@ -236,9 +236,8 @@ def test_attend_with_sinks(heads, kv_heads, window, monkeypatch):
 def test_refused_configs(reference, tmp_path):
     """What this implementation does not compute as transformers does is refused at start, the field named (built in
     process: the model's constructor and the rotary table are where the runner refuses them). The accepted model
-    runs its decode steps on the CPU decode plan, not as one compiled call (its feed-forward is an MoE layer)."""
+    takes the CPU decode plan with each layer's sinks and window (test_one_call_equals_the_loop runs it)."""
     from loaders.checkpoint import Checkpoint
-    from sharding.cpu import decode_plan
     from loaders.config import load_config
     from sharding.cpu import kernels
     from sharding.layers.attention import RotaryTable
@@ -256,7 +255,7 @@ def test_refused_configs(reference, tmp_path):
     assert kernels.build_kernels() and kernels.decode_glue_ops() is not None
     model = start("plain")
     plan = model._decode_plan()  # on the decode plan: each layer's sinks and window, the experts as a module
-    assert plan is not None and decode_plan.compile_layers(plan) is None
+    assert plan is not None
     assert all(f.sinks is not None and f.ffn is not None for f in plan.layers)
     windows = [SPEC["sliding_window"] if t == "sliding_attention" else None for t in model.config.layer_types]
     assert [f.window for f in plan.layers] == windows and None in windows and 8 in windows
@@ -277,6 +276,15 @@ def test_refused_configs(reference, tmp_path):
     longrope.check_max_model_len(64)
     with pytest.raises(ValueError, match=re.escape("max_model_len (65) must not exceed 64")):
         longrope.check_max_model_len(65)
+
+
+def test_one_call_equals_the_loop(reference):
+    """gpt-oss's decode steps as one compiled call (each layer's sinks and window, the router with its bias, top-k
+    then softmax, the clamped SwiGLU experts with their biases: decode_glue.cpp) against the plan's Python loop and
+    the modules (tests/sharding/test_perf_paths.py three_decode_paths)."""
+    from test_perf_paths import three_decode_paths
+
+    three_decode_paths(reference["f32"][0], None, moe=True)
 
 
 def test_compiled_experts_equal_the_loop(reference):

@@ -238,3 +238,13 @@ def test_structured_output_with_experts(reference):
         (out,) = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=40, temperature=0), json_schema=schema)
     value = json.loads(out.text)
     assert set(value) == {"n"} and isinstance(value["n"], int)
+
+
+@pytest.mark.parametrize("arch", ["olmoe", "mixtral"])
+def test_decode_plan_paths(reference, arch):
+    """OLMoE (norms over the whole q and k projections, clip_qkv) and Mixtral as one compiled decode call, router and
+    experts included: equal to the plan's Python loop bit for bit and to the modules to rounding
+    (tests/sharding/test_perf_paths.py)."""
+    from test_perf_paths import three_decode_paths
+
+    three_decode_paths(reference[arch][0], None, moe=True)

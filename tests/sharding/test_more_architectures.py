@@ -217,3 +217,14 @@ def test_sentencepiece_tokenizer(tmp_path, byte_fallback):
                 detok.add(t)
             assert detok.text == continuation(tok, prompt, output), (line, cut)
     assert (byte_tokens > 0) == byte_fallback
+
+
+@pytest.mark.parametrize("arch, quantization", [("phi3", None), ("gemma", None), ("gemma2", None),
+                                                 ("gemma2", "int8")])
+def test_decode_plan_paths(reference, arch, quantization):
+    """Phi-3 (fused projections, half the head rotated), Gemma (GELU-tanh MLP, (1 + w) norms) and Gemma 2 (its four
+    norms, soft-capped scores, a window on every other layer) on the CPU decode plan: the one compiled call equals the
+    plan's Python loop bit for bit, and the modules to rounding (tests/sharding/test_perf_paths.py)."""
+    from test_perf_paths import three_decode_paths
+
+    three_decode_paths(reference[arch][0], quantization)

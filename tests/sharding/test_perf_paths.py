@@ -293,10 +293,10 @@ def three_decode_paths(folder, quantization, moe: bool = False) -> None:
         assert same >= len(a.token_ids) // 2, (a.token_ids, c.token_ids)
         torch.testing.assert_close(torch.tensor(a.logprobs[:same]), torch.tensor(c.logprobs[:same]), rtol=0,
                                    atol=0.1)
-    if moe:  # every token of the prompts and of the answers (but the last) routed to k = 2 experts in each sparse layer
+    if moe:  # every token of the prompts and of the answers (but the last) routed to k experts in each sparse layer
         tokens = sum(len(p) for p in prompts) + len(prompts) * (params.max_tokens - 1)
         for step in counts:
-            assert [int(c.sum()) for c in step] == [2 * tokens] * len(sparse)
+            assert [int(c.sum()) for c in step] == [m.routing.top_k * tokens for m in sparse]
         assert all(torch.equal(x, y) for x, y in zip(counts[0], counts[1]))
         if not rounded:
             assert all(torch.equal(x, y) for x, y in zip(counts[0], counts[2]))

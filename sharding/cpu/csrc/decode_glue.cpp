@@ -37,6 +37,13 @@ namespace {
 
 using tpserve::rotate_head;
 
+// rotary over the first R of a head's D dims (R < D: partial rotary, Phi-3's partial_rotary_factor, as transformers
+// rotates q[..., :R] and passes the rest), the rest copied
+inline void rotate_part(float* dst, const float* src, const float* c, const float* s, int64_t R, int64_t D) {
+  rotate_head(dst, src, c, s, R);
+  if (R < D) std::copy(src + R, src + D, dst + R);
+}
+
 // a query or key head before rotary: as it is (w null), or its RMSNorm over the head (Qwen 3's q_norm / k_norm, the
 // rms_norm op's own rows: bitwise what the module computes) written to `tmp`
 inline const float* norm_head(const float* head, const float* w, float eps, float* tmp, int64_t D) {
@@ -45,12 +52,43 @@ inline const float* norm_head(const float* head, const float* w, float eps, floa
   return tmp;
 }
 
+// OLMoE's q/k norms over one row of q|k|v: an RMSNorm over the whole query projection (heads * D, weight q_w) and one
+// over the whole key projection (kv_heads * D, k_w), in place; then, with clip > 0, q, k and v clamped to
+// [-clip, clip] (clip_qkv)
+inline void whole_qk_norm_row(float* row, const float* q_w, const float* k_w, float eps, float clip, int64_t heads,
+                              int64_t kv_heads, int64_t D) {
+  tpserve::rms_norm_rows(row, q_w, eps, row, heads * D, 0, 1);
+  tpserve::rms_norm_rows(row + heads * D, k_w, eps, row + heads * D, kv_heads * D, 0, 1);
+  if (clip > 0.f) {
+    const int64_t n = (heads + 2 * kv_heads) * D;
+#pragma omp simd
+    for (int64_t i = 0; i < n; ++i) row[i] = row[i] > clip ? clip : row[i] < -clip ? -clip : row[i];
+  }
+}
+
+// whole_qk_norm_(qkv [B, (heads + 2 kv_heads) * D], q_w [heads * D], k_w [kv_heads * D], ...) -> qkv, in place
+at::Tensor whole_qk_norm_(at::Tensor qkv, const at::Tensor& q_w, const at::Tensor& k_w, int64_t heads,
+                          int64_t kv_heads, double eps, double clip) {
+  TORCH_CHECK(qkv.dim() == 2 && qkv.scalar_type() == at::kFloat && qkv.is_contiguous() && heads > 0 && kv_heads > 0 &&
+                  qkv.size(1) % (heads + 2 * kv_heads) == 0,
+              "whole_qk_norm_: qkv [B, (heads + 2 kv_heads) * head_dim] float32, contiguous");
+  const int64_t D = qkv.size(1) / (heads + 2 * kv_heads);
+  TORCH_CHECK(q_w.scalar_type() == at::kFloat && k_w.scalar_type() == at::kFloat && q_w.is_contiguous() &&
+                  k_w.is_contiguous() && q_w.numel() == heads * D && k_w.numel() == kv_heads * D,
+              "whole_qk_norm_: float32 weights [heads * head_dim] and [kv_heads * head_dim]");
+  float* p = qkv.data_ptr<float>();
+  for (int64_t b = 0; b < qkv.size(0); ++b)
+    whole_qk_norm_row(p + b * qkv.size(1), q_w.data_ptr<float>(), k_w.data_ptr<float>(), static_cast<float>(eps),
+                      static_cast<float>(clip), heads, kv_heads, D);
+  return qkv;
+}
+
 at::Tensor decode_attention(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor pool,
                             const at::Tensor& slots, const at::Tensor& table, const at::Tensor& lens,
                             const std::optional<at::Tensor>& q_index, int64_t heads, int64_t kv_heads, double scale,
                             int64_t window, const std::optional<at::Tensor>& q_norm,
                             const std::optional<at::Tensor>& k_norm, double qk_eps,
-                            const std::optional<at::Tensor>& sinks) {
+                            const std::optional<at::Tensor>& sinks, double softcap) {
   TORCH_CHECK(qkv.dim() == 2 && pool.dim() == 5 && cos.dim() == 2 && sin.dim() == 2 && slots.dim() == 1,
               "decode_attention: shapes");
   TORCH_CHECK(qkv.scalar_type() == at::kFloat && pool.scalar_type() == at::kFloat && cos.scalar_type() == at::kFloat &&
@@ -58,9 +96,10 @@ at::Tensor decode_attention(const at::Tensor& qkv, const at::Tensor& cos, const 
               "decode_attention: float32 activations and cache, int64 slots");
   const int64_t B = qkv.size(0), D = pool.size(4), per_head = pool.size(2) * pool.size(3);
   TORCH_CHECK(pool.size(0) == 2 && pool.size(1) == kv_heads && qkv.size(1) == (heads + 2 * kv_heads) * D &&
-                  cos.size(0) == B && cos.size(1) == D && sin.sizes() == cos.sizes() && slots.size(0) == B &&
-                  D % 2 == 0,
+                  cos.size(0) == B && cos.size(1) <= D && cos.size(1) % 2 == 0 && sin.sizes() == cos.sizes() &&
+                  slots.size(0) == B && D % 2 == 0,
               "decode_attention: sizes do not match");
+  const int64_t R = cos.size(1);  // the rotated dims of each head
   TORCH_CHECK(qkv.is_contiguous() && pool.is_contiguous() && cos.is_contiguous() && sin.is_contiguous() &&
                   slots.is_contiguous(),
               "decode_attention: layout");
@@ -93,17 +132,17 @@ at::Tensor decode_attention(const at::Tensor& qkv, const at::Tensor& cos, const 
   const int64_t width = (heads + 2 * kv_heads) * D;
   for (int64_t b = 0; b < B; ++b) {
     const float* row = src + b * width;
-    const float* c = cp + b * D;
-    const float* s = sp + b * D;
+    const float* c = cp + b * R;
+    const float* s = sp + b * R;
     for (int64_t p = 0; p < P; ++p) {
       const int64_t h = qi ? qi[p] : p;
       TORCH_CHECK(h >= 0 && h < heads, "decode_attention: q_index out of range");
-      rotate_head(qp + (b * P + p) * D, norm_head(row + h * D, qn, eps, normed.data(), D), c, s, D);
+      rotate_part(qp + (b * P + p) * D, norm_head(row + h * D, qn, eps, normed.data(), D), c, s, R, D);
     }
     TORCH_CHECK(slot[b] >= 0 && slot[b] < per_head, "decode_attention: slot out of range");
     for (int64_t h = 0; h < kv_heads; ++h) {
-      rotate_head(kc + (h * per_head + slot[b]) * D, norm_head(row + (heads + h) * D, kn, eps, normed.data(), D), c, s,
-                  D);
+      rotate_part(kc + (h * per_head + slot[b]) * D, norm_head(row + (heads + h) * D, kn, eps, normed.data(), D), c, s,
+                  R, D);
       const float* v = row + (heads + kv_heads + h) * D;
       std::copy(v, v + D, vc + (h * per_head + slot[b]) * D);
     }
@@ -114,7 +153,7 @@ at::Tensor decode_attention(const at::Tensor& qkv, const at::Tensor& cos, const 
                 "decode_attention: sinks float32 [heads]");
     sk = qi ? sinks->index_select(0, qic) : sinks->contiguous();
   }
-  return tpserve::paged_decode_attention(q, pool, table, lens, scale, window, sk).view({B, P * D});
+  return tpserve::paged_decode_attention(q, pool, table, lens, scale, window, sk, softcap).view({B, P * D});
 }
 
 // exp(z) with z capped at 88 (exp(88) ~ 1.7e38): the build's -ffast-math assumes no infinities, and the vectorized
@@ -131,6 +170,24 @@ inline void add_row(float* h, const float* d, int64_t n) {
 inline void silu_mul_row(const float* gate, const float* up, float* o, int64_t I) {
 #pragma omp simd
   for (int64_t i = 0; i < I; ++i) o[i] = gate[i] / (1.f + exp_capped(-gate[i])) * up[i];
+}
+
+// GELU (tanh approximation: transformers' gelu_pytorch_tanh and gelu_new) of the gate times up, one row (Gemma)
+inline void gelu_tanh_mul_row(const float* gate, const float* up, float* o, int64_t I) {
+  constexpr float k0 = 0.7978845608028654f, k1 = 0.044715f;  // sqrt(2 / pi)
+#pragma omp simd
+  for (int64_t i = 0; i < I; ++i) {
+    const float g = gate[i];
+    o[i] = 0.5f * g * (1.f + std::tanh(k0 * (g + k1 * g * g * g))) * up[i];
+  }
+}
+
+// the dense MLP's activation of one row of gate|up: 0 SiLU(gate) * up, 1 GELU-tanh(gate) * up
+inline void act_mul_row(int64_t act, const float* gate, const float* up, float* o, int64_t I) {
+  if (act == 1)
+    gelu_tanh_mul_row(gate, up, o, I);
+  else
+    silu_mul_row(gate, up, o, I);
 }
 
 // gpt-oss's expert activation (transformers' GptOssExperts._apply_gate) of one row
@@ -155,15 +212,16 @@ at::Tensor add_rms_norm_(at::Tensor h, const at::Tensor& delta, const at::Tensor
   return tpserve::rms_norm(h, w, eps);
 }
 
-at::Tensor silu_mul(const at::Tensor& gate_up) {
+at::Tensor silu_mul(const at::Tensor& gate_up, int64_t act) {
   TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0 && gate_up.scalar_type() == at::kFloat,
               "silu_mul: gate_up [M, 2I] float32");
+  TORCH_CHECK(act == 0 || act == 1, "silu_mul: act 0 (SiLU) or 1 (GELU, tanh approximation)");
   const at::Tensor g = gate_up.contiguous();
   const int64_t M = g.size(0), I = g.size(1) / 2;
   at::Tensor out = at::empty({M, I}, g.options());
   const float* gp = g.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  for (int64_t m = 0; m < M; ++m) silu_mul_row(gp + m * 2 * I, gp + m * 2 * I + I, op + m * I, I);
+  for (int64_t m = 0; m < M; ++m) act_mul_row(act, gp + m * 2 * I, gp + m * 2 * I + I, op + m * I, I);
   return out;
 }
 
@@ -370,6 +428,16 @@ struct PlanLayer {
   // an MoE layer's feed-forward (add_moe_layer: gate_up and down unused), and the expert-token counts to add to
   c10::intrusive_ptr<MoeExperts> moe;
   std::optional<at::Tensor> counts;
+  int64_t window = 0;                // the layer's own sliding window (0: the step's)
+  std::optional<at::Tensor> sinks;   // one logit per query head in each softmax's denominator (gpt-oss), or none
+  double softcap = 0.0;              // tanh soft-capping of the attention scores (Gemma 2), 0: none
+  int64_t act = 0;                   // the dense MLP's activation (act_mul_row): 0 SiLU, 1 GELU-tanh (Gemma)
+  // RMSNorms of the attention's and the feed-forward's outputs before each residual add (Gemma 2), or none
+  std::optional<at::Tensor> attn_out_w, ffn_out_w;
+  double attn_out_eps = 0.0, ffn_out_eps = 0.0;
+  // RMSNorms over the whole query and key projections, and clip_qkv (OLMoE: whole_qk_norm_row), or none
+  std::optional<at::Tensor> q_whole_w, k_whole_w;
+  double whole_eps = 0.0, clip = 0.0;
 };
 
 struct DecodeLayers : torch::CustomClassHolder {
@@ -447,6 +515,53 @@ struct DecodeLayers : torch::CustomClassHolder {
     l.q_norm = std::move(q_w);
     l.k_norm = std::move(k_w);
     l.qk_eps = eps;
+  }
+
+  // the last added layer's own sliding window (> 0; 0: the step's) and attention sinks (float32 [heads], or None)
+  void set_attention(int64_t window, std::optional<at::Tensor> sinks, double softcap) {
+    TORCH_CHECK(!layers.empty(), "DecodeLayers.set_attention: add the layer first");
+    PlanLayer& l = layers.back();
+    TORCH_CHECK(window >= 0 && softcap >= 0.0, "DecodeLayers.set_attention: a window >= 0, a softcap >= 0");
+    TORCH_CHECK(!sinks.has_value() || (sinks->dim() == 1 && sinks->size(0) == l.heads &&
+                                       sinks->scalar_type() == at::kFloat && sinks->is_contiguous()),
+                "DecodeLayers.set_attention: sinks float32 [heads]");
+    l.window = window;
+    l.sinks = std::move(sinks);
+    l.softcap = softcap;
+  }
+
+  // the last added layer's RMSNorms over its whole query and key projections (float32 [heads * head_dim] and
+  // [kv_heads * head_dim]) and the clamp of q, k, v after them (clip > 0; 0: none)
+  void set_whole_qk_norm(at::Tensor q_w, at::Tensor k_w, double eps, double clip) {
+    TORCH_CHECK(!layers.empty(), "DecodeLayers.set_whole_qk_norm: add the layer first");
+    PlanLayer& l = layers.back();
+    const int64_t D = l.pool.size(4);
+    TORCH_CHECK(q_w.scalar_type() == at::kFloat && k_w.scalar_type() == at::kFloat && q_w.is_contiguous() &&
+                    k_w.is_contiguous() && q_w.numel() == l.heads * D && k_w.numel() == l.kv_heads * D && clip >= 0.0,
+                "DecodeLayers.set_whole_qk_norm: float32 weights [heads * head_dim], [kv_heads * head_dim]; clip >= 0");
+    l.q_whole_w = std::move(q_w);
+    l.k_whole_w = std::move(k_w);
+    l.whole_eps = eps;
+    l.clip = clip;
+  }
+
+  // the last added layer's dense MLP activation (act_mul_row) and the RMSNorms of its attention's and feed-forward's
+  // outputs (float32 weights [hidden], or None)
+  void set_ffn(int64_t act, std::optional<at::Tensor> attn_out_w, double attn_out_eps, std::optional<at::Tensor> ffn_out_w,
+               double ffn_out_eps) {
+    TORCH_CHECK(!layers.empty(), "DecodeLayers.set_ffn: add the layer first");
+    PlanLayer& l = layers.back();
+    TORCH_CHECK(act == 0 || act == 1, "DecodeLayers.set_ffn: act 0 (SiLU) or 1 (GELU-tanh)");
+    TORCH_CHECK(!l.moe || act == 0, "DecodeLayers.set_ffn: an MoE layer's activation is its experts'");
+    for (const auto* w : {&attn_out_w, &ffn_out_w})
+      TORCH_CHECK(!w->has_value() || ((*w)->dim() == 1 && (*w)->size(0) == l.qkv.k &&
+                                      (*w)->scalar_type() == at::kFloat && (*w)->is_contiguous()),
+                  "DecodeLayers.set_ffn: float32 norm weights [hidden]");
+    l.act = act;
+    l.attn_out_w = std::move(attn_out_w);
+    l.attn_out_eps = attn_out_eps;
+    l.ffn_out_w = std::move(ffn_out_w);
+    l.ffn_out_eps = ffn_out_eps;
   }
 
   // the adapter in `slot` of linear `which` (0 qkv, 1 o, 2 gate_up, 3 down) of layer `layer`: A^T [K, R] and
@@ -999,10 +1114,11 @@ at::Tensor decode_layers(const c10::intrusive_ptr<DecodeLayers>& plan, at::Tenso
   TORCH_CHECK(h.dim() == 2 && h.size(1) == hidden && h.scalar_type() == at::kFloat && h.is_contiguous() &&
                   x.sizes() == h.sizes() && x.scalar_type() == at::kFloat && x.is_contiguous(),
               "decode_layers: h and x [B, hidden] float32, contiguous");
-  TORCH_CHECK(cos.dim() == 2 && cos.size(0) == B && cos.size(1) == D && sin.sizes() == cos.sizes() &&
-                  cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
-                  sin.is_contiguous(),
-              "decode_layers: cos/sin [B, head_dim] float32");
+  TORCH_CHECK(cos.dim() == 2 && cos.size(0) == B && cos.size(1) <= D && cos.size(1) % 2 == 0 &&
+                  sin.sizes() == cos.sizes() && cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat &&
+                  cos.is_contiguous() && sin.is_contiguous(),
+              "decode_layers: cos/sin [B, rotated dims <= head_dim] float32");
+  const int64_t R = cos.size(1);  // the rotated dims of each head
   TORCH_CHECK(slots.dim() == 1 && slots.size(0) == B && lens.dim() == 1 && lens.size(0) == B && table.dim() == 2 &&
                   table.size(0) == B && slots.scalar_type() == at::kLong && lens.scalar_type() == at::kLong &&
                   table.scalar_type() == at::kLong && slots.is_contiguous() && lens.is_contiguous() &&
@@ -1108,10 +1224,14 @@ at::Tensor decode_layers(const c10::intrusive_ptr<DecodeLayers>& plan, at::Tenso
       if (takes_rows(l)) tpserve::quantize_rows(src, rows, r0, r1, 0, l.k / 32);
       if (takes_bf16(l)) tpserve::round_rows_bf16(src, rows, r0, r1);
     };
-    // h += delta and out = rms_norm(h), over this thread's rows (which stay a, b for the quantize after it)
-    const auto residual_norm = [&](const float* delta, const at::Tensor& w, double eps) {
+    // h += delta (first normed in place by `pre`, where the layer has that norm) and out = rms_norm(h), over this
+    // thread's rows (which stay a, b for the quantize after it)
+    const auto residual_norm = [&](float* delta, const std::optional<at::Tensor>& pre, double pre_eps,
+                                   const at::Tensor& w, double eps) {
       share(B, a, b);
       for (int64_t r = a; r < b; ++r) {
+        if (pre.has_value())
+          tpserve::rms_norm_rows(delta, pre->data_ptr<float>(), static_cast<float>(pre_eps), delta, hidden, r, r + 1);
         add_row(hp + r * hidden, delta + r * hidden, hidden);
         tpserve::rms_norm_rows(hp, w.data_ptr<float>(), static_cast<float>(eps), outp, hidden, r, r + 1);
       }
@@ -1129,6 +1249,13 @@ at::Tensor decode_layers(const c10::intrusive_ptr<DecodeLayers>& plan, at::Tenso
       share(l.qkv.blocks, a, b);
       linear(l, 0, l.qkv, xin, &xq_x, qkvp);
 #pragma omp barrier
+      if (l.q_whole_w.has_value()) {  // OLMoE: norms over the whole projections, per row
+        share(B, a, b);
+        for (int64_t r = a; r < b; ++r)
+          whole_qk_norm_row(qkvp + r * width, l.q_whole_w->data_ptr<float>(), l.k_whole_w->data_ptr<float>(),
+                            static_cast<float>(l.whole_eps), static_cast<float>(l.clip), heads, kvh, D);
+#pragma omp barrier
+      }
       // rotary, the cache write and attention, per (sequence, KV head)
       share(B * kvh, a, b);
       const float* qn = l.q_norm.has_value() ? l.q_norm->data_ptr<float>() : nullptr;
@@ -1138,24 +1265,27 @@ at::Tensor decode_layers(const c10::intrusive_ptr<DecodeLayers>& plan, at::Tenso
       for (int64_t task = a; task < b; ++task) {
         const int64_t s = task / kvh, kh = task % kvh;
         const float* row = qkvp + s * width;
-        const float *c = cp + s * D, *sn = snp + s * D;
+        const float *c = cp + s * R, *sn = snp + s * R;
         for (int64_t g = 0; g < G; ++g) {
           const int64_t p = kh * G + g;
-          tpserve::rotate_head(qp + (s * heads + p) * D, norm_head(row + p * D, qn, qk_eps, tmp, D), c, sn, D);
+          rotate_part(qp + (s * heads + p) * D, norm_head(row + p * D, qn, qk_eps, tmp, D), c, sn, R, D);
         }
-        tpserve::rotate_head(kc + (kh * per_head + sp[s]) * D, norm_head(row + (heads + kh) * D, kn, qk_eps, tmp, D),
-                             c, sn, D);
+        rotate_part(kc + (kh * per_head + sp[s]) * D, norm_head(row + (heads + kh) * D, kn, qk_eps, tmp, D), c, sn, R,
+                    D);
         const float* v = row + (heads + kvh + kh) * D;
         std::copy(v, v + D, vc + (kh * per_head + sp[s]) * D);
       }
 #pragma omp barrier
       // every row's K/V is in the cache before any row attends (several rows of one sequence: speculation)
+      const int64_t win = l.window > 0 ? l.window : window;
+      const float* sk = l.sinks.has_value() ? l.sinks->data_ptr<float>() : nullptr;
       for (int64_t task = a; task < b; ++task) {
         const int64_t s = task / kvh, kh = task % kvh;
-        const int64_t len = lp[s], first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+        const int64_t len = lp[s], first = win > 0 ? std::max<int64_t>(0, len - win) : 0;
         tpserve::paged_attention_head(qp + (s * heads + kh * G) * D, kc + kh * per_head * D, vc + kh * per_head * D,
                                       tp + s * MAXB, len, first, G, D, BS, static_cast<float>(l.scale), scores[t],
-                                      attp + (s * heads + kh * G) * D);
+                                      attp + (s * heads + kh * G) * D, sk ? sk + kh * G : nullptr,
+                                      static_cast<float>(l.softcap));
       }
 #pragma omp barrier
       if (takes_rows(l.o) || takes_bf16(l.o)) {
@@ -1166,7 +1296,7 @@ at::Tensor decode_layers(const c10::intrusive_ptr<DecodeLayers>& plan, at::Tenso
       share(l.o.blocks, a, b);
       linear(l, 1, l.o, attp, &xq_att, obp);
 #pragma omp barrier
-      residual_norm(obp, l.post_w, l.post_eps);  // the post-attention norm
+      residual_norm(obp, l.attn_out_w, l.attn_out_eps, l.post_w, l.post_eps);  // the post-attention norm
       if (l.moe) {  // an MoE feed-forward: router, routing, the grouped experts (moe_forward's phases)
 #pragma omp barrier
         moe_route(*l.moe, moe, outp, B, t, T);
@@ -1182,14 +1312,14 @@ at::Tensor decode_layers(const c10::intrusive_ptr<DecodeLayers>& plan, at::Tenso
 #pragma omp barrier
         const int64_t I = l.gate_up.n / 2;
         share(B, a, b);
-        for (int64_t r = a; r < b; ++r) silu_mul_row(gup + r * 2 * I, gup + r * 2 * I + I, actp + r * I, I);
+        for (int64_t r = a; r < b; ++r) act_mul_row(l.act, gup + r * 2 * I, gup + r * 2 * I + I, actp + r * I, I);
         quantize(l.down, actp, xq_act, a, b);
 #pragma omp barrier
         share(l.down.blocks, a, b);
         linear(l, 3, l.down, actp, &xq_act, ddp);
 #pragma omp barrier
       }
-      residual_norm(ddp, l.next_w, l.next_eps);  // the next layer's input norm (or the final norm)
+      residual_norm(ddp, l.ffn_out_w, l.ffn_out_eps, l.next_w, l.next_eps);  // the next layer's input norm (or the final)
       if (li + 1 < layers.size()) quantize(layers[li + 1].qkv, outp, xq_x, a, b);
       xin = outp;
 #pragma omp barrier
@@ -1204,9 +1334,11 @@ at::Tensor decode_layers(const c10::intrusive_ptr<DecodeLayers>& plan, at::Tenso
 TORCH_LIBRARY_FRAGMENT(tpserve, m) {
   m.def("decode_attention(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) pool, Tensor slots, Tensor table, "
         "Tensor lens, Tensor? q_index, int heads, int kv_heads, float scale, int window, Tensor? q_norm=None, "
-        "Tensor? k_norm=None, float qk_eps=0., Tensor? sinks=None) -> Tensor");
+        "Tensor? k_norm=None, float qk_eps=0., Tensor? sinks=None, float softcap=0.) -> Tensor");
   m.def("add_rms_norm_(Tensor(a!) h, Tensor delta, Tensor w, float eps) -> Tensor");
-  m.def("silu_mul(Tensor gate_up) -> Tensor");
+  m.def("whole_qk_norm_(Tensor(a!) qkv, Tensor q_w, Tensor k_w, int heads, int kv_heads, float eps, float clip) -> "
+        "Tensor(a!)");
+  m.def("silu_mul(Tensor gate_up, int act=0) -> Tensor");
   m.def("argmax_rows(Tensor logits) -> Tensor");
   m.class_<MoeExperts>("MoeExperts")
       .def(torch::init<>())
@@ -1222,6 +1354,9 @@ TORCH_LIBRARY_FRAGMENT(tpserve, m) {
       .def("add_moe_layer", &DecodeLayers::add_moe_layer)
       .def("set_lora", &DecodeLayers::set_lora)
       .def("set_qk_norm", &DecodeLayers::set_qk_norm)
+      .def("set_attention", &DecodeLayers::set_attention)
+      .def("set_ffn", &DecodeLayers::set_ffn)
+      .def("set_whole_qk_norm", &DecodeLayers::set_whole_qk_norm)
       .def("size", &DecodeLayers::size);
   m.def("decode_layers(__torch__.torch.classes.tpserve.DecodeLayers plan, Tensor(a!) h, Tensor x, Tensor cos, "
         "Tensor sin, Tensor slots, Tensor table, Tensor lens, int window, Tensor? lora_slots=None) -> Tensor");
@@ -1233,6 +1368,7 @@ TORCH_LIBRARY_FRAGMENT(tpserve, m) {
 TORCH_LIBRARY_IMPL(tpserve, CPU, m) {
   m.impl("decode_attention", &decode_attention);
   m.impl("add_rms_norm_", &add_rms_norm_);
+  m.impl("whole_qk_norm_", &whole_qk_norm_);
   m.impl("silu_mul", &silu_mul);
   m.impl("argmax_rows", &argmax_rows);
   m.impl("decode_layers", &decode_layers);

@@ -24,7 +24,7 @@ namespace tpserve {
 
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& pool, const at::Tensor& table,
                                   const at::Tensor& lens, double scale, int64_t window,
-                                  const std::optional<at::Tensor>& sinks) {
+                                  const std::optional<at::Tensor>& sinks, double softcap) {
   TORCH_CHECK(q.dim() == 4 && pool.dim() == 5 && table.dim() == 2 && lens.dim() == 1, "paged_decode_attention: shapes");
   TORCH_CHECK(q.scalar_type() == at::kFloat && pool.scalar_type() == at::kFloat, "paged_decode_attention: float32 only");
   TORCH_CHECK(table.scalar_type() == at::kLong && lens.scalar_type() == at::kLong, "paged_decode_attention: int64 indices");
@@ -45,7 +45,8 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& pool, c
   const int64_t* tp = table.data_ptr<int64_t>();
   const int64_t* lp = lens.data_ptr<int64_t>();
   float* op = out.data_ptr<float>();
-  const float fscale = static_cast<float>(scale);
+  const float fscale = static_cast<float>(scale), cap = static_cast<float>(softcap);
+  TORCH_CHECK(softcap >= 0.0, "paged_decode_attention: softcap >= 0 (0: none)");
 
   at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
@@ -54,7 +55,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& pool, c
       const int64_t len = lp[b];
       const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
       paged_attention_head(qp + bh * G * D, kp + h * NB * BS * D, vp + h * NB * BS * D, tp + b * MAXB, len, first, G, D,
-                           BS, fscale, scores, op + bh * G * D, sk ? sk + h * G : nullptr);
+                           BS, fscale, scores, op + bh * G * D, sk ? sk + h * G : nullptr, cap);
     }
   });
   return out;
@@ -64,7 +65,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& pool, c
 
 TORCH_LIBRARY_FRAGMENT(tpserve, m) {
   m.def("paged_decode_attention(Tensor q, Tensor pool, Tensor table, Tensor lens, float scale, int window, "
-        "Tensor? sinks=None) -> Tensor");
+        "Tensor? sinks=None, float softcap=0.) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tpserve, CPU, m) { m.impl("paged_decode_attention", &tpserve::paged_decode_attention); }

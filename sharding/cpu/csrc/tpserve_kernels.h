@@ -19,7 +19,7 @@ inline const fp16_t* half_data(const at::Tensor& t) { return reinterpret_cast<co
 
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& pool, const at::Tensor& table,
                                   const at::Tensor& lens, double scale, int64_t window,
-                                  const std::optional<at::Tensor>& sinks = std::nullopt);
+                                  const std::optional<at::Tensor>& sinks = std::nullopt, double softcap = 0.0);
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps);
 
 }  // namespace tpserve

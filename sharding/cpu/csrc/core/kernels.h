@@ -141,7 +141,7 @@ void rms_norm_rows(const float* x, const float* w, float eps, float* y, int64_t 
 // null): one logit per query head [G] that joins its softmax's denominator and attends to nothing
 void paged_attention_head(const float* qbh, const float* kh, const float* vh, const int64_t* blocks, int64_t len,
                           int64_t first, int64_t G, int64_t D, int64_t BS, float scale, std::vector<float>& scores,
-                          float* obh, const float* sinks = nullptr);
+                          float* obh, const float* sinks = nullptr, float softcap = 0.f);
 // core/argmax.cpp: torch.argmax of one row of V > 0 floats (the first maximal value; a NaN counts as the maximum)
 int64_t argmax_row(const float* row, int64_t V);
 

@@ -13,7 +13,7 @@ namespace tpserve {
 
 void paged_attention_head(const float* qbh, const float* kh, const float* vh, const int64_t* blocks, int64_t len,
                           int64_t first, int64_t G, int64_t D, int64_t BS, float fscale, std::vector<float>& scores,
-                          float* obh, const float* sinks) {
+                          float* obh, const float* sinks, float softcap) {
   const int64_t n = len - first;
   scores.resize(G * n);
   // scores[g][t] = q[g] . k[t] * scale, each key row read once for the group
@@ -28,7 +28,8 @@ void paged_attention_head(const float* qbh, const float* kh, const float* vh, co
       float acc = 0.f;
 #pragma omp simd reduction(+ : acc)
       for (int64_t d = 0; d < D; ++d) acc += qg[d] * krow[d];
-      scores[g * n + (t - first)] = acc * fscale;
+      const float sc = acc * fscale;  // soft-capped (Gemma 2): tanh(s / cap) * cap
+      scores[g * n + (t - first)] = softcap > 0.f ? std::tanh(sc / softcap) * softcap : sc;
     }
   }
   // softmax per query head
