@@ -97,7 +97,8 @@ def step_bytes(llm, context: float) -> dict:
         return sum(own(m) for m in mod.modules())
 
     model = llm.executor.model
-    head = nbytes(model.lm_head) if model.lm_head is not None and not getattr(model.lm_head, "tied", False) else 0
+    # (a tied head too: it streams its packed copy, or the embedding's table it shares)
+    head = nbytes(model.lm_head) if model.lm_head is not None else 0
     final_norm = nbytes(model.norm) if model.norm is not None else 0
     dense = experts = routers = kv = 0
     for layer in model.layers:

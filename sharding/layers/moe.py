@@ -279,9 +279,27 @@ class SparseMoe(nn.Module):
             r = self.routing
             compiled.set_router(*router, r.top_k, r.renormalize, r.topk_softmax)
             self._routes = True
+            shared = self._plan_shared()
+            if shared is not None:
+                compiled.set_shared(*shared)
+                self._shared_planned = True
         return compiled
 
     _routes = False  # whether the compiled plan has the router and routing (moe_forward), else moe_experts
+    _shared_planned = False  # whether it has the shared expert too
+
+    def _plan_shared(self) -> tuple | None:
+        """The shared expert as MoeExperts.set_shared takes it (a SiLU MLP whose linears have compiled kernels, and a
+        float32 gate or none), or None (it then runs as its module)."""
+        mlp = self.shared
+        if mlp is None or getattr(mlp, "plan_activation", lambda: None)() != 0 or mlp.down_proj.bias is not None:
+            return None  # (a row-parallel bias is added once after the all-reduce: the module's to do)
+        gate_up, down = kernels.plan_linear(mlp.gate_up_proj), kernels.plan_linear(mlp.down_proj)
+        gate = kernels.plan_linear(self.shared_gate) if self.shared_gate is not None else None
+        if (gate_up is None or down is None or gate_up[0] == 5 or down[0] == 5
+                or (self.shared_gate is not None and (gate is None or gate[0] != 0))):
+            return None
+        return (*gate_up, *down, gate[1] if gate else None, gate[3] if gate else None)
 
     def _plan(self) -> torch.ScriptObject | None:
         """The compiled experts (for float32 inputs on CPU), built at first use."""
@@ -297,16 +315,16 @@ class SparseMoe(nn.Module):
         """This feed-forward as the one-call decode step runs it (sharding/cpu/decode_plan.py): the compiled experts
         with their router and routing, and the counts to add to; None where the step cannot run it whole (a shared
         expert, no compiled experts or router)."""
-        if self.shared is not None:
-            return None
         plan = self._plan()
-        return (plan, self._counts()) if plan is not None and self._routes else None
+        if plan is None or not self._routes or (self.shared is not None and not self._shared_planned):
+            return None
+        return plan, self._counts()
 
     def routed(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's share of the routed experts' weighted sum, [n, hidden] in x's dtype."""
         compiled = self._plan() if x.dtype == torch.float32 and x.device.type == "cpu" else None
         if compiled is not None and self._routes:  # router, routing, the metric and the experts in one call
-            return kernels.moe_experts_ops()[2](compiled, x.contiguous(), self._counts())
+            return kernels.moe_experts_ops()[2](compiled, x.contiguous(), self._counts(), False)
         weights, ids = self.routing(self.router(x))
         if self.dist.is_driver:  # the metric is exported by rank 0 only (server/api/metrics.py ExpertTokens)
             self.tokens_per_expert += torch.bincount(ids.reshape(-1), minlength=self.num_experts).cpu()
@@ -334,8 +352,13 @@ class SparseMoe(nn.Module):
         return out
 
     def forward(self, x: torch.Tensor, scatter: bool = False) -> torch.Tensor:
-        out = self.routed(x)
-        if self.shared is not None:
+        compiled = self._plan() if x.dtype == torch.float32 and x.device.type == "cpu" else None
+        whole = compiled is not None and self._routes and self._shared_planned
+        if whole:  # the routed experts and the shared expert in one call (moe_forward)
+            out = kernels.moe_experts_ops()[2](compiled, x.contiguous(), self._counts(), True)
+        else:
+            out = self.routed(x)
+        if self.shared is not None and not whole:
             s = self.shared.partial(x)
             if self.shared_gate is not None:
                 s = torch.sigmoid(self.shared_gate(x)).to(s.dtype) * s

@@ -240,11 +240,11 @@ def test_structured_output_with_experts(reference):
     assert set(value) == {"n"} and isinstance(value["n"], int)
 
 
-@pytest.mark.parametrize("arch", ["olmoe", "mixtral"])
+@pytest.mark.parametrize("arch", ["olmoe", "mixtral", "qwen2_moe"])
 def test_decode_plan_paths(reference, arch):
-    """OLMoE (norms over the whole q and k projections, clip_qkv) and Mixtral as one compiled decode call, router and
-    experts included: equal to the plan's Python loop bit for bit and to the modules to rounding
-    (tests/sharding/test_perf_paths.py)."""
+    """OLMoE (norms over the whole q and k projections, clip_qkv), Mixtral and Qwen 2-MoE (a shared expert with its
+    sigmoid gate; dense and sparse layers mixed) as one compiled decode call, router and experts included: equal to
+    the plan's Python loop bit for bit and to the modules to rounding (tests/sharding/test_perf_paths.py)."""
     from test_perf_paths import three_decode_paths
 
     three_decode_paths(reference[arch][0], None, moe=True)

@@ -375,6 +375,9 @@ struct MoeExperts : torch::CustomClassHolder {
   std::optional<PlanLinear> router;
   int64_t top_k = 0;
   bool renormalize = false, topk_softmax = false;
+  // a shared expert (Qwen 2-MoE: set_shared): a dense SiLU MLP over every row (this rank's slice of it), its output
+  // scaled by sigmoid(shared_gate(x)) where it has that gate (float32, one output), added after the routed sum
+  std::optional<PlanLinear> shared_gate_up, shared_down, shared_gate;
 
   void set_activation(int64_t kind, double alpha_, double limit_) {
     TORCH_CHECK(kind == 0 || kind == 1, "MoeExperts.set_activation: kind 0 (SiLU) or 1 (clamped SwiGLU)");
@@ -412,8 +415,27 @@ struct MoeExperts : torch::CustomClassHolder {
     topk_softmax = topk_softmax_;
   }
 
+  // after the experts: the shared expert's gate/up and down linears, and its gate (kind 0, one output) or None
+  void set_shared(int64_t kind, at::Tensor w, at::Tensor scale, std::optional<at::Tensor> bias, int64_t n,
+                  int64_t group, int64_t kind2, at::Tensor w2, at::Tensor scale2, std::optional<at::Tensor> bias2,
+                  int64_t n2, int64_t group2, std::optional<at::Tensor> gate_w, std::optional<at::Tensor> gate_bias) {
+    TORCH_CHECK(!index.empty(), "MoeExperts.set_shared: add the experts first");
+    PlanLinear gu = make_plan_linear(kind, std::move(w), std::move(scale), std::move(bias), n, group);
+    PlanLinear dn = make_plan_linear(kind2, std::move(w2), std::move(scale2), std::move(bias2), n2, group2);
+    TORCH_CHECK(gu.k == hidden() && gu.n % 2 == 0 && dn.k == gu.n / 2 && dn.n == hidden(),
+                "MoeExperts.set_shared: a dense MLP of the experts' hidden size");
+    if (gate_w.has_value()) {
+      PlanLinear g = make_plan_linear(0, std::move(*gate_w), at::empty({0}), std::move(gate_bias), 1, 0);
+      TORCH_CHECK(g.k == hidden(), "MoeExperts.set_shared: a gate over the hidden size");
+      shared_gate = std::move(g);
+    }
+    shared_gate_up = std::move(gu);
+    shared_down = std::move(dn);
+  }
+
   int64_t size() const { return static_cast<int64_t>(index.size()); }
   int64_t hidden() const { return gate_up[0].k; }
+  int64_t shared_inter() const { return shared_gate_up.has_value() ? shared_gate_up->n / 2 : 0; }
   int64_t inter() const { return gate_up[0].n / 2; }
 };
 
@@ -870,11 +892,16 @@ struct MoeScratch {
   at::Tensor xg, gu, act, y;            // [P, H], [P, 2I], [P, I], [P, H] with P <= M * k pairs
   std::vector<tpserve::Int8Rows> xq, aq;  // int8 / bfloat16 copies of each active expert's input rows, per linear
   int64_t M = 0, K = 0, P = 0, A = 0;
+  // the shared expert's: gate/up [M, 2Is], activation [M, Is], output [M, H], gate logits [M], input copies
+  at::Tensor sgu, sact, sy;
+  std::vector<float> sg;
+  tpserve::Int8Rows sxq, saq;
+  bool with_shared = false;  // this call adds the shared expert
 };
 
 // sizes for up to M rows of k experts each, experts of hidden size H and intermediate size I, `experts` router logits
 void moe_reserve(MoeScratch& s, int64_t M, int64_t k, int64_t H, int64_t I, int64_t experts, int64_t local,
-                 const at::TensorOptions& opts) {
+                 int64_t shared_inter, const at::TensorOptions& opts) {
   const int64_t P = M * k;
   s.ids.resize(P);
   s.wts.resize(P);
@@ -889,6 +916,12 @@ void moe_reserve(MoeScratch& s, int64_t M, int64_t k, int64_t H, int64_t I, int6
   s.y = at::empty({P, H}, opts);
   s.xq.resize(std::min(local, P));
   s.aq.resize(std::min(local, P));
+  if (shared_inter > 0) {
+    s.sgu = at::empty({M, 2 * shared_inter}, opts);
+    s.sact = at::empty({M, shared_inter}, opts);
+    s.sy = at::empty({M, H}, opts);
+    s.sg.resize(M);
+  }
 }
 
 // one row's routing (moe.py's Routing): its k experts by logit (descending; ties: the lower id first) and their weights
@@ -965,6 +998,14 @@ void moe_group(const MoeExperts& p, MoeScratch& s, int64_t M, int64_t k, int64_t
   for (int64_t e = 0; e < E; ++e)
     if (s.start[e + 1] > s.start[e]) s.active.push_back(e);
   s.A = static_cast<int64_t>(s.active.size());
+  s.with_shared = s.with_shared && p.shared_gate_up.has_value();
+  if (s.with_shared) {
+    const PlanLinear &gu = *p.shared_gate_up, &dn = *p.shared_down;
+    if (takes_rows(gu)) tpserve::resize_rows(s.sxq, M, H);
+    if (takes_bf16(gu)) tpserve::resize_bf16_rows(s.sxq, M, H);
+    if (takes_rows(dn)) tpserve::resize_rows(s.saq, M, dn.k);
+    if (takes_bf16(dn)) tpserve::resize_bf16_rows(s.saq, M, dn.k);
+  }
   s.gu_items.assign(s.A + 1, 0);  // prefix sums of output blocks per active expert
   s.dn_items.assign(s.A + 1, 0);
   for (int64_t a = 0; a < s.A; ++a) {
@@ -1036,7 +1077,30 @@ void moe_run(const MoeExperts& p, MoeScratch& s, const float* x, float* out, int
     });
 #pragma omp barrier
   }
-  share(M, lo, hi);  // each row: its experts' weighted outputs, summed in expert order
+  float* syp = nullptr;
+  if (s.with_shared) {  // the shared expert over every row: gate/up (and its gate) -> SiLU(gate) * up -> down
+    const PlanLinear &sgu = *p.shared_gate_up, &sdn = *p.shared_down;
+    const int64_t Is = sgu.n / 2;
+    float *sgup = s.sgu.data_ptr<float>(), *sactp = s.sact.data_ptr<float>();
+    syp = s.sy.data_ptr<float>();
+    share(M, lo, hi);
+    if (takes_rows(sgu)) tpserve::quantize_rows(x, s.sxq, lo, hi, 0, H / 32);
+    if (takes_bf16(sgu)) tpserve::round_rows_bf16(x, s.sxq, lo, hi);
+#pragma omp barrier
+    share(sgu.blocks, lo, hi);
+    linear_range(sgu, x, &s.sxq, M, sgup, lo, hi);
+    if (p.shared_gate.has_value() && t == T - 1) linear_range(*p.shared_gate, x, nullptr, M, s.sg.data(), 0, 1);
+#pragma omp barrier
+    share(M, lo, hi);
+    for (int64_t m = lo; m < hi; ++m) silu_mul_row(sgup + m * 2 * Is, sgup + m * 2 * Is + Is, sactp + m * Is, Is);
+    if (takes_rows(sdn)) tpserve::quantize_rows(sactp, s.saq, lo, hi, 0, Is / 32);
+    if (takes_bf16(sdn)) tpserve::round_rows_bf16(sactp, s.saq, lo, hi);
+#pragma omp barrier
+    share(sdn.blocks, lo, hi);
+    linear_range(sdn, sactp, &s.saq, M, syp, lo, hi);
+#pragma omp barrier
+  }
+  share(M, lo, hi);  // each row: its experts' weighted outputs, summed in expert order (then the shared expert's)
   for (int64_t m = lo; m < hi; ++m) {
     float* o = out + m * H;
     std::fill(o, o + H, 0.f);
@@ -1046,6 +1110,12 @@ void moe_run(const MoeExperts& p, MoeScratch& s, const float* x, float* out, int
       const float* yr = yp + q * H;
 #pragma omp simd
       for (int64_t i = 0; i < H; ++i) o[i] += yr[i] * w;
+    }
+    if (syp != nullptr) {
+      const float g = p.shared_gate.has_value() ? 1.f / (1.f + exp_capped(-s.sg[m])) : 1.f;
+      const float* sr = syp + m * H;
+#pragma omp simd
+      for (int64_t i = 0; i < H; ++i) o[i] += g * sr[i];
     }
   }
 }
@@ -1064,7 +1134,7 @@ at::Tensor moe_experts(const c10::intrusive_ptr<MoeExperts>& plan, const at::Ten
                   weights.sizes() == ids.sizes() && weights.scalar_type() == at::kFloat && weights.is_contiguous(),
               "moe_experts: ids [M, k] int64 and weights [M, k] float32, contiguous");
   MoeScratch s;
-  moe_reserve(s, M, K, plan->hidden(), plan->inter(), 0, plan->size(), x.options());
+  moe_reserve(s, M, K, plan->hidden(), plan->inter(), 0, plan->size(), 0, x.options());
   std::copy(ids.data_ptr<int64_t>(), ids.data_ptr<int64_t>() + M * K, s.ids.begin());
   std::copy(weights.data_ptr<float>(), weights.data_ptr<float>() + M * K, s.wts.begin());
   moe_group(*plan, s, M, K, nullptr);
@@ -1078,7 +1148,7 @@ at::Tensor moe_experts(const c10::intrusive_ptr<MoeExperts>& plan, const at::Ten
 }
 
 at::Tensor moe_forward(const c10::intrusive_ptr<MoeExperts>& plan, const at::Tensor& x,
-                       const std::optional<at::Tensor>& counts) {
+                       const std::optional<at::Tensor>& counts, bool shared) {
   check_moe_input(*plan, x, "moe_forward");
   TORCH_CHECK(plan->router.has_value(), "moe_forward: a plan with its router (set_router)");
   TORCH_CHECK(!counts.has_value() || (counts->dim() == 1 && counts->size(0) == plan->router->n &&
@@ -1086,7 +1156,9 @@ at::Tensor moe_forward(const c10::intrusive_ptr<MoeExperts>& plan, const at::Ten
               "moe_forward: counts [experts] int64");
   const int64_t M = x.size(0), K = plan->top_k;
   MoeScratch s;
-  moe_reserve(s, M, K, plan->hidden(), plan->inter(), plan->router->n, plan->size(), x.options());
+  moe_reserve(s, M, K, plan->hidden(), plan->inter(), plan->router->n, plan->size(),
+              shared ? plan->shared_inter() : 0, x.options());
+  s.with_shared = shared;
   at::Tensor out = at::empty({M, plan->hidden()}, x.options());
   const float* xp = x.data_ptr<float>();
   float* op = out.data_ptr<float>();
@@ -1134,7 +1206,7 @@ at::Tensor decode_layers(const c10::intrusive_ptr<DecodeLayers>& plan, at::Tenso
   const int64_t MAXB = table.size(1);
   const int64_t max_q = layers[0].qkv.n, max_att = layers[0].o.k;
   int64_t max_gu = 0;  // the dense layers' widest gate|up
-  int64_t moe_k = 0, moe_h = 0, moe_i = 0, moe_e = 0, moe_local = 0;  // the MoE layers' widest routing and experts
+  int64_t moe_k = 0, moe_h = 0, moe_i = 0, moe_e = 0, moe_local = 0, moe_si = 0;  // the MoE layers' widest
   for (const PlanLayer& l : layers) {
     if (!l.moe) {
       max_gu = std::max(max_gu, l.gate_up.n);
@@ -1145,6 +1217,7 @@ at::Tensor decode_layers(const c10::intrusive_ptr<DecodeLayers>& plan, at::Tenso
     moe_i = std::max(moe_i, l.moe->inter());
     moe_e = std::max(moe_e, l.moe->router->n);
     moe_local = std::max(moe_local, l.moe->size());
+    moe_si = std::max(moe_si, l.moe->shared_inter());
   }
   const int64_t NB = layers[0].pool.size(2), BS = layers[0].pool.size(3);
   for (int64_t b = 0; b < B; ++b) {  // one block table for every layer's pool (all of one geometry, checked below)
@@ -1194,7 +1267,7 @@ at::Tensor decode_layers(const c10::intrusive_ptr<DecodeLayers>& plan, at::Tenso
     for (auto& u : lora_u) u.assign(B * lstride, 0.0f);
   const float* x0 = x.data_ptr<float>();
   MoeScratch moe;  // the MoE layers' (one at a time)
-  if (moe_k > 0) moe_reserve(moe, B, moe_k, moe_h, moe_i, moe_e, moe_local, opts);
+  if (moe_k > 0) moe_reserve(moe, B, moe_k, moe_h, moe_i, moe_e, moe_local, moe_si, opts);
 
 #pragma omp parallel num_threads(nt)
   {
@@ -1300,7 +1373,10 @@ at::Tensor decode_layers(const c10::intrusive_ptr<DecodeLayers>& plan, at::Tenso
       if (l.moe) {  // an MoE feed-forward: router, routing, the grouped experts (moe_forward's phases)
 #pragma omp barrier
         moe_route(*l.moe, moe, outp, B, t, T);
-        if (t == 0) moe_group(*l.moe, moe, B, l.moe->top_k, l.counts.has_value() ? l.counts->data_ptr<int64_t>() : nullptr);
+        if (t == 0) {
+          moe.with_shared = true;  // (where this layer has one)
+          moe_group(*l.moe, moe, B, l.moe->top_k, l.counts.has_value() ? l.counts->data_ptr<int64_t>() : nullptr);
+        }
 #pragma omp barrier
         moe_run(*l.moe, moe, outp, ddp, t, T);
 #pragma omp barrier
@@ -1345,6 +1421,7 @@ TORCH_LIBRARY_FRAGMENT(tpserve, m) {
       .def("add_expert", &MoeExperts::add_expert)
       .def("set_activation", &MoeExperts::set_activation)
       .def("set_router", &MoeExperts::set_router)
+      .def("set_shared", &MoeExperts::set_shared)
       .def("size", &MoeExperts::size);
   m.class_<DecodeLayers>("DecodeLayers")
       .def(torch::init<>())
@@ -1362,7 +1439,8 @@ TORCH_LIBRARY_FRAGMENT(tpserve, m) {
         "Tensor sin, Tensor slots, Tensor table, Tensor lens, int window, Tensor? lora_slots=None) -> Tensor");
   m.def("moe_experts(__torch__.torch.classes.tpserve.MoeExperts plan, Tensor x, Tensor ids, Tensor weights) -> "
         "Tensor");
-  m.def("moe_forward(__torch__.torch.classes.tpserve.MoeExperts plan, Tensor x, Tensor(a!)? counts=None) -> Tensor");
+  m.def("moe_forward(__torch__.torch.classes.tpserve.MoeExperts plan, Tensor x, Tensor(a!)? counts=None, "
+        "bool shared=True) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tpserve, CPU, m) {
