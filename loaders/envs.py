@@ -144,9 +144,9 @@ PAGED_KERNEL = _kernel_switch("PAGED", "paged decode attention")
 QUANT_KERNEL = _kernel_switch("QUANT", "int8/int4/bf16 linears")
 NORM_KERNEL = _kernel_switch("NORM", "RMSNorm")
 ROTARY_KERNEL = _kernel_switch("ROTARY", "rotary embedding")
-GLUE_KERNEL = _kernel_switch("GLUE", "decode fast path of Llama-family models and greedy argmax")
+GLUE_KERNEL = _kernel_switch("GLUE", "CPU decode step (every family's) and greedy argmax")
 LAYERS_KERNEL = _kernel_switch("LAYERS", "one-call decoder layers (that fast path's form at TP=1)")
-MOE_KERNEL = _kernel_switch("MOE", "MoE experts")
+MOE_KERNEL = _kernel_switch("MOE", "MoE layer (router, top-k, experts, shared expert)")
 HUGE_PAGES = _var("TPSERVE_HUGE_PAGES", "0/1", "1", None, USER,
                   "`0` leaves the weights and the KV cache in 4 KiB pages; by default (Linux, transparent huge pages "
                   "`madvise` or `always`) they move into memory advised for 2 MiB pages after load",
