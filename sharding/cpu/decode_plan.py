@@ -1,18 +1,20 @@
-"""The CPU decode plan: a step of decode tokens only through Llama-shaped layers, run as each layer's four linears
-with three compiled ops between them (sharding/cpu/csrc/decode_glue.cpp) instead of ~40 torch ops and the module
+"""The CPU decode plan: a step of decode tokens only through the layers of every family that declares it, run as each
+layer's linears with a few compiled ops between them (sharding/cpu/csrc/decode_glue.cpp) instead of ~40 torch ops and the module
 calls around them: the same arithmetic, without the per-op dispatch that dominated everything but the linears at
 batch 1. At TP=1 the layers run as one compiled call instead (decode_layers: one OpenMP team through every phase of
 every layer; see `compile_layers`), bitwise the same (LoRA adapter rows: within float32 rounding, their deltas summed
 in another order).
 
-Which layers qualify is declared by the model (`PlanLayer.on_decode_plan`: sharding/models/llama.py); the plan checks
-the rest, which only the loaded values tell (CPU, float32 plain RMSNorms, no soft-capping, one head size). Per-head
-q/k RMSNorms before rotary (Qwen 3, `PlanAttention.plan_qk_norms`), attention sinks and a window per layer (gpt-oss)
-are part of the attention op. A layer whose feed-forward is not the dense SiLU MLP (an MoE layer) runs its attention
-and norms on the plan and its feed-forward as its own module (`forward(x)`, its all-reduce inside) in the Python
-loop; the one compiled call takes it where the feed-forward offers itself whole (`PlanMoe.plan_moe`: router,
-routing and grouped experts in C++, decode_glue.cpp's MoeExperts), and otherwise needs every layer dense. Models whose
-layers differ from Llama's elsewhere (Gemma's norms, OLMoE's whole-projection q/k norms) take the module path.
+Which layers qualify, and what each adds to Llama's layer, is declared by the model's classes (sharding/models/),
+never detected from its forward: `PlanLayer.on_decode_plan`; per-head q/k RMSNorms (Qwen 3,
+`PlanAttention.plan_qk_norms`) or RMSNorms over the whole q and k projections with clip_qkv (OLMoE at TP 1,
+`plan_whole_qk_norms`); attention sinks and a window per layer (gpt-oss, Gemma 2); soft-capped scores (Gemma 2,
+`softcap`); the MLP's activation (`PlanMLP.plan_activation`: SiLU or Gemma's GELU-tanh); norms of the attention's
+and the feed-forward's outputs (Gemma 2, `PlanLayer.plan_norms`). The plan checks the rest, which only the loaded
+values tell (CPU, float32 RMSNorms, Gemma's (1 + w) folded into the weight, one head size). A feed-forward that is
+not the plan's dense MLP (an MoE layer) runs as its own module (`forward(x)`, its all-reduce inside) in the Python
+loop; the one compiled call takes it where it offers itself whole (`PlanMoe.plan_moe`: router, routing, grouped
+experts and a shared expert in C++, decode_glue.cpp's MoeExperts).
 """
 
 from __future__ import annotations

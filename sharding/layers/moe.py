@@ -313,8 +313,8 @@ class SparseMoe(nn.Module):
 
     def plan_moe(self) -> tuple[torch.ScriptObject, torch.Tensor | None] | None:
         """This feed-forward as the one-call decode step runs it (sharding/cpu/decode_plan.py): the compiled experts
-        with their router and routing, and the counts to add to; None where the step cannot run it whole (a shared
-        expert, no compiled experts or router)."""
+        with their router and routing (and its shared expert), and the counts to add to; None where the step cannot
+        run it whole (no compiled experts or router, a shared expert without compiled linears)."""
         plan = self._plan()
         if plan is None or not self._routes or (self.shared is not None and not self._shared_planned):
             return None

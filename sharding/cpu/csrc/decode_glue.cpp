@@ -1,18 +1,20 @@
-// The work between the linears of a Llama-family decode layer, as three ops (CPU, float32), for the decode fast path
-// of sharding/models/llama.py. In torch it is ~40 small ops per layer, each a dispatch of a few microseconds on a
-// decode batch of a few rows; here it is three calls, with the same arithmetic:
+// The work between the linears of a decode layer, as a few ops (CPU, float32), for the CPU decode plan
+// (sharding/cpu/decode_plan.py); and, further down, the whole step in one call (decode_layers) and an MoE layer in
+// one call (MoeExperts). In torch it is ~40 small ops per layer, each a dispatch of a few microseconds on a decode
+// batch of a few rows; here it is a few calls, with the same arithmetic:
 //
 //   decode_attention(qkv, cos, sin, pool, slots, table, lens, q_index, heads, kv_heads, scale, window[, q_norm,
-//                    k_norm, qk_eps, sinks]) -> [B, P * D]
+//                    k_norm, qk_eps, sinks, softcap]) -> [B, P * D]
 //       qkv [B, (heads + 2 kv_heads) * D]: the fused projection's output. With q_norm / k_norm ([D]), each query
-//       and key head first takes its RMSNorm (Qwen 3); sinks ([heads], gpt-oss) join each head's softmax. Rotary
-//       on q and k (rotary.cpp's
-//       rotate_head: transformers' formula, product by product), k and v stored at their slots in the paged cache
+//       and key head first takes its RMSNorm (Qwen 3); sinks ([heads], gpt-oss) join each head's softmax; softcap
+//       (Gemma 2) caps the scores. Rotary on the first cos.size(1) dims of q and k (rotary.cpp's rotate_head:
+//       transformers' formula, product by product), k and v stored at their slots in the paged cache
 //       (pool [2, kv_heads, blocks, block_size, D]), then paged_decode_attention. q_index (optional, [P]): the local
 //       query head of each of the P = kv_heads * group padded positions when GQA groups are uneven (attention.py
 //       GroupedHeads); the caller drops the padding from the output.
 //   add_rms_norm_(h, delta, w, eps) -> rms_norm(h += delta, w, eps): the residual add, in place, and the next norm.
-//   silu_mul(gate_up [B, 2I]) -> silu(gate) * up [B, I].
+//   silu_mul(gate_up [B, 2I], act) -> silu(gate) * up [B, I] (act 1: GELU-tanh(gate) * up, Gemma's).
+//   whole_qk_norm_(qkv, q_w, k_w, heads, kv_heads, eps, clip): OLMoE's norms over the whole q and k projections.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
