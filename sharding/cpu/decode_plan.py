@@ -13,7 +13,7 @@ never detected from its forward: `PlanLayer.on_decode_plan`; per-head q/k RMSNor
 and the feed-forward's outputs (Gemma 2, `PlanLayer.plan_norms`). The plan checks the rest, which only the loaded
 values tell (CPU, float32 RMSNorms, Gemma's (1 + w) folded into the weight, one head size). A feed-forward that is
 not the plan's dense MLP (an MoE layer) runs as its own module (`forward(x)`, its all-reduce inside) in the Python
-loop; the one compiled call takes it where it offers itself whole (`PlanMoe.plan_moe`: router, routing, grouped
+loop; the one compiled call takes it where it offers itself whole (`SparseMoe.plan_moe`: router, routing, grouped
 experts and a shared expert in C++, decode_glue.cpp's MoeExperts).
 """
 
@@ -29,6 +29,7 @@ import torch
 from sharding.cpu import kernels
 from sharding.layers.attention import AttentionMetadata, GroupedHeads, PagedKVCache
 from sharding.layers.linear import ColumnParallelLinear, RMSNorm, RowParallelLinear
+from sharding.layers.moe import SparseMoe
 
 logger = logging.getLogger(__name__)
 
@@ -71,21 +72,13 @@ class PlanMLP(Protocol):
         tanh approximation (Gemma); None: another (the plan then calls the module)."""
 
 
-class PlanMoe(Protocol):
-    """What the one compiled call reads of an MoE feed-forward (sharding/layers/moe.py SparseMoe)."""
-
-    def plan_moe(self) -> tuple[torch.ScriptObject, torch.Tensor | None] | None:
-        """(its experts as a compiled MoeExperts with their router and routing, the int64 expert-token counts the
-        step adds to, or None), or None where the compiled step cannot run it whole."""
-
-
 class PlanLayer(Protocol):
     """A decoder layer the plan may run in place of its forward."""
 
     input_layernorm: RMSNorm
     post_attention_layernorm: RMSNorm
     self_attn: PlanAttention
-    mlp: PlanMLP | PlanMoe | torch.nn.Module
+    mlp: PlanMLP | SparseMoe | torch.nn.Module
 
     def on_decode_plan(self) -> bool:
         """Whether this layer computes what the plan computes around its feed-forward: input norm, fused q/k/v,
@@ -161,8 +154,6 @@ class DecodePlan:
     def forward(self, h: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Every layer over the embedded decode tokens `h` (a fresh tensor: the residual stream, updated in place);
         returns the final norm of every token's hidden state."""
-        attention, add_rms_norm_, silu_mul, whole_qk_norm_ = self.ops
-        norm = kernels.rms_norm_op()
         x = self.first_norm.forward(h)
         n = h.shape[0]
         if self.pool is not self.layers[0].attn.cache.pool:  # first use, or a new cache
@@ -172,6 +163,8 @@ class DecodePlan:
         if self.compiled is not None:  # (with the adapters of every slot: invalidate rebuilds it)
             return self.run(self.compiled, h, x, meta.cos, meta.sin, meta.slots, meta.decode_table, meta.decode_lens,
                             meta.window or 0, meta.lora.token_slots if meta.lora is not None else None)
+        attention, add_rms_norm_, silu_mul, whole_qk_norm_ = self.ops
+        norm = kernels.rms_norm_op()
         for f in self.layers:
             qkv = f.qkv.matmul(x, f.qkv.bias)
             a = f.attn
@@ -249,9 +242,8 @@ def build(layers: Sequence[PlanLayer], final_norm: RMSNorm | None, whole: bool, 
 
 
 def plan_moe(ffn: torch.nn.Module) -> tuple[torch.ScriptObject, torch.Tensor | None] | None:
-    """An MoE feed-forward as the compiled step runs it (PlanMoe), or None (any other module)."""
-    offer = getattr(ffn, "plan_moe", None)
-    return offer() if offer is not None else None
+    """An MoE feed-forward as the compiled step runs it (SparseMoe.plan_moe), or None (any other module)."""
+    return ffn.plan_moe() if isinstance(ffn, SparseMoe) else None
 
 
 def compile_layers(plan: DecodePlan) -> torch.ScriptObject | None:

@@ -893,7 +893,7 @@ struct MoeScratch {
   std::vector<float> pw;                // each pair's weight
   at::Tensor xg, gu, act, y;            // [P, H], [P, 2I], [P, I], [P, H] with P <= M * k pairs
   std::vector<tpserve::Int8Rows> xq, aq;  // int8 / bfloat16 copies of each active expert's input rows, per linear
-  int64_t M = 0, K = 0, P = 0, A = 0;
+  int64_t M = 0, P = 0, A = 0;  // rows, (row, expert) pairs of this plan, active experts
   // the shared expert's: gate/up [M, 2Is], activation [M, Is], output [M, H], gate logits [M], input copies
   at::Tensor sgu, sact, sy;
   std::vector<float> sg;
@@ -970,7 +970,7 @@ void moe_route(const MoeExperts& p, MoeScratch& s, const float* x, int64_t M, in
 // activation copies sized. `counts` (or null): every pair's expert counted, this plan's or not (the metric).
 void moe_group(const MoeExperts& p, MoeScratch& s, int64_t M, int64_t k, int64_t* counts) {
   const int64_t E = p.size(), first_id = p.index.front(), last_id = p.index.back(), H = p.hidden(), I = p.inter();
-  s.M = M, s.K = k;
+  s.M = M;
   s.local.assign(last_id - first_id + 1, -1);
   for (int64_t e = 0; e < E; ++e) s.local[p.index[e] - first_id] = e;
   const auto local = [&](int64_t g) { return g < first_id || g > last_id ? -1 : s.local[g - first_id]; };
