@@ -285,8 +285,9 @@ def compile_layers(plan: DecodePlan) -> torch.ScriptObject | None:
                                           for x in ((n.weight, n.eps) if n is not None else (None, 0.0))))
             for which, lin in enumerate((f.qkv, f.o_proj, f.gate_up, f.down)):  # LoRA adapters (sharding/layers/lora.py)
                 for slot, w in enumerate(lin.lora.slots if lin is not None and lin.lora is not None else ()):
-                    if w is not None:
-                        compiled.set_lora(compiled.size() - 1, which, slot, *w)
+                    if w is not None:  # (bfloat16 values over a quantized base: held as such, half the bytes)
+                        compiled.set_lora(compiled.size() - 1, which, slot,
+                                          *((t.to(torch.bfloat16) for t in w) if lin.lora.half else w))
     except RuntimeError as e:  # a layout the compiled step does not take: the Python loop serves it
         logger.warning("decode layers not compiled (%s); the per-op decode path runs", str(e).splitlines()[0][:200])
         return None

@@ -76,6 +76,17 @@ class _Linear(Packable):
 
     lora = None  # sharding/layers/lora.py LoraLinear: this linear's LoRA adapters (column/row-parallel, when enabled)
 
+    @property
+    def float32_base(self) -> bool:
+        """Whether this linear's weights are float32 (not quantized, not bfloat16): its LoRA adapters are then held in
+        float32 too, else in bfloat16 (sharding/layers/lora.py)."""
+        if self.qweight is not None:
+            return False
+        if self.blocked is not None:
+            return True
+        w = self.packed if self.packed is not None else self.weight
+        return w is not None and w.dtype == torch.float32
+
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x @ W^T (+ bias), plus the LoRA deltas of the step's adapter rows when it has any (sharding/layers/lora.py). Every
         path through a linear (module forward, the decode fast path) goes through here, so none skips an adapter."""

@@ -56,9 +56,11 @@ def make_adapter(base: Path, folder: Path, seed: int, std: float = 0.15, **lora_
     return folder
 
 
-def reference(base: Path, adapter: Path | None, prompt: list[int], n: int, int8_tp: int | None = None):
+def reference(base: Path, adapter: Path | None, prompt: list[int], n: int, int8_tp: int | None = None,
+              adapter_bf16: bool = False):
     """PEFT's greedy tokens and log-softmax rows; int8_tp: over int8-round-tripped base linears, as `tp` ranks
-    quantize their shards (tests/sharding/test_quant.py)."""
+    quantize their shards (tests/sharding/test_quant.py); adapter_bf16: with the adapter's A and scaled B rounded to
+    bfloat16, as tpserve holds an adapter over a quantized base (sharding/layers/lora.py)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32)
@@ -81,6 +83,13 @@ def reference(base: Path, adapter: Path | None, prompt: list[int], n: int, int8_
         from peft import PeftModel
 
         model = PeftModel.from_pretrained(model, str(adapter))
+        if adapter_bf16:
+            with torch.no_grad():
+                for mod in model.modules():
+                    if hasattr(mod, "lora_A") and "default" in mod.lora_A:
+                        a, b, s = mod.lora_A["default"].weight, mod.lora_B["default"].weight, mod.scaling["default"]
+                        a.copy_(a.to(torch.bfloat16).float())
+                        b.copy_((b * s).to(torch.bfloat16).float() / s)
     with torch.inference_mode():
         out = model.generate(input_ids=torch.tensor([prompt]), max_new_tokens=n, do_sample=False,
                              output_logits=True, return_dict_in_generate=True, pad_token_id=0,
@@ -224,8 +233,8 @@ def test_mixed_steps_and_batch_one_equal_peft(models, references, tp):
 
 
 def test_int8_base(models, tmp_path):
-    """int8 base weights (the adapter stays float32), at TP 1 and 2, mixed and alone, against PEFT over the
-    round-tripped weights."""
+    """int8 base weights (the adapter held in bfloat16), at TP 1 and 2, mixed and alone, against PEFT over the
+    round-tripped weights and the rounded adapter."""
     for tp in (1, 2):
         ops = [["load", 1, str(models["a1"])], ["load", 2, str(models["a2"])]]
         runs = [{"prompts": PROMPTS[:2], "slots": [1, 2], "max_tokens": MAX_TOKENS, "together": True},
@@ -233,7 +242,7 @@ def test_int8_base(models, tmp_path):
         result, _ = run_ranks(tp, [{"model": str(models["llama"]), "quantization": "int8", "ops": ops,
                                     "runs": runs}], tmp_path)
         together, alone = result["jobs"][0]["runs"]
-        refs = {i: reference(models["llama"], models[a], PROMPTS[i], MAX_TOKENS, int8_tp=tp)
+        refs = {i: reference(models["llama"], models[a], PROMPTS[i], MAX_TOKENS, int8_tp=tp, adapter_bf16=True)
                 for i, a in enumerate(("a1", "a2"))}
         for run, names in ((together, ["a1", "a2"]), (alone, ["a1"])):
             for i, (tokens, lp) in enumerate(zip(run["tokens"], run["logprobs"])):
@@ -261,7 +270,8 @@ def test_prequantized_base(tmp_path, monkeypatch):
     for name, folder in (("W4A16", hq.make_compressed_tensors(src, tmp_path / "w4a16" / "base", "W4A16")),
                          ("AWQ", hq.make_awq(src, tmp_path / "awq" / "base"))):
         values = hq.reference_float(folder, tmp_path / f"{name}-values")
-        refs = {i: reference(values, adapters[a], PROMPTS[i], MAX_TOKENS) for i, a in enumerate(("b1", "b2"))}
+        refs = {i: reference(values, adapters[a], PROMPTS[i], MAX_TOKENS, adapter_bf16=True)
+                for i, a in enumerate(("b1", "b2"))}
         assert any(reference(values, None, PROMPTS[i], MAX_TOKENS)[0] != refs[i][0] for i in refs), name
         monkeypatch.setenv("TPSERVE_KERNELS", "none")
         for tp in (1, 2):

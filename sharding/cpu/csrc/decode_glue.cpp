@@ -24,10 +24,12 @@
 #include "tpserve_kernels.h"
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <omp.h>
+#include <sys/mman.h>
 #include <optional>
 #include <vector>
 
@@ -264,16 +266,64 @@ struct PlanLinear {
   std::vector<int64_t> first, col;  // per part: its first block in the whole, its first output column
 };
 
-// One LoRA adapter of one linear (sharding/layers/lora.py): A^T [K, R] and B^T * scale [R, N], float32, copied into the
+// One LoRA adapter of one linear (sharding/layers/lora.py): A^T [K, R] and B^T * scale [R, N], float32 or bfloat16
+// (as sharding/layers/lora.py holds them: bfloat16 over a quantized base), copied into the
 // order the step reads them: A^T as panels of 16 of its R columns ([ceil(R/16)][K][16], zero-padded), so the shrink
 // streams each panel in order; B^T by chunks of 16 output columns, each chunk holding only the rows of B^T that can
 // be nonzero there ([j0, j1): a fused linear's B^T is block-diagonal over its pieces, and its zero blocks are neither
 // stored nor read), [j1 - j0][16] contiguous.
+// Memory for the adapters' panels and chunks (DecodeLayers::set_lora), in 2 MiB-aligned anonymous mappings advised
+// MADV_HUGEPAGE. A step reads each linear's adapters as a few short streams of a few KiB per thread, and in 4 KiB
+// pages (std::vector's) the hardware prefetchers stop at every page boundary and each page costs a TLB walk; the base
+// weights are in huge pages for the same reason (sharding/cpu/hugepages.py). Measured with the tiles below on SmolLM2
+// int8, rank-16 adapters on every linear, Zen 5: ~0.5 -> ~0.43 ms a token over the base. Freed with the plan.
+class LoraArena {
+ public:
+  LoraArena() = default;
+  LoraArena(const LoraArena&) = delete;
+  LoraArena& operator=(const LoraArena&) = delete;
+  ~LoraArena() {
+    for (const auto& [p, n] : maps_) munmap(p, n);
+  }
+
+  template <typename W>
+  W* take(int64_t n) {  // n zeroed elements, 64-byte aligned
+    const size_t bytes = (static_cast<size_t>(n) * sizeof(W) + 63) / 64 * 64;
+    if (bytes > left_) {
+      constexpr size_t HUGE = size_t{2} << 20;
+      const size_t want = std::max(bytes, size_t{16} << 20) / HUGE * HUGE + HUGE;
+      void* p = mmap(nullptr, want + HUGE, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+      TORCH_CHECK(p != MAP_FAILED, "set_lora: could not map ", want >> 20, " MiB for the adapters");
+      maps_.emplace_back(p, want + HUGE);
+      char* start = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(p) + HUGE - 1) / HUGE * HUGE);
+#ifdef MADV_HUGEPAGE
+      madvise(start, want, MADV_HUGEPAGE);  // (advice: where huge pages are off, 4 KiB pages serve)
+#endif
+      cur_ = start;
+      left_ = want;
+    }
+    W* out = reinterpret_cast<W*>(cur_);
+    cur_ += bytes;
+    left_ -= bytes;
+    return out;  // (fresh anonymous memory reads as zeros)
+  }
+
+ private:
+  std::vector<std::pair<void*, size_t>> maps_;
+  char* cur_ = nullptr;
+  size_t left_ = 0;
+};
+
 constexpr int64_t LORA_W = 16;
 
+inline float lora_w(float v) { return v; }
+inline float lora_w(uint16_t v) { return std::bit_cast<float>(static_cast<uint32_t>(v) << 16); }  // bfloat16
+
 struct PlanLora {
-  std::vector<float> ap, bp;      // A^T in panels, B^T in chunks
-  int64_t r = 0, rp = 0;          // rank (sum of the pieces' ranks) and rank padded to a multiple of 16
+  const float *ap = nullptr, *bp = nullptr;        // A^T in panels, B^T in chunks: float32 (over a float32 base)
+  const uint16_t *aph = nullptr, *bph = nullptr;   // or in bfloat16 (over a quantized or bfloat16 base: half the bytes)
+  bool half = false;                               // which of the two
+  int64_t r = 0, rp = 0;            // rank (sum of the pieces' ranks) and rank padded to a multiple of 16
   std::vector<int32_t> cj0, cj1;  // per chunk of 16 output columns: the rows of B^T that can be nonzero there
   std::vector<int64_t> coff;      // per chunk: where its rows start in bp
 };
@@ -468,6 +518,7 @@ struct DecodeLayers : torch::CustomClassHolder {
   std::vector<PlanLinear> pending;
   std::vector<PlanLayer> layers;
   int64_t lora_rp = 0;  // the widest padded adapter rank set (the shrink's scratch per row)
+  LoraArena arena;      // the adapters' panels and chunks
 
   void add_linear(int64_t kind, at::Tensor w, at::Tensor scale, std::optional<at::Tensor> bias, int64_t n,
                   int64_t group) {
@@ -589,7 +640,7 @@ struct DecodeLayers : torch::CustomClassHolder {
   }
 
   // the adapter in `slot` of linear `which` (0 qkv, 1 o, 2 gate_up, 3 down) of layer `layer`: A^T [K, R] and
-  // B^T * scale [R, N] float32 (copied in the step's order), or none (at/bt None)
+  // B^T * scale [R, N], both float32 or both bfloat16 (copied in the step's order), or none (at/bt None)
   void set_lora(int64_t layer, int64_t which, int64_t slot, std::optional<at::Tensor> at,
                 std::optional<at::Tensor> bt) {
     TORCH_CHECK(layer >= 0 && layer < size() && which >= 0 && which < 4 && slot > 0, "set_lora: no such linear");
@@ -602,26 +653,39 @@ struct DecodeLayers : torch::CustomClassHolder {
       slots[slot] = PlanLora{};
       return;
     }
+    const auto dt = at->scalar_type();
     TORCH_CHECK(at->dim() == 2 && bt->dim() == 2 && at->size(0) == lin.k && at->size(1) == bt->size(0) &&
-                    bt->size(1) == lin.n && at->size(1) > 0 && at->scalar_type() == at::kFloat &&
-                    bt->scalar_type() == at::kFloat && at->is_contiguous() && bt->is_contiguous(),
-                "set_lora: A^T [K, R] and B^T [R, N] float32, contiguous, matching the linear");
+                    bt->size(1) == lin.n && at->size(1) > 0 && (dt == at::kFloat || dt == at::kBFloat16) &&
+                    bt->scalar_type() == dt && at->is_contiguous() && bt->is_contiguous(),
+                "set_lora: A^T [K, R] and B^T [R, N], both float32 or both bfloat16, contiguous, matching the linear");
     PlanLora p;
+    p.half = dt == at::kBFloat16;
     p.r = at->size(1);
     p.rp = (p.r + LORA_W - 1) / LORA_W * LORA_W;
-    const int64_t K = lin.k, N = lin.n, R = p.r;
-    const float* a = at->data_ptr<float>();
-    p.ap.assign(p.rp * K, 0.0f);
+    if (p.half)
+      fill_lora(p, reinterpret_cast<const uint16_t*>(at->data_ptr()), reinterpret_cast<const uint16_t*>(bt->data_ptr()),
+                lin.k, lin.n, p.aph, p.bph);
+    else
+      fill_lora(p, at->data_ptr<float>(), bt->data_ptr<float>(), lin.k, lin.n, p.ap, p.bp);
+    lora_rp = std::max(lora_rp, p.rp);
+    slots[slot] = std::move(p);
+  }
+
+  // p's A^T panels and B^T chunks (ap, bp: float or uint16_t bfloat16, as a and b) from A^T [K, R] and B^T [R, N]
+  template <typename W>
+  void fill_lora(PlanLora& p, const W* a, const W* b, int64_t K, int64_t N, const W*& ap_out, const W*& bp_out) {
+    const int64_t R = p.r;
+    W* ap = arena.take<W>(p.rp * K);  // (zeros: the padding columns)
+    ap_out = ap;
     for (int64_t k = 0; k < K; ++k)
-      for (int64_t j = 0; j < R; ++j) p.ap[((j / LORA_W) * K + k) * LORA_W + j % LORA_W] = a[k * R + j];
-    const float* b = bt->data_ptr<float>();
+      for (int64_t j = 0; j < R; ++j) ap[((j / LORA_W) * K + k) * LORA_W + j % LORA_W] = a[k * R + j];
     const int64_t chunks = (N + LORA_W - 1) / LORA_W;
     p.cj0.assign(chunks, 0);
     p.cj1.assign(chunks, 0);
     for (int64_t j = 0; j < R; ++j) {
       int64_t lo = 0, hi = N;  // row j's nonzero columns lie in [lo, hi)
-      while (lo < hi && b[j * N + lo] == 0.0f) ++lo;
-      while (hi > lo && b[j * N + hi - 1] == 0.0f) --hi;
+      while (lo < hi && lora_w(b[j * N + lo]) == 0.0f) ++lo;
+      while (hi > lo && lora_w(b[j * N + hi - 1]) == 0.0f) --hi;
       if (lo == hi) continue;
       for (int64_t ci = lo / LORA_W; ci <= (hi - 1) / LORA_W; ++ci) {
         if (p.cj0[ci] == p.cj1[ci]) p.cj0[ci] = static_cast<int32_t>(j);
@@ -634,13 +698,12 @@ struct DecodeLayers : torch::CustomClassHolder {
       p.coff[ci] = total;
       total += (p.cj1[ci] - p.cj0[ci]) * LORA_W;
     }
-    p.bp.assign(total, 0.0f);
+    W* bp = arena.take<W>(total);
+    bp_out = bp;
     for (int64_t ci = 0; ci < chunks; ++ci)
       for (int64_t j = p.cj0[ci]; j < p.cj1[ci]; ++j)
         for (int64_t c = ci * LORA_W; c < std::min(N, (ci + 1) * LORA_W); ++c)
-          p.bp[p.coff[ci] + (j - p.cj0[ci]) * LORA_W + c % LORA_W] = b[j * N + c];
-    lora_rp = std::max(lora_rp, p.rp);
-    slots[slot] = std::move(p);
+          bp[p.coff[ci] + (j - p.cj0[ci]) * LORA_W + c % LORA_W] = b[j * N + c];
   }
 
   int64_t size() const { return static_cast<int64_t>(layers.size()); }
@@ -653,81 +716,111 @@ struct DecodeLayers : torch::CustomClassHolder {
 // - (a barrier), expand: each thread sums the partials of its rows and adds u @ B^T over its own output columns,
 //   in chunks of 16 columns accumulated in registers over the rows of B^T that can be nonzero there.
 
+// 16 lanes of float32, in GCC/Clang's portable vector extension: one zmm with AVX-512, two ymm with AVX2, four q
+// registers on NEON. The tiles below keep their accumulators in these (the auto-vectorised loops over float[16]
+// arrays spilled them to the stack and ran the adapters' few FLOPs at ~5 us a linear).
+typedef float LoraVec __attribute__((vector_size(LORA_W * sizeof(float))));
+typedef uint16_t LoraHalf __attribute__((vector_size(LORA_W * sizeof(uint16_t))));
+typedef uint32_t LoraBits __attribute__((vector_size(LORA_W * sizeof(uint32_t))));
+
+// how far ahead the tiles ask for their next lines: 64 rows of 16 (2 KiB of bfloat16, 4 KiB of float32)
+constexpr int64_t LORA_AHEAD = 64;
+inline LoraVec lora_load(const float* p) {
+  LoraVec v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+inline LoraVec lora_load(const uint16_t* p) {  // 16 bfloat16 -> float32 (the high halves)
+  LoraHalf h;
+  std::memcpy(&h, p, sizeof h);
+  return std::bit_cast<LoraVec>(__builtin_convertvector(h, LoraBits) << 16);
+}
+
 // rows[0..NR) (all of one slot): part[m][0..rp) = x[m, k0..k1) @ A^T[k0..k1, :]
-template <int NR>
-void lora_shrink_tile(const PlanLora& p, const int64_t* rows, const float* x, int64_t K, int64_t k0, int64_t k1,
-                      float* part, int64_t stride) {
+template <typename W, int NR>
+void lora_shrink_tile(const W* panels, int64_t rp, const int64_t* rows, const float* x, int64_t K, int64_t k0,
+                      int64_t k1, float* part, int64_t stride) {
   const float* xr[NR];
   for (int r = 0; r < NR; ++r) xr[r] = x + rows[r] * K;
-  for (int64_t pi = 0; pi < p.rp / LORA_W; ++pi) {
-    const float* ap = p.ap.data() + pi * K * LORA_W;
-    float acc0[NR][LORA_W], acc1[NR][LORA_W];
-    for (int r = 0; r < NR; ++r)
-      for (int i = 0; i < LORA_W; ++i) acc0[r][i] = acc1[r][i] = 0.0f;
+  for (int64_t pi = 0; pi < rp / LORA_W; ++pi) {
+    const W* ap = panels + pi * K * LORA_W;
+    LoraVec acc0[NR], acc1[NR];  // two chains over k
+    for (int r = 0; r < NR; ++r) acc0[r] = acc1[r] = LoraVec{};
     int64_t k = k0;
     for (; k + 1 < k1; k += 2) {
-      const float* a0 = ap + k * LORA_W;
-      const float* a1 = a0 + LORA_W;
+      __builtin_prefetch(ap + (k + LORA_AHEAD) * LORA_W);
+      const LoraVec a0 = lora_load(ap + k * LORA_W), a1 = lora_load(ap + (k + 1) * LORA_W);
       for (int r = 0; r < NR; ++r) {
-        const float x0 = xr[r][k], x1 = xr[r][k + 1];
-#pragma omp simd
-        for (int i = 0; i < LORA_W; ++i) {
-          acc0[r][i] += x0 * a0[i];
-          acc1[r][i] += x1 * a1[i];
-        }
+        acc0[r] += xr[r][k] * a0;
+        acc1[r] += xr[r][k + 1] * a1;
       }
     }
     if (k < k1) {
-      const float* a0 = ap + k * LORA_W;
-      for (int r = 0; r < NR; ++r) {
-        const float x0 = xr[r][k];
-#pragma omp simd
-        for (int i = 0; i < LORA_W; ++i) acc0[r][i] += x0 * a0[i];
-      }
+      const LoraVec a0 = lora_load(ap + k * LORA_W);
+      for (int r = 0; r < NR; ++r) acc0[r] += xr[r][k] * a0;
     }
     for (int r = 0; r < NR; ++r) {
-      float* dst = part + rows[r] * stride + pi * LORA_W;
-      for (int i = 0; i < LORA_W; ++i) dst[i] = acc0[r][i] + acc1[r][i];
+      const LoraVec sum = acc0[r] + acc1[r];
+      std::memcpy(part + rows[r] * stride + pi * LORA_W, &sum, sizeof sum);
     }
   }
 }
 
 // rows[0..NR) (all of one slot): y[m, c0..c1) += u[m] @ B^T[:, c0..c1)
-template <int NR>
-void lora_expand_tile(const PlanLora& p, const int64_t* rows, const float* u, int64_t stride, float* y, int64_t N,
-                      int64_t c0, int64_t c1) {
+template <typename W, int NR>
+void lora_expand_tile(const PlanLora& p, const W* chunks, const int64_t* rows, const float* u, int64_t stride,
+                      float* y, int64_t N, int64_t c0, int64_t c1) {
+  const float* ur[NR];
+  for (int r = 0; r < NR; ++r) ur[r] = u + rows[r] * stride;
   for (int64_t c = c0; c < c1;) {
     const int64_t ci = c / LORA_W, ce = std::min(c1, (ci + 1) * LORA_W), w = ce - c;
     const int64_t j0 = p.cj0[ci], j1 = p.cj1[ci];
     if (j0 < j1) {
-      const float* chunk = p.bp.data() + p.coff[ci] + (c - ci * LORA_W);  // row j0's columns c..ce
-      float acc[NR][LORA_W];
-      for (int r = 0; r < NR; ++r)
-        for (int i = 0; i < LORA_W; ++i) acc[r][i] = 0.0f;
-      if (w == LORA_W) {
-        for (int64_t j = j0; j < j1; ++j) {
-          const float* br = chunk + (j - j0) * LORA_W;
-          for (int r = 0; r < NR; ++r) {
-            const float uj = u[rows[r] * stride + j];
-#pragma omp simd
-            for (int i = 0; i < LORA_W; ++i) acc[r][i] += uj * br[i];
-          }
-        }
-      } else {
-        for (int64_t j = j0; j < j1; ++j) {
-          const float* br = chunk + (j - j0) * LORA_W;
-          for (int r = 0; r < NR; ++r) {
-            const float uj = u[rows[r] * stride + j];
-            for (int64_t i = 0; i < w; ++i) acc[r][i] += uj * br[i];
-          }
-        }
+      const W* chunk = chunks + p.coff[ci];  // row j0's 16 columns of this chunk, then row j0 + 1's, ...
+      LoraVec acc[NR];
+      for (int r = 0; r < NR; ++r) acc[r] = LoraVec{};
+      __builtin_prefetch(chunk + LORA_AHEAD * LORA_W);  // (a few chunks on)
+      for (int64_t j = j0; j < j1; ++j) {
+        const LoraVec bj = lora_load(chunk + (j - j0) * LORA_W);
+        for (int r = 0; r < NR; ++r) acc[r] += ur[r][j] * bj;
       }
+      const int64_t lane = c - ci * LORA_W;  // (a range that starts or ends inside a chunk: only its columns)
       for (int r = 0; r < NR; ++r) {
         float* yr = y + rows[r] * N + c;
-        for (int64_t i = 0; i < w; ++i) yr[i] += acc[r][i];
+        if (w == LORA_W) {
+          LoraVec v;
+          std::memcpy(&v, yr, sizeof v);
+          v += acc[r];
+          std::memcpy(yr, &v, sizeof v);
+        } else {
+          for (int64_t i = 0; i < w; ++i) yr[i] += acc[r][lane + i];
+        }
       }
     }
     c = ce;
+  }
+}
+
+// n (1..4) rows of one slot: the tile of that many rows
+template <typename W>
+void lora_shrink_rows(int64_t n, const W* panels, int64_t rp, const int64_t* rows, const float* x, int64_t K,
+                      int64_t k0, int64_t k1, float* part, int64_t stride) {
+  switch (n) {
+    case 1: lora_shrink_tile<W, 1>(panels, rp, rows, x, K, k0, k1, part, stride); break;
+    case 2: lora_shrink_tile<W, 2>(panels, rp, rows, x, K, k0, k1, part, stride); break;
+    case 3: lora_shrink_tile<W, 3>(panels, rp, rows, x, K, k0, k1, part, stride); break;
+    default: lora_shrink_tile<W, 4>(panels, rp, rows, x, K, k0, k1, part, stride);
+  }
+}
+
+template <typename W>
+void lora_expand_rows(int64_t n, const PlanLora& p, const W* chunks, const int64_t* rows, const float* u,
+                      int64_t stride, float* y, int64_t N, int64_t c0, int64_t c1) {
+  switch (n) {
+    case 1: lora_expand_tile<W, 1>(p, chunks, rows, u, stride, y, N, c0, c1); break;
+    case 2: lora_expand_tile<W, 2>(p, chunks, rows, u, stride, y, N, c0, c1); break;
+    case 3: lora_expand_tile<W, 3>(p, chunks, rows, u, stride, y, N, c0, c1); break;
+    default: lora_expand_tile<W, 4>(p, chunks, rows, u, stride, y, N, c0, c1);
   }
 }
 
@@ -767,12 +860,11 @@ void lora_shrink(const std::vector<PlanLora>& lo, const LoraGroups& g, const flo
     if (p == nullptr) continue;
     for (int64_t f = g.first[i]; f < g.first[i + 1]; f += 4) {
       const int64_t* rows = g.rows.data() + f;
-      switch (std::min<int64_t>(4, g.first[i + 1] - f)) {
-        case 1: lora_shrink_tile<1>(*p, rows, x, K, k0, k1, part, stride); break;
-        case 2: lora_shrink_tile<2>(*p, rows, x, K, k0, k1, part, stride); break;
-        case 3: lora_shrink_tile<3>(*p, rows, x, K, k0, k1, part, stride); break;
-        default: lora_shrink_tile<4>(*p, rows, x, K, k0, k1, part, stride);
-      }
+      const int64_t n = std::min<int64_t>(4, g.first[i + 1] - f);
+      if (p->half)
+        lora_shrink_rows(n, p->aph, p->rp, rows, x, K, k0, k1, part, stride);
+      else
+        lora_shrink_rows(n, p->ap, p->rp, rows, x, K, k0, k1, part, stride);
     }
   }
 }
@@ -796,12 +888,11 @@ void lora_expand(const std::vector<PlanLora>& lo, const LoraGroups& g, const flo
     }
     for (int64_t f = g.first[i]; f < g.first[i + 1]; f += 4) {
       const int64_t* rows = g.rows.data() + f;
-      switch (std::min<int64_t>(4, g.first[i + 1] - f)) {
-        case 1: lora_expand_tile<1>(*p, rows, u, stride, y, N, c0, c1); break;
-        case 2: lora_expand_tile<2>(*p, rows, u, stride, y, N, c0, c1); break;
-        case 3: lora_expand_tile<3>(*p, rows, u, stride, y, N, c0, c1); break;
-        default: lora_expand_tile<4>(*p, rows, u, stride, y, N, c0, c1);
-      }
+      const int64_t n = std::min<int64_t>(4, g.first[i + 1] - f);
+      if (p->half)
+        lora_expand_rows(n, *p, p->bph, rows, u, stride, y, N, c0, c1);
+      else
+        lora_expand_rows(n, *p, p->bp, rows, u, stride, y, N, c0, c1);
     }
   }
 }
