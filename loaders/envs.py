@@ -148,8 +148,9 @@ GLUE_KERNEL = _kernel_switch("GLUE", "CPU decode step (every family's) and greed
 LAYERS_KERNEL = _kernel_switch("LAYERS", "one-call decoder layers (that fast path's form at TP=1)")
 MOE_KERNEL = _kernel_switch("MOE", "MoE layer (router, top-k, experts, shared expert)")
 HUGE_PAGES = _var("TPSERVE_HUGE_PAGES", "0/1", "1", None, USER,
-                  "`0` leaves the weights and the KV cache in 4 KiB pages; by default (Linux, transparent huge pages "
-                  "`madvise` or `always`) they move into memory advised for 2 MiB pages after load",
+                  "`0` leaves the weights, the KV cache and the LoRA adapters' copies in 4 KiB pages; by default "
+                  "(Linux, transparent huge pages `madvise` or `always`) they move into memory advised for 2 MiB "
+                  "pages after load",
                   _off_if_zero)
 QUANTIZE_LM_HEAD = _var("TPSERVE_QUANTIZE_LM_HEAD", "str", "1", None, USER,
                         "`0` keeps the LM head unquantized, `same` quantizes it as `--quantization` says (default: "

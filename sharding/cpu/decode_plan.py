@@ -26,7 +26,7 @@ from typing import Literal, Protocol
 
 import torch
 
-from sharding.cpu import kernels
+from sharding.cpu import hugepages, kernels
 from sharding.layers.attention import AttentionMetadata, GroupedHeads, PagedKVCache
 from sharding.layers.linear import ColumnParallelLinear, RMSNorm, RowParallelLinear
 from sharding.layers.moe import SparseMoe
@@ -260,6 +260,7 @@ def compile_layers(plan: DecodePlan) -> torch.ScriptObject | None:
     if any(spec is None for layer in linears for spec in layer):
         return None
     compiled = ops[0]()
+    compiled.set_huge_pages(hugepages.enabled())  # (the LoRA adapters' copies: in huge pages where the weights are)
     try:
         for f, specs, moe in zip(plan.layers, linears, moes):
             for spec in specs:

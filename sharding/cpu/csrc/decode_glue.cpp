@@ -286,6 +286,8 @@ class LoraArena {
     for (const auto& [p, n] : maps_) munmap(p, n);
   }
 
+  bool huge = true;  // advise huge pages (off: TPSERVE_HUGE_PAGES=0, or a host without them; sharding/cpu/hugepages.py)
+
   template <typename W>
   W* take(int64_t n) {  // n zeroed elements, 64-byte aligned
     const size_t bytes = (static_cast<size_t>(n) * sizeof(W) + 63) / 64 * 64;
@@ -297,7 +299,7 @@ class LoraArena {
       maps_.emplace_back(p, want + HUGE);
       char* start = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(p) + HUGE - 1) / HUGE * HUGE);
 #ifdef MADV_HUGEPAGE
-      madvise(start, want, MADV_HUGEPAGE);  // (advice: where huge pages are off, 4 KiB pages serve)
+      if (huge) madvise(start, want, MADV_HUGEPAGE);  // (advice: where huge pages are off, 4 KiB pages serve)
 #endif
       cur_ = start;
       left_ = want;
@@ -707,6 +709,8 @@ struct DecodeLayers : torch::CustomClassHolder {
   }
 
   int64_t size() const { return static_cast<int64_t>(layers.size()); }
+
+  void set_huge_pages(bool on) { arena.huge = on; }  // (before the first set_lora)
 };
 
 // The LoRA delta of the compiled step, y[m] += (x[m] @ A^T) @ B^T for every row m with an adapter, in two phases
@@ -1523,6 +1527,7 @@ TORCH_LIBRARY_FRAGMENT(tpserve, m) {
       .def("add_layer", &DecodeLayers::add_layer)
       .def("add_moe_layer", &DecodeLayers::add_moe_layer)
       .def("set_lora", &DecodeLayers::set_lora)
+      .def("set_huge_pages", &DecodeLayers::set_huge_pages)
       .def("set_qk_norm", &DecodeLayers::set_qk_norm)
       .def("set_attention", &DecodeLayers::set_attention)
       .def("set_ffn", &DecodeLayers::set_ffn)
