@@ -10,7 +10,8 @@ One offline engine (TP 1, the default model); speculation is switched on and off
   chat      batch 1: varied open questions, one after the other (little to copy)
   chat8     8 concurrent questions (speculation on: at most disable_by_batch_size running)
   chat32    32 concurrent questions (above disable_by_batch_size: no proposals)
-Prints tokens/s, the ratio, and the acceptance (kept / proposed) per workload; saves JSON.
+Prints tokens/s end to end, the ratio, the acceptance (kept / proposed), and the decode rate after the first token
+(the prompt's prefill left out: speculation does not change it) with its ratio, per workload; saves JSON.
 """
 
 from __future__ import annotations
@@ -63,18 +64,31 @@ def workloads():
 
 
 def run(llm, convs, max_tokens, concurrent: bool):
+    """(tokens/s end to end, decode tokens/s, each answer's tokens). The decode rate counts each answer's tokens after
+    its first over the time from its first token to its last (the prompt's prefill, which speculation does not
+    change, left out); summed over answers one after the other, or over the batch's span when concurrent."""
     from server.engine.sampler import SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0)
     prompts = [list(llm.tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=True,
                                                       return_dict=False)) for c in convs]
-    t0 = time.perf_counter()
+    seqs, add = [], llm.engine.add
+    llm.engine.add = lambda seq: (seqs.append(seq), add(seq))[1]
+    try:
+        t0 = time.perf_counter()
+        if concurrent:
+            outs = llm.generate(prompts, params)
+        else:
+            outs = [llm.generate([p], params)[0] for p in prompts]
+        dt = time.perf_counter() - t0
+    finally:
+        llm.engine.add = add
+    after_first = sum(len(s.output_ids) - 1 for s in seqs)
     if concurrent:
-        outs = llm.generate(prompts, params)
+        span = max(s.last_token_time for s in seqs) - min(s.first_token_time for s in seqs)
     else:
-        outs = [llm.generate([p], params)[0] for p in prompts]
-    dt = time.perf_counter() - t0
-    return sum(len(o.token_ids) for o in outs) / dt, [o.token_ids for o in outs]
+        span = sum(s.last_token_time - s.first_token_time for s in seqs)
+    return sum(len(o.token_ids) for o in outs) / dt, after_first / span, [o.token_ids for o in outs]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -125,23 +139,27 @@ def main(argv: list[str] | None = None) -> int:
                 for on in ((False, True) if r % 2 == 0 else (True, False)):
                     spec(on)
                     before = (speculator.num_draft_tokens, speculator.num_accepted_tokens)
-                    tps, tokens = run(llm, convs, max_tokens, concurrent)
+                    tps, decode_tps, tokens = run(llm, convs, max_tokens, concurrent)
                     drafted = speculator.num_draft_tokens - before[0]
                     kept = speculator.num_accepted_tokens - before[1]
-                    rows.append({"spec": on, "tok_s": tps, "drafted": drafted, "kept": kept, "tokens": tokens})
+                    rows.append({"spec": on, "tok_s": tps, "decode_tok_s": decode_tps, "drafted": drafted,
+                                 "kept": kept, "tokens": tokens})
             base = [x for x in rows if not x["spec"]]
             sped = [x for x in rows if x["spec"]]
             same = all(x["tokens"] == base[0]["tokens"] for x in rows)
             ratio = sum(x["tok_s"] for x in sped) / sum(x["tok_s"] for x in base)
+            decode_ratio = sum(x["decode_tok_s"] for x in sped) / sum(x["decode_tok_s"] for x in base)
             drafted = sum(x["drafted"] for x in sped)
             acceptance = sum(x["kept"] for x in sped) / drafted if drafted else None
             print(f"{name:7s} base {sum(x['tok_s'] for x in base) / len(base):7.1f} tok/s   speculative "
                   f"{sum(x['tok_s'] for x in sped) / len(sped):7.1f} tok/s   ratio {ratio:.2f}   acceptance "
-                  f"{'-' if acceptance is None else f'{acceptance:.2f}'}   identical {same}", flush=True)
+                  f"{'-' if acceptance is None else f'{acceptance:.2f}'}   identical {same}   decode only (after the "
+                  f"first token) {sum(x['decode_tok_s'] for x in base) / len(base):7.1f} -> "
+                  f"{sum(x['decode_tok_s'] for x in sped) / len(sped):7.1f} tok/s, ratio {decode_ratio:.2f}", flush=True)
             for x in rows:
                 x.pop("tokens")
-            results["workloads"][name] = {"rounds": rows, "ratio": ratio, "acceptance": acceptance,
-                                          "identical": same}
+            results["workloads"][name] = {"rounds": rows, "ratio": ratio, "decode_ratio": decode_ratio,
+                                          "acceptance": acceptance, "identical": same}
     finally:
         llm.close()
     name = f"bench_speculative_{args.quantization or 'f32'}_{spec_cfg['method']}.json"

@@ -1272,6 +1272,29 @@ at::Tensor moe_forward(const c10::intrusive_ptr<MoeExperts>& plan, const at::Ten
   return out;
 }
 
+// The attention phase's units of work: runs of consecutive rows that read the same blocks (a speculative step's
+// verification rows of one sequence: each KV block is then read once for all of them, paged_attention_rows), cut
+// into pieces of at most ATTENTION_PIECE rows and few enough rows that the pieces times the KV heads still give every
+// thread about two tasks. Other rows are pieces of one. (Which rows share a piece changes no result: each row's
+// attention has the same bits alone or with others.)
+constexpr int64_t ATTENTION_PIECE = 16;
+
+std::vector<std::pair<int64_t, int64_t>> attention_pieces(const int64_t* tp, const int64_t* lp, int64_t B,
+                                                          int64_t MAXB, int64_t BS, int64_t kv_heads, int T) {
+  const int64_t most = std::clamp<int64_t>(B * kv_heads / (2 * T), 1, ATTENTION_PIECE);
+  std::vector<std::pair<int64_t, int64_t>> pieces;
+  for (int64_t s = 0; s < B;) {
+    int64_t e = s + 1;  // rows [s, e) read the same blocks
+    for (; e < B && e - s < most; ++e) {
+      const int64_t blocks = (std::max(lp[e], lp[s]) + BS - 1) / BS;
+      if (!std::equal(tp + e * MAXB, tp + e * MAXB + blocks, tp + s * MAXB)) break;
+    }
+    pieces.emplace_back(s, e - s);
+    s = e;
+  }
+  return pieces;
+}
+
 at::Tensor decode_layers(const c10::intrusive_ptr<DecodeLayers>& plan, at::Tensor h, const at::Tensor& x,
                          const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& slots,
                          const at::Tensor& table, const at::Tensor& lens, int64_t window,
@@ -1323,6 +1346,8 @@ at::Tensor decode_layers(const c10::intrusive_ptr<DecodeLayers>& plan, at::Tenso
     for (int64_t i = 0; i < (lp[b] + BS - 1) / BS; ++i)
       TORCH_CHECK(tp[b * MAXB + i] >= 0 && tp[b * MAXB + i] < NB, "decode_layers: block out of range");
   }
+  const int nt = std::max(1, at::get_num_threads());
+  const std::vector<std::pair<int64_t, int64_t>> pieces = attention_pieces(tp, lp, B, MAXB, BS, layers[0].kv_heads, nt);
   bool int8_rows = false, bf16_rows = false;  // whether any linear takes its input as int8 (VNNI) or bfloat16
   for (const PlanLayer& l : layers) {
     TORCH_CHECK(l.pool.size(2) == NB && l.pool.size(3) == BS && l.pool.size(4) == D,
@@ -1355,7 +1380,6 @@ at::Tensor decode_layers(const c10::intrusive_ptr<DecodeLayers>& plan, at::Tenso
     tpserve::resize_bf16_rows(xq_att, B, max_att);
     tpserve::resize_bf16_rows(xq_act, B, max_gu / 2);
   }
-  const int nt = std::max(1, at::get_num_threads());
   std::vector<std::vector<float>> scores(nt), lora_u(nt), normed(nt, std::vector<float>(D));
   const LoraGroups groups(rs, B);  // the adapter rows by slot (none: the base-only step, untouched)
   const int64_t lstride = plan->lora_rp;
@@ -1449,13 +1473,16 @@ at::Tensor decode_layers(const c10::intrusive_ptr<DecodeLayers>& plan, at::Tenso
       // every row's K/V is in the cache before any row attends (several rows of one sequence: speculation)
       const int64_t win = l.window > 0 ? l.window : window;
       const float* sk = l.sinks.has_value() ? l.sinks->data_ptr<float>() : nullptr;
-      for (int64_t task = a; task < b; ++task) {
-        const int64_t s = task / kvh, kh = task % kvh;
-        const int64_t len = lp[s], first = win > 0 ? std::max<int64_t>(0, len - win) : 0;
-        tpserve::paged_attention_head(qp + (s * heads + kh * G) * D, kc + kh * per_head * D, vc + kh * per_head * D,
-                                      tp + s * MAXB, len, first, G, D, BS, static_cast<float>(l.scale), scores[t],
-                                      attp + (s * heads + kh * G) * D, sk ? sk + kh * G : nullptr,
-                                      static_cast<float>(l.softcap));
+      share(static_cast<int64_t>(pieces.size()) * kvh, a, b);
+      int64_t firsts[ATTENTION_PIECE];
+      for (int64_t task = a; task < b; ++task) {  // (rows that read the same blocks, one KV head)
+        const auto [s, n] = pieces[task / kvh];
+        const int64_t kh = task % kvh;
+        for (int64_t r = 0; r < n; ++r) firsts[r] = win > 0 ? std::max<int64_t>(0, lp[s + r] - win) : 0;
+        tpserve::paged_attention_rows(qp + (s * heads + kh * G) * D, heads * D, kc + kh * per_head * D,
+                                      vc + kh * per_head * D, tp + s * MAXB, lp + s, firsts, n, G, D, BS,
+                                      static_cast<float>(l.scale), scores[t], attp + (s * heads + kh * G) * D,
+                                      heads * D, sk ? sk + kh * G : nullptr, static_cast<float>(l.softcap));
       }
 #pragma omp barrier
       if (takes_rows(l.o) || takes_bf16(l.o)) {

@@ -142,6 +142,13 @@ void rms_norm_rows(const float* x, const float* w, float eps, float* y, int64_t 
 void paged_attention_head(const float* qbh, const float* kh, const float* vh, const int64_t* blocks, int64_t len,
                           int64_t first, int64_t G, int64_t D, int64_t BS, float scale, std::vector<float>& scores,
                           float* obh, const float* sinks = nullptr, float softcap = 0.f);
+// the same for R rows of one sequence (a speculative step's verification rows): row r's G query heads at q + r qs
+// against keys [firsts[r], lens[r]), out at o + r os; each key and value row is read once for every row, and each
+// query's result has the bits paged_attention_head gives it alone
+void paged_attention_rows(const float* q, int64_t qs, const float* kh, const float* vh, const int64_t* blocks,
+                          const int64_t* lens, const int64_t* firsts, int64_t R, int64_t G, int64_t D, int64_t BS,
+                          float scale, std::vector<float>& scratch, float* o, int64_t os, const float* sinks = nullptr,
+                          float softcap = 0.f);
 // core/argmax.cpp: torch.argmax of one row of V > 0 floats (the first maximal value; a NaN counts as the maximum)
 int64_t argmax_row(const float* row, int64_t V);
 

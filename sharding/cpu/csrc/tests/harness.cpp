@@ -652,6 +652,43 @@ void check_attention(Rng& g, int64_t G, int64_t D, int64_t len, int64_t window) 
   report(shape("attention", G, 0, D, more), "float32", false, y, ref, mag, 1e-5);
 }
 
+// R rows of one sequence at consecutive positions (a speculative step's verification rows) in one call: each row
+// must get exactly the bits it gets alone (so speculation stays exact), with the rows' queries at a stride
+void check_attention_rows(Rng& g, int64_t R, int64_t G, int64_t D, int64_t len0, int64_t window) {
+  const int64_t BS = 16, nblocks = (len0 + R + BS - 1) / BS + 3, qs = 3 * G * D;  // (row stride: 3 KV heads' worth)
+  const std::vector<float> q = floats(g, R * qs, 1.f), kp = floats(g, nblocks * BS * D, 1.f),
+                           vp = floats(g, nblocks * BS * D, 1.f);
+  std::vector<int64_t> table(nblocks), lens(R), firsts(R);
+  for (int64_t i = 0; i < nblocks; ++i) table[i] = i;
+  for (int64_t i = nblocks - 1; i > 0; --i) std::swap(table[i], table[g.below(i + 1)]);
+  for (int64_t r = 0; r < R; ++r) {
+    lens[r] = len0 + r;
+    firsts[r] = window > 0 ? std::max<int64_t>(0, lens[r] - window) : 0;
+  }
+  const float scale = 1.f / std::sqrt(static_cast<float>(D));
+  std::vector<float> scratch, y(R * qs, -1.f), alone(R * qs, -1.f);
+  tpserve::paged_attention_rows(q.data(), qs, kp.data(), vp.data(), table.data(), lens.data(), firsts.data(), R, G, D,
+                                BS, scale, scratch, y.data(), qs);
+  for (int64_t r = 0; r < R; ++r) {
+    std::vector<float> fresh;
+    tpserve::paged_attention_head(q.data() + r * qs, kp.data(), vp.data(), table.data(), lens[r], firsts[r], G, D, BS,
+                                  scale, fresh, alone.data() + r * qs);
+  }
+  std::vector<float> got;
+  std::vector<double> ref, mag;
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t i = 0; i < G * D; ++i) {
+      got.push_back(y[r * qs + i]);
+      ref.push_back(alone[r * qs + i]);
+      mag.push_back(std::fabs(alone[r * qs + i]));
+    }
+  char more[80];
+  std::snprintf(more, sizeof more, " rows=%" PRId64 " len0=%" PRId64 " window=%" PRId64, R, len0, window);
+  // (tolerance 0 against this build's own per-row results: bit for bit, but not an "exact" case, whose bits every
+  // build would have to share; float32 attention rounds differently per instruction set)
+  report(shape("attention_rows", G, 0, D, more), "float32", false, got, ref, mag, 0.);
+}
+
 // argmax: the first maximal value; a NaN wins (its first one)
 void check_argmax(Rng& g, int64_t V, int where, bool nan) {
   std::vector<float> row = floats(g, V, 5.f);
@@ -712,6 +749,8 @@ int main(int argc, char** argv) {
       for (int64_t len : {1, 17, 37, 64}) {
         check_attention(g, G, D, len, 0);
         check_attention(g, G, D, len, 20);
+        check_attention_rows(g, 5, G, D, len, 0);
+        check_attention_rows(g, 3, G, D, len, 20);
       }
   for (int64_t V : {1, 2, 7, 16, 17, 1000, 1001})
     for (int where : {0, 1, 2})
