@@ -721,8 +721,9 @@ struct DecodeLayers : torch::CustomClassHolder {
 //   in chunks of 16 columns accumulated in registers over the rows of B^T that can be nonzero there.
 
 // 16 lanes of float32, in GCC/Clang's portable vector extension: one zmm with AVX-512, two ymm with AVX2, four q
-// registers on NEON. The tiles below keep their accumulators in these (the auto-vectorised loops over float[16]
-// arrays spilled them to the stack and ran the adapters' few FLOPs at ~5 us a linear).
+// registers on NEON. The tiles below keep their accumulators in these registers (the auto-vectorised loops over
+// float[16] arrays kept them on the stack). That measured no faster by itself: the adapters' time is their reads'
+// latency (docs/lora.md, Performance), and the bfloat16 loads convert in the same registers.
 typedef float LoraVec __attribute__((vector_size(LORA_W * sizeof(float))));
 typedef uint16_t LoraHalf __attribute__((vector_size(LORA_W * sizeof(uint16_t))));
 typedef uint32_t LoraBits __attribute__((vector_size(LORA_W * sizeof(uint32_t))));
