@@ -13,8 +13,9 @@ adapter's values; over a quantized or bfloat16 base they are rounded to bfloat16
 step holds them as bfloat16: at batch 1 an adapter's bytes are read once a token like the base's, and float32 rank-16
 adapters on every linear add ~14 % to an int8 base's bytes, bfloat16 ones ~7 %. The rounding (a relative 2^-9) is
 far below the base's own (int8: 2^-8 of a block's largest weight, int4 2^-4), and every path (the modules, the
-per-layer loop, the compiled step) computes with the same rounded values. A fused column linear whose pieces come from several adapted modules (q, k, v)
-concatenates their A's (R = the sum of their ranks) and places each B block-diagonally, so a delta is two matmuls.
+per-layer loop, the compiled step) computes with the same rounded values. A fused column linear whose pieces come
+from several adapted modules (q, k, v) concatenates their A's (R = the sum of their ranks) and places each B
+block-diagonally, so a delta is two matmuls.
 
 A step says each sequence's slot in its flags (sharding/wire.py: with_lora); AttentionMetadata.build turns them into
 `LoraRows` (for each slot present, the step's tokens of that slot), which the model's forward hands to its
