@@ -27,8 +27,25 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def free_port_pair() -> int:
+    """A free port p with p + 1 free too: torchrun's agent listens on MASTER_PORT and tpserve's ranks' store on
+    MASTER_PORT + 1 (sharding/store.py); with only p checked, a test running beside it could hold p + 1 (seen once:
+    node 0 failed with "Address already in use" and node 1 waited out the test's timeout)."""
+    import socket
+
+    for _ in range(100):
+        p = free_port()
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", p + 1))
+            except OSError:
+                continue
+        return p
+    raise RuntimeError("no two consecutive free ports on 127.0.0.1")
+
+
 def start_nodes(folders, http, tmp_path, layout=("--tensor-parallel-size", "2")):
-    master = free_port()
+    master = free_port_pair()
     env = dict(os.environ, TPSERVE_THREADS="1", TPSERVE_STORE_SECRET=secrets.token_hex(32))  # the same on both nodes
     nodes = []
     for node, folder in enumerate(folders):
