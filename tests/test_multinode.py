@@ -29,8 +29,8 @@ def free_port() -> int:
 
 def free_port_pair() -> int:
     """A free port p with p + 1 free too: torchrun's agent listens on MASTER_PORT and tpserve's ranks' store on
-    MASTER_PORT + 1 (sharding/store.py); with only p checked, a test running beside it could hold p + 1 (seen once:
-    node 0 failed with "Address already in use" and node 1 waited out the test's timeout)."""
+    MASTER_PORT + 1 (sharding/store.py); with only p checked, a test running beside it could hold p + 1 (seen twice in
+    one day's full runs: node 0 failed with "Address already in use" and node 1 waited out the test's timeout)."""
     import socket
 
     for _ in range(100):

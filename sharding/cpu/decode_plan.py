@@ -221,9 +221,9 @@ def build(layers: Sequence[PlanLayer], final_norm: RMSNorm | None, whole: bool, 
         if norms is False:
             return None
         sinks = attn.attention_sinks()
-        whole = attn.plan_whole_qk_norms()
-        if whole is False or (whole is not None and (norms is not None or any(
-                w.dtype != torch.float32 for w in whole[:2]))):
+        whole_qk = attn.plan_whole_qk_norms()
+        if whole_qk is False or (whole_qk is not None and (norms is not None or any(
+                w.dtype != torch.float32 for w in whole_qk[:2]))):
             return None
         ffn_in, attn_out, ffn_out = layer.plan_norms()
         around = [Norm.of(n) for n in (layer.input_layernorm, ffn_in, attn_out, ffn_out)]
@@ -237,7 +237,7 @@ def build(layers: Sequence[PlanLayer], final_norm: RMSNorm | None, whole: bool, 
                               mlp.down_proj if dense else None, None if dense else mlp, attn.groups.q_index,
                               attn.groups.out_index, around[1], Norm.of(nxt), norms, sinks, attn.window,
                               attn.softcap or 0.0, mlp.plan_activation() if dense else 0, around[2], around[3],
-                              whole))
+                              whole_qk))
     return DecodePlan(ops, layers[0].input_layernorm, fast, layers[0].self_attn.head_dim, world_size)
 
 

@@ -149,8 +149,8 @@ def test_every_kernel_of_the_build_matches_the_reference(name, tmp_root):
     cases = parse(p.stdout)
     assert re.search(r": (\d+) cases, 0 failed$", summary) and len(cases) == int(summary.split()[-4]) > 400
     kernels = collections.Counter(c.split()[0] for c in cases)
-    assert set(kernels) == {"quantize_rows", "int8", "int4", "bf16", "f32", "rms_norm", "rotary", "attention", "attention_rows", "argmax",
-                            "kq"}
+    assert set(kernels) == {"quantize_rows", "int8", "int4", "bf16", "f32", "rms_norm", "rotary", "attention",
+                            "attention_rows", "argmax", "kq"}
     # the int8 / int4 linears over int8 activations, and the float32 one on builds with FMAs, are exact; so are the
     # GGUF block types' (int8 activations on every build), all eight of them (MXFP4 and Q4_Z included)
     exact = {c.split()[0] for c, (_, scheme, ex, _) in cases.items() if ex}
