@@ -1,31 +1,197 @@
 // Decode attention of one sequence's KV head read straight from the paged KV cache (float32), torch-free (the op:
 // paged_attention.cpp; decode_glue.cpp's decode_layers calls it too): the head's G query heads, of one row or of
 // several rows of the same sequence (a speculative step's verification rows), share each key and value row read, and
-// no block is gathered into a contiguous copy. Portable C++ on every build (the compiler vectorizes the loops over D
-// and the softmax's exp through libmvec where -ffast-math allows it).
+// no block is gathered into a contiguous copy.
 //
-// A query's arithmetic does not depend on how many rows share the call: the same loops over D, and its scores at the
-// start of their own 64-byte-aligned stretch of the scratch, so a vectorized loop's split into a peeled head and
-// vector body (decided from the address at run time) falls alike. A verification row therefore gets the bits a plain
-// decode step of that position gets, and speculation stays exact.
+// The keys go W at a time (W: the build's float vector, 16 with AVX-512, 8 with AVX/AVX2, 4 elsewhere), W rows of a
+// cache block being one contiguous stretch. Per query, W keys' dot products are W vectors of partial sums (D / W
+// products each, in the compiler's portable vector extension), and one transposed reduction (log2 W levels of two
+// shuffles and an add) turns them into one vector of W scores. A score per key and query with a horizontal sum of
+// its own (the loop this replaces) cost ~10x more: at 400 tokens of context it was a third of SmolLM2's decode step.
+// The softmax and the weighted sum of the values then run over the same groups, the sum over keys in order. Head
+// sizes the templates do not cover (and cache blocks that are not a multiple of W rows) take the plain loops.
+//
+// A query's arithmetic does not depend on how many rows share the call: the same loops for each query, over the same
+// absolute groups of keys, in the same order. A verification row therefore gets the bits a plain decode step of that
+// position gets, and speculation stays exact (tests/sharding/test_kernel_harness.py: attention_rows).
 
 #include "kernels.h"
 
 #include <algorithm>
+#include <cfloat>
 #include <cmath>
 #include <cstdint>
+#include <utility>
 #include <vector>
 
-namespace tpserve {
+namespace {
 
-// (one compiled body for every R: a copy specialised for R = 1, inlined or cloned with the constant, could vectorize
-// differently and round differently)
-__attribute__((noinline, noclone)) void paged_attention_rows(const float* q, int64_t qs, const float* kh,
-                                                             const float* vh, const int64_t* blocks,
-                                                             const int64_t* lens, const int64_t* firsts, int64_t R,
-                                                             int64_t G, int64_t D, int64_t BS, float fscale,
-                                                             std::vector<float>& scratch, float* o, int64_t os,
-                                                             const float* sinks, float softcap) {
+#if defined(__AVX512F__)
+constexpr int W = 16;
+#elif defined(__AVX__)
+constexpr int W = 8;
+#else
+constexpr int W = 4;  // SSE2, NEON, or whatever the compiler makes of 16 bytes
+#endif
+
+typedef float fvec __attribute__((vector_size(W * 4)));
+typedef float fvec_u __attribute__((vector_size(W * 4), aligned(4), may_alias));  // unaligned loads and stores
+typedef int32_t ivec __attribute__((vector_size(W * 4)));
+
+inline fvec load(const float* p) { return *reinterpret_cast<const fvec_u*>(p); }
+inline void store(float* p, fvec v) { *reinterpret_cast<fvec_u*>(p) = v; }
+inline fvec splat(float x) { return fvec{} + x; }
+
+// One level of the transposed reduction. x and y each hold W / L keys' partial sums, L lanes per key; the result holds
+// x's keys then y's, L / 2 lanes each (lane p of the result: segment p / (L / 2), the sum of the two halves of that
+// key's segment).
+constexpr int half_lane(int p, int L, int second) {
+  const int h = L / 2, j = p / h, k = p % h;
+  return (j < W / L ? j * L + k : W + (j - W / L) * L + k) + second * h;
+}
+
+template <int L, int... P>
+inline fvec fold(fvec x, fvec y, std::integer_sequence<int, P...>) {
+#if defined(__clang__)
+  return __builtin_shufflevector(x, y, half_lane(P, L, 0)...) + __builtin_shufflevector(x, y, half_lane(P, L, 1)...);
+#else
+  return __builtin_shuffle(x, y, ivec{half_lane(P, L, 0)...}) + __builtin_shuffle(x, y, ivec{half_lane(P, L, 1)...});
+#endif
+}
+
+// lane i of the result = the sum of a[i]'s lanes, for the W vectors a (overwritten): log2 W levels, L of them in
+// each (L lanes per key) folded pairwise into L / 2
+template <int L>
+inline fvec lane_sums(fvec* a) {
+  if constexpr (L == 1) {
+    return a[0];
+  } else {
+    for (int i = 0; i < L / 2; ++i) a[i] = fold<L>(a[2 * i], a[2 * i + 1], std::make_integer_sequence<int, W>{});
+    return lane_sums<L / 2>(a);
+  }
+}
+
+// keys [first, len) of group [t0, t0 + W) as a lane mask
+inline ivec in_range(int64_t t0, int64_t first, int64_t len) {
+  ivec t;
+  for (int i = 0; i < W; ++i) t[i] = static_cast<int32_t>(i);
+  const int32_t lo = static_cast<int32_t>(std::max<int64_t>(first - t0, -1)),
+                hi = static_cast<int32_t>(std::min<int64_t>(len - t0, W + 1));
+  return (t >= lo) & (t < hi);
+}
+
+// The vector kernel for head size D (a multiple of W) and blocks of BS % W == 0 rows.
+template <int D>
+void attend(const float* q, int64_t qs, const float* kh, const float* vh, const int64_t* blocks, const int64_t* lens,
+            const int64_t* firsts, int64_t R, int64_t G, int64_t BS, float fscale, std::vector<float>& scratch,
+            float* o, int64_t os, const float* sinks, float softcap) {
+  constexpr int NV = D / W;  // vectors per row of D
+  int64_t f0 = firsts[0], l1 = lens[0];
+  for (int64_t r = 1; r < R; ++r) {
+    f0 = std::min(f0, firsts[r]);
+    l1 = std::max(l1, lens[r]);
+  }
+  const int64_t k0 = f0 / W * W, ng = (l1 - k0 + W - 1) / W;  // groups of W keys from k0
+  const int64_t stride = ng * W + W;  // floats per query's scores (and W for its sum and inverse)
+  scratch.resize(R * G * stride + W);
+  const uintptr_t base = reinterpret_cast<uintptr_t>(scratch.data());
+  float* scores = scratch.data() + ((W * 4 - base % (W * 4)) % (W * 4)) / sizeof(float);
+  auto row_of = [&](const float* pool, int64_t t) { return pool + (blocks[t / BS] * BS + t % BS) * D; };
+  auto touches = [&](int64_t r, int64_t t0) { return t0 + W > firsts[r] && t0 < lens[r]; };
+
+  // scores: query (r, g)'s at scores[(r G + g) stride + t - k0]; each group's key rows read once for every query
+  for (int64_t gi = 0; gi < ng; ++gi) {
+    const int64_t t0 = k0 + gi * W;
+    const float* kb = row_of(kh, t0);  // W rows of D, contiguous
+    if (t0 + BS < l1)  // the same rows of the next block: blocks are scattered, so the hardware cannot guess
+      for (int64_t i = 0; i < W * D; i += 16) __builtin_prefetch(row_of(kh, t0 + BS) + i);
+    for (int64_t r = 0; r < R; ++r) {
+      if (!touches(r, t0)) continue;
+      for (int64_t g = 0; g < G; ++g) {
+        const float* qg = q + r * qs + g * D;
+        fvec qv[NV];
+        for (int v = 0; v < NV; ++v) qv[v] = load(qg + v * W);
+        fvec acc[W];
+        for (int i = 0; i < W; ++i) {
+          fvec a = qv[0] * load(kb + i * D);
+          for (int v = 1; v < NV; ++v) a += qv[v] * load(kb + i * D + v * W);
+          acc[i] = a;
+        }
+        fvec s = lane_sums<W>(acc) * fscale;
+        if (softcap > 0.f)  // soft-capped (Gemma 2): tanh(s / cap) * cap
+          for (int i = 0; i < W; ++i) s[i] = std::tanh(s[i] / softcap) * softcap;
+        store(scores + (r * G + g) * stride + (t0 - k0), s);
+      }
+    }
+  }
+  // softmax per query, over its own keys: exponentials in place (0 outside [first, len)), 1 / their sum kept
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t a = (firsts[r] - k0) / W, b = (lens[r] - 1 - k0) / W + 1;  // its groups
+    for (int64_t g = 0; g < G; ++g) {
+      float* s = scores + (r * G + g) * stride;
+      fvec mv = splat(-FLT_MAX);
+      for (int64_t gi = a; gi < b; ++gi) {
+        const fvec x = load(s + gi * W);
+        const ivec in = in_range(k0 + gi * W, firsts[r], lens[r]);
+        mv = in ? (x > mv ? x : mv) : mv;
+      }
+      float m = mv[0];
+      for (int i = 1; i < W; ++i) m = std::max(m, mv[i]);
+      if (sinks) m = std::max(m, sinks[g]);
+      fvec sum{};
+      for (int64_t gi = a; gi < b; ++gi) {
+        const ivec in = in_range(k0 + gi * W, firsts[r], lens[r]);
+        fvec x = load(s + gi * W) - m;
+        x = in ? x : splat(-80.f);
+        float xs[W], e[W];
+        store(xs, x);
+#pragma omp simd
+        for (int i = 0; i < W; ++i) e[i] = std::exp(xs[i]);  // vectorized through glibc's libmvec (-ffast-math)
+        const fvec p = in ? load(e) : fvec{};
+        store(s + gi * W, p);
+        sum += p;
+      }
+      float total = sinks ? std::exp(sinks[g] - m) : 0.f;
+      for (int i = 0; i < W; ++i) total += sum[i];
+      s[stride - W] = 1.f / total;
+    }
+  }
+  // out of query (r, g) = sum over its keys t, in order, of p[t] v[t], times 1 / sum p; each group's value rows read
+  // once for every query
+  for (int64_t r = 0; r < R; ++r) std::fill(o + r * os, o + r * os + G * D, 0.f);
+  for (int64_t gi = 0; gi < ng; ++gi) {
+    const int64_t t0 = k0 + gi * W;
+    const float* vb = row_of(vh, t0);
+    if (t0 + BS < l1)
+      for (int64_t i = 0; i < W * D; i += 16) __builtin_prefetch(row_of(vh, t0 + BS) + i);
+    for (int64_t r = 0; r < R; ++r) {
+      if (!touches(r, t0)) continue;
+      const int64_t i0 = std::max<int64_t>(firsts[r] - t0, 0), i1 = std::min<int64_t>(lens[r] - t0, W);
+      for (int64_t g = 0; g < G; ++g) {
+        const float* p = scores + (r * G + g) * stride + (t0 - k0);
+        float* og = o + r * os + g * D;
+        fvec acc[NV];
+        for (int v = 0; v < NV; ++v) acc[v] = load(og + v * W);
+        for (int64_t i = i0; i < i1; ++i) {
+          const fvec w = splat(p[i]);
+          for (int v = 0; v < NV; ++v) acc[v] += w * load(vb + i * D + v * W);
+        }
+        for (int v = 0; v < NV; ++v) store(og + v * W, acc[v]);
+      }
+    }
+  }
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t g = 0; g < G; ++g) {
+      const fvec inv = splat(scores[(r * G + g) * stride + stride - W]);
+      float* og = o + r * os + g * D;
+      for (int v = 0; v < NV; ++v) store(og + v * W, load(og + v * W) * inv);
+    }
+}
+
+// Any other head size: the same computation one key and query at a time (a horizontal sum per score).
+void attend_plain(const float* q, int64_t qs, const float* kh, const float* vh, const int64_t* blocks,
+                  const int64_t* lens, const int64_t* firsts, int64_t R, int64_t G, int64_t D, int64_t BS,
+                  float fscale, std::vector<float>& scratch, float* o, int64_t os, const float* sinks, float softcap) {
   int64_t f0 = firsts[0], l1 = lens[0];
   for (int64_t r = 1; r < R; ++r) {
     f0 = std::min(f0, firsts[r]);
@@ -34,14 +200,11 @@ __attribute__((noinline, noclone)) void paged_attention_rows(const float* q, int
   const int64_t stride = (l1 - f0 + 15) / 16 * 16;  // floats per query's scores, a multiple of 64 bytes
   scratch.resize(R * G * stride + 16);
   const uintptr_t base = reinterpret_cast<uintptr_t>(scratch.data());
-  float* scores = scratch.data() + ((64 - base % 64) % 64) / sizeof(float);  // 64-byte aligned (malloc gives 16)
-  // scores of query (r, g) at key t: scores[(r G + g) stride + t - first_r], each key row read once for every query
+  // 64-byte aligned (malloc gives 16): a vectorized loop's split into a peeled head and a vector body, decided from
+  // the address at run time, then falls alike for every query
+  float* scores = scratch.data() + ((64 - base % 64) % 64) / sizeof(float);
   for (int64_t t = f0; t < l1; ++t) {
     const float* krow = kh + (blocks[t / BS] * BS + t % BS) * D;
-    if (t + BS < l1) {  // the same row of the next block: blocks are scattered, so the hardware cannot guess
-      const float* next = kh + (blocks[(t + BS) / BS] * BS + t % BS) * D;
-      for (int64_t d = 0; d < D; d += 16) __builtin_prefetch(next + d);
-    }
     for (int64_t r = 0; r < R; ++r) {
       if (t < firsts[r] || t >= lens[r]) continue;
       for (int64_t g = 0; g < G; ++g) {
@@ -49,24 +212,23 @@ __attribute__((noinline, noclone)) void paged_attention_rows(const float* q, int
         float acc = 0.f;
 #pragma omp simd reduction(+ : acc)
         for (int64_t d = 0; d < D; ++d) acc += qg[d] * krow[d];
-        const float sc = acc * fscale;  // soft-capped (Gemma 2): tanh(s / cap) * cap
+        const float sc = acc * fscale;
         scores[(r * G + g) * stride + (t - firsts[r])] = softcap > 0.f ? std::tanh(sc / softcap) * softcap : sc;
       }
     }
   }
-  // softmax per query
   for (int64_t r = 0; r < R; ++r) {
     const int64_t n = lens[r] - firsts[r];
     for (int64_t g = 0; g < G; ++g) {
       float* s = scores + (r * G + g) * stride;
-      float m = s[0];  // (no infinities here: every key in [first, len) is attended; built with -ffast-math)
+      float m = s[0];
 #pragma omp simd reduction(max : m)
       for (int64_t i = 1; i < n; ++i) m = std::max(m, s[i]);
       if (sinks) m = std::max(m, sinks[g]);
       float sum = sinks ? std::exp(sinks[g] - m) : 0.f;
 #pragma omp simd reduction(+ : sum)
       for (int64_t i = 0; i < n; ++i) {
-        s[i] = std::exp(s[i] - m);  // vectorized through glibc's libmvec (-ffast-math)
+        s[i] = std::exp(s[i] - m);
         sum += s[i];
       }
       const float inv = 1.f / sum;
@@ -74,14 +236,9 @@ __attribute__((noinline, noclone)) void paged_attention_rows(const float* q, int
       for (int64_t i = 0; i < n; ++i) s[i] *= inv;
     }
   }
-  // out of query (r, g) = sum_t p[t] v[t], each value row read once for every query
   for (int64_t r = 0; r < R; ++r) std::fill(o + r * os, o + r * os + G * D, 0.f);
   for (int64_t t = f0; t < l1; ++t) {
     const float* vrow = vh + (blocks[t / BS] * BS + t % BS) * D;
-    if (t + BS < l1) {
-      const float* next = vh + (blocks[(t + BS) / BS] * BS + t % BS) * D;
-      for (int64_t d = 0; d < D; d += 16) __builtin_prefetch(next + d);
-    }
     for (int64_t r = 0; r < R; ++r) {
       if (t < firsts[r] || t >= lens[r]) continue;
       for (int64_t g = 0; g < G; ++g) {
@@ -92,6 +249,40 @@ __attribute__((noinline, noclone)) void paged_attention_rows(const float* q, int
       }
     }
   }
+}
+
+}  // namespace
+
+namespace tpserve {
+
+// (one compiled body for every R: a copy specialised for R = 1, inlined or cloned with the constant, could compile
+// differently and round differently)
+__attribute__((noinline, noclone)) void paged_attention_rows(const float* q, int64_t qs, const float* kh,
+                                                             const float* vh, const int64_t* blocks,
+                                                             const int64_t* lens, const int64_t* firsts, int64_t R,
+                                                             int64_t G, int64_t D, int64_t BS, float fscale,
+                                                             std::vector<float>& scratch, float* o, int64_t os,
+                                                             const float* sinks, float softcap) {
+  if (BS % W == 0) {
+    switch (D) {
+#define TPSERVE_ATTEND(d)                                                                                         \
+  case d:                                                                                                          \
+    if constexpr (d % W == 0)                                                                                      \
+      return attend<d>(q, qs, kh, vh, blocks, lens, firsts, R, G, BS, fscale, scratch, o, os, sinks, softcap);     \
+    break;
+      TPSERVE_ATTEND(16)
+      TPSERVE_ATTEND(32)
+      TPSERVE_ATTEND(64)
+      TPSERVE_ATTEND(80)
+      TPSERVE_ATTEND(96)
+      TPSERVE_ATTEND(128)
+      TPSERVE_ATTEND(256)
+#undef TPSERVE_ATTEND
+      default:
+        break;
+    }
+  }
+  attend_plain(q, qs, kh, vh, blocks, lens, firsts, R, G, D, BS, fscale, scratch, o, os, sinks, softcap);
 }
 
 void paged_attention_head(const float* qbh, const float* kh, const float* vh, const int64_t* blocks, int64_t len,

@@ -615,7 +615,7 @@ void check_rotary(Rng& g, int64_t H, int64_t D) {
 }
 
 // one (sequence, KV head) of paged decode attention: G query heads over keys [first, len) in scattered blocks
-void check_attention(Rng& g, int64_t G, int64_t D, int64_t len, int64_t window) {
+void check_attention(Rng& g, int64_t G, int64_t D, int64_t len, int64_t window, bool sinks_and_cap = false) {
   const int64_t BS = 16, nblocks = (len + BS - 1) / BS + 3;
   const std::vector<float> q = floats(g, G * D, 1.f), kp = floats(g, nblocks * BS * D, 1.f),
                            vp = floats(g, nblocks * BS * D, 1.f);
@@ -624,20 +624,24 @@ void check_attention(Rng& g, int64_t G, int64_t D, int64_t len, int64_t window) 
   for (int64_t i = nblocks - 1; i > 0; --i) std::swap(table[i], table[g.below(i + 1)]);  // scattered blocks
   const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
   const float scale = 1.f / std::sqrt(static_cast<float>(D));
+  // gpt-oss's sinks (a logit per query head that joins the denominator) and Gemma 2's soft-capping, together
+  const std::vector<float> sinks = floats(g, G, 2.f);
+  const float cap = sinks_and_cap ? 3.f : 0.f;
   std::vector<float> scores, y(G * D, -1.f);
   tpserve::paged_attention_head(q.data(), kp.data(), vp.data(), table.data(), len, first, G, D, BS, scale, scores,
-                                y.data());
+                                y.data(), sinks_and_cap ? sinks.data() : nullptr, cap);
   std::vector<double> ref(G * D, 0.), mag(G * D, 0.);
   for (int64_t h = 0; h < G; ++h) {
     std::vector<double> p(len - first);
-    double mx = -1e300, total = 0.;
+    double mx = sinks_and_cap ? sinks[h] : -1e300, total = 0.;
     for (int64_t t = first; t < len; ++t) {
       const float* k = kp.data() + (table[t / BS] * BS + t % BS) * D;
       double dotp = 0.;
       for (int64_t d = 0; d < D; ++d) dotp += static_cast<double>(q[h * D + d]) * k[d];
-      p[t - first] = dotp * scale;
+      p[t - first] = sinks_and_cap ? std::tanh(dotp * scale / cap) * cap : dotp * scale;
       mx = std::max(mx, p[t - first]);
     }
+    if (sinks_and_cap) total = std::exp(sinks[h] - mx);
     for (auto& v : p) total += v = std::exp(v - mx);
     for (int64_t t = first; t < len; ++t) {
       const float* v = vp.data() + (table[t / BS] * BS + t % BS) * D;
@@ -648,7 +652,8 @@ void check_attention(Rng& g, int64_t G, int64_t D, int64_t len, int64_t window) 
     }
   }
   char more[64];
-  std::snprintf(more, sizeof more, " len=%" PRId64 " window=%" PRId64, len, window);
+  std::snprintf(more, sizeof more, " len=%" PRId64 " window=%" PRId64 "%s", len, window,
+                sinks_and_cap ? " sinks softcap" : "");
   report(shape("attention", G, 0, D, more), "float32", false, y, ref, mag, 1e-5);
 }
 
@@ -744,14 +749,17 @@ int main(int argc, char** argv) {
     for (int64_t D : {6, 64, 100, 576}) check_rms_norm(g, M, D);
   for (int64_t H : {1, 3})
     for (int64_t D : {2, 6, 64, 128}) check_rotary(g, H, D);
+  // head sizes of the vector kernel (16-256) and of the plain loops (40), contexts within one block and across several
   for (int64_t G : {1, 3})
-    for (int64_t D : {32, 64})
-      for (int64_t len : {1, 17, 37, 64}) {
+    for (int64_t D : {16, 32, 40, 64, 128})
+      for (int64_t len : {1, 17, 37, 64, 150}) {
         check_attention(g, G, D, len, 0);
         check_attention(g, G, D, len, 20);
         check_attention_rows(g, 5, G, D, len, 0);
         check_attention_rows(g, 3, G, D, len, 20);
       }
+  for (int64_t D : {40, 64, 256})
+    for (int64_t len : {5, 70}) check_attention(g, 4, D, len, len > 40 ? 33 : 0, true);
   for (int64_t V : {1, 2, 7, 16, 17, 1000, 1001})
     for (int where : {0, 1, 2})
       for (bool nan : {false, true}) check_argmax(g, V, where, nan);
