@@ -76,6 +76,8 @@ struct Int8Rows {
   std::vector<float> scale;     // [M, K/32]
   std::vector<int32_t> sum;     // [M, K/32]: each block's sum of q (the x86 kernels' weights are unsigned: w + offset)
   std::vector<int32_t> sum16;   // [M, K/16]: the same per half block (Q6_K's groups of 16)
+  std::vector<int32_t> fix8;    // [M, K/32]: -8 sum, and -128 sum: the corrections the int4 and int8 kernels start
+  std::vector<int32_t> fix128;  // from (their weights unsigned: w + 8, w + 128), read as they are
   std::vector<uint16_t> h;      // [M, K]: x rounded to bfloat16, for bf16 weights (round_rows_bf16)
   int64_t M = 0, K = 0;
 };

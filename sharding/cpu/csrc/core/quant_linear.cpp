@@ -107,6 +107,8 @@ void resize_rows(Int8Rows& r, int64_t M, int64_t K) {
   r.scale.resize(M * (K / 32));
   r.sum.resize(M * (K / 32));
   r.sum16.resize(M * (K / 16));
+  r.fix8.resize(M * (K / 32));
+  r.fix128.resize(M * (K / 32));
 }
 
 void resize_bf16_rows(Int8Rows& r, int64_t M, int64_t K) {
@@ -130,6 +132,8 @@ void quantize_rows(const float* x, Int8Rows& r, int64_t m0, int64_t m1, int64_t 
       for (int i = 0; i < 16; ++i) lo += qb[i];
       for (int i = 16; i < 32; ++i) hi += qb[i];
       r.sum[m * nb + b] = lo + hi;
+      r.fix8[m * nb + b] = -8 * (lo + hi);
+      r.fix128[m * nb + b] = -128 * (lo + hi);
       r.sum16[m * 2 * nb + 2 * b] = lo;
       r.sum16[m * 2 * nb + 2 * b + 1] = hi;
     }

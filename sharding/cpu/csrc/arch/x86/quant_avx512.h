@@ -114,23 +114,38 @@ inline void store_rows16(const __m512* acc, int R, float* y, int64_t ldy, int64_
   for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(y + r * ldy, m, acc[r]);
 }
 
-// One block b of 32 inputs for R activation rows: 8 vpdpbusd of the block's unsigned weight lines (w + offset) by each
-// row's activation bytes, started from -offset * the row's block sum, then scaled and added in float32.
+// The R activation rows' pointers, set once per block of weights: each row's bytes, block scales and corrections, so
+// that the loop over blocks only adds b (the rows are K bytes apart; the compiler keeps what it can in registers)
 template <int R>
-inline void dot_rows(const tpserve::Int8Rows& xq, int64_t m0, int64_t b, const __m512i* lines, __m512 sw,
-                     int32_t offset, __m512* acc) {
-  const int64_t K = xq.K, nb = K / 32;
+struct RowsAt {
+  const int32_t* x[R];  // the row's int8 activations, 4 bytes a unit
+  const float* scale[R];
+  const int32_t* fix[R];
+  RowsAt(const tpserve::Int8Rows& xq, int64_t m0, const std::vector<int32_t>& fix_of) {
+    const int64_t K = xq.K, nb = K / 32;
+    for (int r = 0; r < R; ++r) {
+      x[r] = reinterpret_cast<const int32_t*>(xq.q.data() + (m0 + r) * K);
+      scale[r] = xq.scale.data() + (m0 + r) * nb;
+      fix[r] = fix_of.data() + (m0 + r) * nb;
+    }
+  }
+};
+
+// One block b of 32 inputs for R activation rows: 8 vpdpbusd of the block's unsigned weight lines (w + offset) by each
+// row's activation bytes, started from the row's correction for the block (-offset * its sum), then scaled and added in
+// float32.
+template <int R>
+inline void dot_rows(const RowsAt<R>& rows, int64_t b, const __m512i* lines, __m512 sw, __m512* acc) {
   for (int r = 0; r < R; ++r) {
-    const int64_t row = m0 + r;
-    const int32_t* xr = reinterpret_cast<const int32_t*>(xq.q.data() + row * K + b * 32);
+    const int32_t* xr = rows.x[r] + b * 8;
     // two chains of 4 (even and odd lines) halve a row's latency; the int32 sum is the same
-    __m512i d0 = _mm512_set1_epi32(-offset * xq.sum[row * nb + b]), d1 = _mm512_setzero_si512();
+    __m512i d0 = _mm512_set1_epi32(rows.fix[r][b]), d1 = _mm512_setzero_si512();
     for (int i = 0; i < 8; i += 2) {
       d0 = dpbusd_bcst(d0, lines[i], xr + i);
       d1 = dpbusd_bcst(d1, lines[i + 1], xr + i + 1);
     }
-    acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(d0, d1)),
-                             _mm512_mul_ps(sw, _mm512_set1_ps(xq.scale[row * nb + b])), acc[r]);
+    d0 = _mm512_add_epi32(d0, d1);
+    acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d0), _mm512_mul_ps(sw, _mm512_set1_ps(rows.scale[r][b])), acc[r]);
   }
 }
 
@@ -140,12 +155,13 @@ inline void int8_dot_block(const tpserve::Int8Rows& xq, int64_t m0, const int8_t
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   const int64_t nb = K / 32;
+  const RowsAt<R> rows(xq, m0, xq.fix128);  // the bytes flipped to w + 128
   const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
   for (int64_t b = 0; b < nb; ++b) {
     __m512i line[8];
     prefetch_lines_ahead(w + b * 512, 512);
     for (int i = 0; i < 8; ++i) line[i] = _mm512_xor_si512(_mm512_loadu_si512(w + (b * 8 + i) * 64), flip);
-    dot_rows<R>(xq, m0, b, line, row_scales16(scale + b * NV), 128, acc);  // the bytes flipped to w + 128
+    dot_rows<R>(rows, b, line, row_scales16(scale + b * NV), acc);
   }
   store_rows16(acc, R, y, ldy, nrows);
 }
@@ -156,9 +172,11 @@ inline void int4_dot_block(const tpserve::Int8Rows& xq, int64_t m0, const uint8_
                             const tpserve::fp16_t* scale, int64_t G, float* y, int64_t ldy) {
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-  const int64_t nb = K / 32;
+  const int64_t nb = K / 32, per_group = G / 32;  // blocks of 32 inputs per scale group
+  const RowsAt<R> rows(xq, m0, xq.fix8);  // the nibbles are w + 8
   const __m512i low = _mm512_set1_epi8(0x0F);
-  for (int64_t b = 0; b < nb; ++b) {
+  const tpserve::fp16_t* sg = scale;  // the scales of the block's group
+  for (int64_t b = 0, in_group = 0; b < nb; ++b) {
     __m512i half[8];  // inputs 8i..8i+3 (low nibbles), 8i+4..8i+7 (high), i = 0..3
     prefetch_lines_ahead(w + b * 256, 256);
     for (int i = 0; i < 4; ++i) {
@@ -166,7 +184,8 @@ inline void int4_dot_block(const tpserve::Int8Rows& xq, int64_t m0, const uint8_
       half[2 * i] = _mm512_and_si512(line, low);
       half[2 * i + 1] = _mm512_and_si512(_mm512_srli_epi16(line, 4), low);
     }
-    dot_rows<R>(xq, m0, b, half, row_scales16(scale + (b * 32 / G) * NV), 8, acc);  // the nibbles are w + 8
+    dot_rows<R>(rows, b, half, row_scales16(sg), acc);
+    if (++in_group == per_group) in_group = 0, sg += NV;
   }
   store_rows16(acc, R, y, ldy, nrows);
 }
