@@ -243,7 +243,21 @@ def test_moe_layers_in_the_one_call(moe_checkpoint, quantization):
     three_decode_paths(moe_checkpoint, quantization, moe=True)
 
 
-def three_decode_paths(folder, quantization, moe: bool = False) -> None:
+@pytest.mark.parametrize("arch, quantization", [("llama_long", None), ("llama_long", "int4"), ("mistral", None)])
+def test_long_contexts_attend_in_chunks_alike_on_every_path(checkpoints, tmp_path_factory, arch, quantization):
+    """Contexts of several attention chunks (sharding/cpu/csrc/core/kernels.h: ATTENTION_CHUNK keys at fixed
+    positions), which the one call hands out to its team chunk by chunk and the loop's op attends in one call, with and
+    without a sliding window that starts inside a chunk: the same tokens and logprobs bit for bit, and the modules' to
+    rounding."""
+    import tiny
+
+    folder = checkpoints(arch) if arch != "mistral" else tiny.make_checkpoint(
+        tmp_path_factory.mktemp("mistral_window"), "mistral", max_position_embeddings=1024, sliding_window=300)
+    prompts = [[3 + (7 * i) % 300 for i in range(700)], [3 + (5 * i) % 290 for i in range(300)], [4, 5]]
+    three_decode_paths(folder, quantization, prompts=prompts, kv_cache_memory=32 << 20)
+
+
+def three_decode_paths(folder, quantization, moe: bool = False, prompts=None, kv_cache_memory: int = 8 << 20) -> None:
     from server.llm import LLM
     from server.engine.sampler import SamplingParams
     from sharding.cpu.decode_plan import DecodePlan
@@ -251,12 +265,12 @@ def three_decode_paths(folder, quantization, moe: bool = False) -> None:
     from sharding.layers.moe import SparseMoe
 
     # (no prefix cache: every run prefills every prompt token, so each counts the same tokens)
-    llm = LLM(str(folder), max_num_seqs=4, kv_cache_memory=8 << 20, quantization=quantization,
+    llm = LLM(str(folder), max_num_seqs=4, kv_cache_memory=kv_cache_memory, quantization=quantization,
               enable_prefix_caching=False)
     try:
         model = llm.executor.model
         params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=0)
-        prompts = [[5, 6, 7, 8, 9, 10], list(range(30, 50)), [3, 4]]
+        prompts = prompts or [[5, 6, 7, 8, 9, 10], list(range(30, 50)), [3, 4]]
         sparse = [m for m in model.modules() if isinstance(m, SparseMoe)]
         assert bool(sparse) == moe
         counts = []  # the expert-token counts each path adds

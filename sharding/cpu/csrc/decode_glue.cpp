@@ -24,10 +24,12 @@
 #include "tpserve_kernels.h"
 
 #include <algorithm>
+#include <atomic>
 #include <bit>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <omp.h>
 #include <sys/mman.h>
 #include <optional>
@@ -1282,7 +1284,10 @@ constexpr int64_t ATTENTION_PIECE = 16;
 
 std::vector<std::pair<int64_t, int64_t>> attention_pieces(const int64_t* tp, const int64_t* lp, int64_t B,
                                                           int64_t MAXB, int64_t BS, int64_t kv_heads, int T) {
-  const int64_t most = std::clamp<int64_t>(B * kv_heads / (2 * T), 1, ATTENTION_PIECE);
+  int64_t longest = 1;
+  for (int64_t b = 0; b < B; ++b) longest = std::max(longest, lp[b]);
+  const int64_t chunks = (longest - 1) / tpserve::ATTENTION_CHUNK + 1;  // (without a window)
+  const int64_t most = std::clamp<int64_t>(B * kv_heads * chunks / (2 * T), 1, ATTENTION_PIECE);
   std::vector<std::pair<int64_t, int64_t>> pieces;
   for (int64_t s = 0; s < B;) {
     int64_t e = s + 1;  // rows [s, e) read the same blocks
@@ -1294,6 +1299,56 @@ std::vector<std::pair<int64_t, int64_t>> attention_pieces(const int64_t* tp, con
     s = e;
   }
   return pieces;
+}
+
+// Attention's units of work within a layer: the rows of a piece that start in the same chunk of keys (all of them
+// unless a sliding window cuts differently per row), times each chunk their keys meet (ATTENTION_CHUNK keys at fixed
+// positions, so that the pieces of a long context spread over the team and every row's bits stay its own). Fills
+// each row's first key (`firsts`, under the window `win` > 0) and first chunk; true when every row has one chunk.
+struct AttentionUnit {
+  int64_t row, rows, chunk, work;  // work: keys times rows, for the order units are taken in
+};
+
+bool attention_units(const std::vector<std::pair<int64_t, int64_t>>& pieces, const int64_t* lp, int64_t win,
+                     std::vector<AttentionUnit>& units, std::vector<int64_t>& firsts, std::vector<int64_t>& chunk0) {
+  constexpr int64_t C = tpserve::ATTENTION_CHUNK;
+  units.clear();
+  bool single = true;
+  for (const auto& [s, n] : pieces) {
+    for (int64_t r = s; r < s + n; ++r) {
+      firsts[r] = win > 0 ? std::max<int64_t>(0, lp[r] - win) : 0;
+      chunk0[r] = firsts[r] / C;
+      single &= (lp[r] - 1) / C == chunk0[r];
+    }
+    for (int64_t a = s; a < s + n;) {
+      int64_t e = a + 1, last = (lp[a] - 1) / C;
+      for (; e < s + n && chunk0[e] == chunk0[a]; ++e) last = std::max(last, (lp[e] - 1) / C);
+      for (int64_t c = chunk0[a]; c <= last; ++c) {
+        int64_t keys = 0;  // the most keys a row of the unit reads in the chunk
+        for (int64_t r = a; r < e; ++r)
+          keys = std::max(keys, std::min(lp[r], (c + 1) * C) - std::max(firsts[r], c * C));
+        units.push_back({a, e - a, c, keys * (e - a)});
+      }
+      a = e;
+    }
+  }
+  std::stable_sort(units.begin(), units.end(),
+                   [](const AttentionUnit& x, const AttentionUnit& y) { return x.work > y.work; });
+  return single;
+}
+
+// the most chunks any row's attention takes in any layer (its window, or the step's)
+int64_t attention_max_chunks(const std::vector<PlanLayer>& layers, const int64_t* lp, int64_t B, int64_t window) {
+  constexpr int64_t C = tpserve::ATTENTION_CHUNK;
+  int64_t most = 1;
+  for (const PlanLayer& l : layers) {
+    const int64_t win = l.window > 0 ? l.window : window;
+    for (int64_t r = 0; r < B; ++r) {
+      const int64_t first = win > 0 ? std::max<int64_t>(0, lp[r] - win) : 0;
+      most = std::max(most, (lp[r] - 1) / C - first / C + 1);
+    }
+  }
+  return most;
 }
 
 at::Tensor decode_layers(const c10::intrusive_ptr<DecodeLayers>& plan, at::Tensor h, const at::Tensor& x,
@@ -1382,6 +1437,15 @@ at::Tensor decode_layers(const c10::intrusive_ptr<DecodeLayers>& plan, at::Tenso
     tpserve::resize_bf16_rows(xq_act, B, max_gu / 2);
   }
   std::vector<std::vector<float>> scores(nt), lora_u(nt), normed(nt, std::vector<float>(D));
+  // attention's partials (paged_attention_chunk): per (row, query head), max_chunks of D + 2 floats from the row's
+  // first chunk
+  const int64_t PART = D + 2, max_chunks = attention_max_chunks(layers, lp, B, window);
+  at::Tensor parts = at::empty({B * layers[0].heads * max_chunks * PART}, opts);
+  float* partp = parts.data_ptr<float>();
+  std::vector<std::vector<AttentionUnit>> units(nt);
+  std::unique_ptr<std::atomic<int64_t>[]> next_unit(new std::atomic<int64_t>[layers.size()]);  // per layer
+  for (size_t i = 0; i < layers.size(); ++i) next_unit[i].store(0);
+  std::vector<std::vector<int64_t>> firsts(nt, std::vector<int64_t>(B)), chunk0(nt, std::vector<int64_t>(B));
   const LoraGroups groups(rs, B);  // the adapter rows by slot (none: the base-only step, untouched)
   const int64_t lstride = plan->lora_rp;
   std::vector<float> lora_parts(groups.size() > 0 ? nt * B * lstride : 0);
@@ -1474,16 +1538,36 @@ at::Tensor decode_layers(const c10::intrusive_ptr<DecodeLayers>& plan, at::Tenso
       // every row's K/V is in the cache before any row attends (several rows of one sequence: speculation)
       const int64_t win = l.window > 0 ? l.window : window;
       const float* sk = l.sinks.has_value() ? l.sinks->data_ptr<float>() : nullptr;
-      share(static_cast<int64_t>(pieces.size()) * kvh, a, b);
-      int64_t firsts[ATTENTION_PIECE];
-      for (int64_t task = a; task < b; ++task) {  // (rows that read the same blocks, one KV head)
-        const auto [s, n] = pieces[task / kvh];
-        const int64_t kh = task % kvh;
-        for (int64_t r = 0; r < n; ++r) firsts[r] = win > 0 ? std::max<int64_t>(0, lp[s + r] - win) : 0;
-        tpserve::paged_attention_rows(qp + (s * heads + kh * G) * D, heads * D, kc + kh * per_head * D,
-                                      vc + kh * per_head * D, tp + s * MAXB, lp + s, firsts, n, G, D, BS,
-                                      static_cast<float>(l.scale), scores[t], attp + (s * heads + kh * G) * D,
-                                      heads * D, sk ? sk + kh * G : nullptr, static_cast<float>(l.softcap));
+      // units of (rows that read the same blocks and start in the same chunk, one chunk of keys), times the KV heads
+      const bool single = attention_units(pieces, lp, win, units[t], firsts[t], chunk0[t]);
+      const int64_t* fr = firsts[t].data();
+      const int64_t* cf = chunk0[t].data();
+      // taken one at a time, the largest first (a team that splits the list evenly would leave one thread the full
+      // chunks and the other the short last ones); who computes a unit changes no bit
+      const int64_t total = static_cast<int64_t>(units[t].size()) * kvh;
+      for (int64_t task; (task = next_unit[li].fetch_add(1, std::memory_order_relaxed)) < total;) {
+        const AttentionUnit& u = units[t][task / kvh];
+        const int64_t kh = task % kvh, s = u.row;
+        float* part = partp + ((s * heads + kh * G) * max_chunks + (u.chunk - cf[s])) * PART;
+        tpserve::paged_attention_chunk(qp + (s * heads + kh * G) * D, heads * D, kc + kh * per_head * D,
+                                       vc + kh * per_head * D, tp + s * MAXB, lp + s, fr + s, u.rows, G, D, BS,
+                                       static_cast<float>(l.scale), u.chunk, scores[t], part,
+                                       heads * max_chunks * PART, max_chunks * PART, static_cast<float>(l.softcap));
+        if (single)  // every row's keys are in one chunk: its partials are complete
+          for (int64_t r = s; r < s + u.rows; ++r)
+            for (int64_t h = kh * G; h < (kh + 1) * G; ++h)
+              tpserve::paged_attention_combine(partp + (r * heads + h) * max_chunks * PART, 1, D,
+                                               sk ? sk + h : nullptr, attp + (r * heads + h) * D);
+      }
+      if (!single) {
+#pragma omp barrier
+        share(B * heads, a, b);
+        for (int64_t task = a; task < b; ++task) {  // (row, query head): its chunks' partials, in order
+          const int64_t r = task / heads, h = task % heads;
+          tpserve::paged_attention_combine(partp + task * max_chunks * PART,
+                                           (lp[r] - 1) / tpserve::ATTENTION_CHUNK - cf[r] + 1, D,
+                                           sk ? sk + h : nullptr, attp + task * D);
+        }
       }
 #pragma omp barrier
       if (takes_rows(l.o) || takes_bf16(l.o)) {

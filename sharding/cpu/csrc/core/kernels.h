@@ -151,6 +151,18 @@ void paged_attention_rows(const float* q, int64_t qs, const float* kh, const flo
                           const int64_t* lens, const int64_t* firsts, int64_t R, int64_t G, int64_t D, int64_t BS,
                           float scale, std::vector<float>& scratch, float* o, int64_t os, const float* sinks = nullptr,
                           float softcap = 0.f);
+// The same in pieces, for a team of threads: a query's keys are cut into chunks of ATTENTION_CHUNK keys at fixed
+// positions ([c C, (c + 1) C)); paged_attention_chunk computes chunk c for the R rows' queries whose keys meet it: the
+// partial of query (r, g) at part + r prs + g pgs, D + 2 floats: o[D] = the sum of exp(s_t - m) v_t over its keys t in
+// the chunk, in order, then m (its largest score there) and l (the sum of exp(s_t - m)). paged_attention_combine
+// turns a query's n partials of consecutive chunks (at part, D + 2 floats apart) into its output o [D], in chunk order.
+// paged_attention_rows is exactly these calls, so a row's bits do not depend on who computed which chunk.
+constexpr int64_t ATTENTION_CHUNK = 256;
+void paged_attention_chunk(const float* q, int64_t qs, const float* kh, const float* vh, const int64_t* blocks,
+                           const int64_t* lens, const int64_t* firsts, int64_t R, int64_t G, int64_t D, int64_t BS,
+                           float scale, int64_t c, std::vector<float>& scratch, float* part, int64_t prs, int64_t pgs,
+                           float softcap = 0.f);
+void paged_attention_combine(const float* part, int64_t n, int64_t D, const float* sink, float* o);
 // core/argmax.cpp: torch.argmax of one row of V > 0 floats (the first maximal value; a NaN counts as the maximum)
 int64_t argmax_row(const float* row, int64_t V);
 

@@ -80,30 +80,38 @@ inline ivec in_range(int64_t t0, int64_t first, int64_t len) {
   return (t >= lo) & (t < hi);
 }
 
-// The vector kernel for head size D (a multiple of W) and blocks of BS % W == 0 rows.
+// One chunk [cs, ce) of keys for R rows x G queries: per query (r, g) whose keys [first, len) meet the chunk, its
+// partial at part + r prs + g pgs: o[D] = sum over its keys t in the chunk, in order, of exp(s_t - m) v_t; then m,
+// the chunk's largest score, and l = sum of exp(s_t - m). The vector kernel: head size D a multiple of W, blocks of
+// BS % W == 0 rows (a chunk is a multiple of W keys, so W keys from a multiple of W are one stretch of one block).
 template <int D>
-void attend(const float* q, int64_t qs, const float* kh, const float* vh, const int64_t* blocks, const int64_t* lens,
-            const int64_t* firsts, int64_t R, int64_t G, int64_t BS, float fscale, std::vector<float>& scratch,
-            float* o, int64_t os, const float* sinks, float softcap) {
+void chunk_vec(const float* q, int64_t qs, const float* kh, const float* vh, const int64_t* blocks,
+               const int64_t* lens, const int64_t* firsts, int64_t R, int64_t G, int64_t BS, float fscale, int64_t cs,
+               int64_t ce, std::vector<float>& scratch, float* part, int64_t prs, int64_t pgs, float softcap) {
   constexpr int NV = D / W;  // vectors per row of D
-  int64_t f0 = firsts[0], l1 = lens[0];
-  for (int64_t r = 1; r < R; ++r) {
-    f0 = std::min(f0, firsts[r]);
-    l1 = std::max(l1, lens[r]);
+  int64_t f0 = ce, l1 = cs, end = 0;  // the keys any row reads here; the last one any row reads at all
+  for (int64_t r = 0; r < R; ++r) {
+    f0 = std::min(f0, std::max(firsts[r], cs));
+    l1 = std::max(l1, std::min(lens[r], ce));
+    end = std::max(end, lens[r]);
   }
+  if (f0 >= l1) return;
   const int64_t k0 = f0 / W * W, ng = (l1 - k0 + W - 1) / W;  // groups of W keys from k0
-  const int64_t stride = ng * W + W;  // floats per query's scores (and W for its sum and inverse)
+  const int64_t stride = ng * W;  // floats per query's scores
   scratch.resize(R * G * stride + W);
   const uintptr_t base = reinterpret_cast<uintptr_t>(scratch.data());
   float* scores = scratch.data() + ((W * 4 - base % (W * 4)) % (W * 4)) / sizeof(float);
   auto row_of = [&](const float* pool, int64_t t) { return pool + (blocks[t / BS] * BS + t % BS) * D; };
-  auto touches = [&](int64_t r, int64_t t0) { return t0 + W > firsts[r] && t0 < lens[r]; };
+  // row r's keys in this chunk, and whether group t0 holds any of them
+  auto lo = [&](int64_t r) { return std::max(firsts[r], cs); };
+  auto hi = [&](int64_t r) { return std::min(lens[r], ce); };
+  auto touches = [&](int64_t r, int64_t t0) { return t0 + W > lo(r) && t0 < hi(r); };
 
   // scores: query (r, g)'s at scores[(r G + g) stride + t - k0]; each group's key rows read once for every query
   for (int64_t gi = 0; gi < ng; ++gi) {
     const int64_t t0 = k0 + gi * W;
     const float* kb = row_of(kh, t0);  // W rows of D, contiguous
-    if (t0 + BS < l1)  // the same rows of the next block: blocks are scattered, so the hardware cannot guess
+    if (t0 + BS < end)  // the same rows of the next block (this chunk's or the next one's): blocks are scattered
       for (int64_t i = 0; i < W * D; i += 16) __builtin_prefetch(row_of(kh, t0 + BS) + i);
     for (int64_t r = 0; r < R; ++r) {
       if (!touches(r, t0)) continue;
@@ -117,30 +125,30 @@ void attend(const float* q, int64_t qs, const float* kh, const float* vh, const 
           for (int v = 1; v < NV; ++v) a += qv[v] * load(kb + i * D + v * W);
           acc[i] = a;
         }
-        fvec s = lane_sums<W>(acc) * fscale;
+        fvec sc = lane_sums<W>(acc) * fscale;
         if (softcap > 0.f)  // soft-capped (Gemma 2): tanh(s / cap) * cap
-          for (int i = 0; i < W; ++i) s[i] = std::tanh(s[i] / softcap) * softcap;
-        store(scores + (r * G + g) * stride + (t0 - k0), s);
+          for (int i = 0; i < W; ++i) sc[i] = std::tanh(sc[i] / softcap) * softcap;
+        store(scores + (r * G + g) * stride + (t0 - k0), sc);
       }
     }
   }
-  // softmax per query, over its own keys: exponentials in place (0 outside [first, len)), 1 / their sum kept
+  // per query, over its own keys: m, the exponentials in place (0 outside its keys), l
   for (int64_t r = 0; r < R; ++r) {
-    const int64_t a = (firsts[r] - k0) / W, b = (lens[r] - 1 - k0) / W + 1;  // its groups
+    if (lo(r) >= hi(r)) continue;
+    const int64_t a = (lo(r) - k0) / W, b = (hi(r) - 1 - k0) / W + 1;  // its groups
     for (int64_t g = 0; g < G; ++g) {
       float* s = scores + (r * G + g) * stride;
       fvec mv = splat(-FLT_MAX);
       for (int64_t gi = a; gi < b; ++gi) {
         const fvec x = load(s + gi * W);
-        const ivec in = in_range(k0 + gi * W, firsts[r], lens[r]);
+        const ivec in = in_range(k0 + gi * W, lo(r), hi(r));
         mv = in ? (x > mv ? x : mv) : mv;
       }
       float m = mv[0];
       for (int i = 1; i < W; ++i) m = std::max(m, mv[i]);
-      if (sinks) m = std::max(m, sinks[g]);
       fvec sum{};
       for (int64_t gi = a; gi < b; ++gi) {
-        const ivec in = in_range(k0 + gi * W, firsts[r], lens[r]);
+        const ivec in = in_range(k0 + gi * W, lo(r), hi(r));
         fvec x = load(s + gi * W) - m;
         x = in ? x : splat(-80.f);
         float xs[W], e[W];
@@ -151,25 +159,26 @@ void attend(const float* q, int64_t qs, const float* kh, const float* vh, const 
         store(s + gi * W, p);
         sum += p;
       }
-      float total = sinks ? std::exp(sinks[g] - m) : 0.f;
-      for (int i = 0; i < W; ++i) total += sum[i];
-      s[stride - W] = 1.f / total;
+      float l = 0.f;
+      for (int i = 0; i < W; ++i) l += sum[i];
+      float* pt = part + r * prs + g * pgs;
+      pt[D] = m;
+      pt[D + 1] = l;
+      for (int v = 0; v < NV; ++v) store(pt + v * W, fvec{});
     }
   }
-  // out of query (r, g) = sum over its keys t, in order, of p[t] v[t], times 1 / sum p; each group's value rows read
-  // once for every query
-  for (int64_t r = 0; r < R; ++r) std::fill(o + r * os, o + r * os + G * D, 0.f);
+  // o of query (r, g) = sum over its keys t, in order, of p[t] v[t]; each group's value rows read once for every query
   for (int64_t gi = 0; gi < ng; ++gi) {
     const int64_t t0 = k0 + gi * W;
     const float* vb = row_of(vh, t0);
-    if (t0 + BS < l1)
+    if (t0 + BS < end)
       for (int64_t i = 0; i < W * D; i += 16) __builtin_prefetch(row_of(vh, t0 + BS) + i);
     for (int64_t r = 0; r < R; ++r) {
       if (!touches(r, t0)) continue;
-      const int64_t i0 = std::max<int64_t>(firsts[r] - t0, 0), i1 = std::min<int64_t>(lens[r] - t0, W);
+      const int64_t i0 = std::max<int64_t>(lo(r) - t0, 0), i1 = std::min<int64_t>(hi(r) - t0, W);
       for (int64_t g = 0; g < G; ++g) {
         const float* p = scores + (r * G + g) * stride + (t0 - k0);
-        float* og = o + r * os + g * D;
+        float* og = part + r * prs + g * pgs;
         fvec acc[NV];
         for (int v = 0; v < NV; ++v) acc[v] = load(og + v * W);
         for (int64_t i = i0; i < i1; ++i) {
@@ -180,23 +189,21 @@ void attend(const float* q, int64_t qs, const float* kh, const float* vh, const 
       }
     }
   }
-  for (int64_t r = 0; r < R; ++r)
-    for (int64_t g = 0; g < G; ++g) {
-      const fvec inv = splat(scores[(r * G + g) * stride + stride - W]);
-      float* og = o + r * os + g * D;
-      for (int v = 0; v < NV; ++v) store(og + v * W, load(og + v * W) * inv);
-    }
 }
 
-// Any other head size: the same computation one key and query at a time (a horizontal sum per score).
-void attend_plain(const float* q, int64_t qs, const float* kh, const float* vh, const int64_t* blocks,
-                  const int64_t* lens, const int64_t* firsts, int64_t R, int64_t G, int64_t D, int64_t BS,
-                  float fscale, std::vector<float>& scratch, float* o, int64_t os, const float* sinks, float softcap) {
-  int64_t f0 = firsts[0], l1 = lens[0];
-  for (int64_t r = 1; r < R; ++r) {
-    f0 = std::min(f0, firsts[r]);
-    l1 = std::max(l1, lens[r]);
+// Any other head size: the same partials, one key and query at a time (a horizontal sum per score).
+void chunk_plain(const float* q, int64_t qs, const float* kh, const float* vh, const int64_t* blocks,
+                 const int64_t* lens, const int64_t* firsts, int64_t R, int64_t G, int64_t D, int64_t BS, float fscale,
+                 int64_t cs, int64_t ce, std::vector<float>& scratch, float* part, int64_t prs, int64_t pgs,
+                 float softcap) {
+  auto lo = [&](int64_t r) { return std::max(firsts[r], cs); };
+  auto hi = [&](int64_t r) { return std::min(lens[r], ce); };
+  int64_t f0 = ce, l1 = cs;
+  for (int64_t r = 0; r < R; ++r) {
+    f0 = std::min(f0, lo(r));
+    l1 = std::max(l1, hi(r));
   }
+  if (f0 >= l1) return;
   const int64_t stride = (l1 - f0 + 15) / 16 * 16;  // floats per query's scores, a multiple of 64 bytes
   scratch.resize(R * G * stride + 16);
   const uintptr_t base = reinterpret_cast<uintptr_t>(scratch.data());
@@ -206,44 +213,44 @@ void attend_plain(const float* q, int64_t qs, const float* kh, const float* vh, 
   for (int64_t t = f0; t < l1; ++t) {
     const float* krow = kh + (blocks[t / BS] * BS + t % BS) * D;
     for (int64_t r = 0; r < R; ++r) {
-      if (t < firsts[r] || t >= lens[r]) continue;
+      if (t < lo(r) || t >= hi(r)) continue;
       for (int64_t g = 0; g < G; ++g) {
         const float* qg = q + r * qs + g * D;
         float acc = 0.f;
 #pragma omp simd reduction(+ : acc)
         for (int64_t d = 0; d < D; ++d) acc += qg[d] * krow[d];
         const float sc = acc * fscale;
-        scores[(r * G + g) * stride + (t - firsts[r])] = softcap > 0.f ? std::tanh(sc / softcap) * softcap : sc;
+        scores[(r * G + g) * stride + (t - lo(r))] = softcap > 0.f ? std::tanh(sc / softcap) * softcap : sc;
       }
     }
   }
   for (int64_t r = 0; r < R; ++r) {
-    const int64_t n = lens[r] - firsts[r];
+    const int64_t n = hi(r) - lo(r);
+    if (n <= 0) continue;
     for (int64_t g = 0; g < G; ++g) {
       float* s = scores + (r * G + g) * stride;
       float m = s[0];
 #pragma omp simd reduction(max : m)
       for (int64_t i = 1; i < n; ++i) m = std::max(m, s[i]);
-      if (sinks) m = std::max(m, sinks[g]);
-      float sum = sinks ? std::exp(sinks[g] - m) : 0.f;
-#pragma omp simd reduction(+ : sum)
+      float l = 0.f;
+#pragma omp simd reduction(+ : l)
       for (int64_t i = 0; i < n; ++i) {
         s[i] = std::exp(s[i] - m);
-        sum += s[i];
+        l += s[i];
       }
-      const float inv = 1.f / sum;
-#pragma omp simd
-      for (int64_t i = 0; i < n; ++i) s[i] *= inv;
+      float* pt = part + r * prs + g * pgs;
+      std::fill(pt, pt + D, 0.f);
+      pt[D] = m;
+      pt[D + 1] = l;
     }
   }
-  for (int64_t r = 0; r < R; ++r) std::fill(o + r * os, o + r * os + G * D, 0.f);
   for (int64_t t = f0; t < l1; ++t) {
     const float* vrow = vh + (blocks[t / BS] * BS + t % BS) * D;
     for (int64_t r = 0; r < R; ++r) {
-      if (t < firsts[r] || t >= lens[r]) continue;
+      if (t < lo(r) || t >= hi(r)) continue;
       for (int64_t g = 0; g < G; ++g) {
-        const float w = scores[(r * G + g) * stride + (t - firsts[r])];
-        float* og = o + r * os + g * D;
+        const float w = scores[(r * G + g) * stride + (t - lo(r))];
+        float* og = part + r * prs + g * pgs;
 #pragma omp simd
         for (int64_t d = 0; d < D; ++d) og[d] += w * vrow[d];
       }
@@ -255,6 +262,52 @@ void attend_plain(const float* q, int64_t qs, const float* kh, const float* vh, 
 
 namespace tpserve {
 
+void paged_attention_chunk(const float* q, int64_t qs, const float* kh, const float* vh, const int64_t* blocks,
+                           const int64_t* lens, const int64_t* firsts, int64_t R, int64_t G, int64_t D, int64_t BS,
+                           float fscale, int64_t c, std::vector<float>& scratch, float* part, int64_t prs,
+                           int64_t pgs, float softcap) {
+  const int64_t cs = c * ATTENTION_CHUNK, ce = cs + ATTENTION_CHUNK;
+  if (BS % W == 0) {
+    switch (D) {
+#define TPSERVE_CHUNK(d)                                                                                           \
+  case d:                                                                                                          \
+    if constexpr (d % W == 0)                                                                                      \
+      return chunk_vec<d>(q, qs, kh, vh, blocks, lens, firsts, R, G, BS, fscale, cs, ce, scratch, part, prs, pgs,  \
+                          softcap);                                                                                \
+    break;
+      TPSERVE_CHUNK(16)
+      TPSERVE_CHUNK(32)
+      TPSERVE_CHUNK(64)
+      TPSERVE_CHUNK(80)
+      TPSERVE_CHUNK(96)
+      TPSERVE_CHUNK(128)
+      TPSERVE_CHUNK(256)
+#undef TPSERVE_CHUNK
+      default:
+        break;
+    }
+  }
+  chunk_plain(q, qs, kh, vh, blocks, lens, firsts, R, G, D, BS, fscale, cs, ce, scratch, part, prs, pgs, softcap);
+}
+
+void paged_attention_combine(const float* part, int64_t n, int64_t D, const float* sink, float* o) {
+  const int64_t P = D + 2;
+  float M = sink ? *sink : part[D];
+  for (int64_t c = 0; c < n; ++c) M = std::max(M, part[c * P + D]);
+  float den = sink ? std::exp(*sink - M) : 0.f;
+  std::fill(o, o + D, 0.f);
+  for (int64_t c = 0; c < n; ++c) {  // in chunk order
+    const float* pt = part + c * P;
+    const float f = std::exp(pt[D] - M);
+    den += f * pt[D + 1];
+#pragma omp simd
+    for (int64_t d = 0; d < D; ++d) o[d] += f * pt[d];
+  }
+  const float inv = 1.f / den;
+#pragma omp simd
+  for (int64_t d = 0; d < D; ++d) o[d] *= inv;
+}
+
 // (one compiled body for every R: a copy specialised for R = 1, inlined or cloned with the constant, could compile
 // differently and round differently)
 __attribute__((noinline, noclone)) void paged_attention_rows(const float* q, int64_t qs, const float* kh,
@@ -263,26 +316,22 @@ __attribute__((noinline, noclone)) void paged_attention_rows(const float* q, int
                                                              int64_t G, int64_t D, int64_t BS, float fscale,
                                                              std::vector<float>& scratch, float* o, int64_t os,
                                                              const float* sinks, float softcap) {
-  if (BS % W == 0) {
-    switch (D) {
-#define TPSERVE_ATTEND(d)                                                                                         \
-  case d:                                                                                                          \
-    if constexpr (d % W == 0)                                                                                      \
-      return attend<d>(q, qs, kh, vh, blocks, lens, firsts, R, G, BS, fscale, scratch, o, os, sinks, softcap);     \
-    break;
-      TPSERVE_ATTEND(16)
-      TPSERVE_ATTEND(32)
-      TPSERVE_ATTEND(64)
-      TPSERVE_ATTEND(80)
-      TPSERVE_ATTEND(96)
-      TPSERVE_ATTEND(128)
-      TPSERVE_ATTEND(256)
-#undef TPSERVE_ATTEND
-      default:
-        break;
-    }
+  int64_t c0 = firsts[0] / ATTENTION_CHUNK, c1 = (lens[0] - 1) / ATTENTION_CHUNK;
+  for (int64_t r = 1; r < R; ++r) {
+    c0 = std::min(c0, firsts[r] / ATTENTION_CHUNK);
+    c1 = std::max(c1, (lens[r] - 1) / ATTENTION_CHUNK);
   }
-  attend_plain(q, qs, kh, vh, blocks, lens, firsts, R, G, D, BS, fscale, scratch, o, os, sinks, softcap);
+  const int64_t nc = c1 - c0 + 1, P = D + 2;
+  std::vector<float> parts(R * G * nc * P);  // query (r, g)'s partial of chunk c at ((r G + g) nc + c - c0) P
+  for (int64_t c = c0; c <= c1; ++c)
+    paged_attention_chunk(q, qs, kh, vh, blocks, lens, firsts, R, G, D, BS, fscale, c, scratch,
+                          parts.data() + (c - c0) * P, G * nc * P, nc * P, softcap);
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t a = firsts[r] / ATTENTION_CHUNK, b = (lens[r] - 1) / ATTENTION_CHUNK;
+    for (int64_t g = 0; g < G; ++g)
+      paged_attention_combine(parts.data() + ((r * G + g) * nc + a - c0) * P, b - a + 1, D, sinks ? sinks + g : nullptr,
+                              o + r * os + g * D);
+  }
 }
 
 void paged_attention_head(const float* qbh, const float* kh, const float* vh, const int64_t* blocks, int64_t len,

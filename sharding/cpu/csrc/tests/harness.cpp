@@ -760,6 +760,14 @@ int main(int argc, char** argv) {
       }
   for (int64_t D : {40, 64, 256})
     for (int64_t len : {5, 70}) check_attention(g, 4, D, len, len > 40 ? 33 : 0, true);
+  // several chunks of keys (tpserve::ATTENTION_CHUNK), windows that start inside one
+  for (int64_t D : {40, 64})
+    for (int64_t len : {tpserve::ATTENTION_CHUNK + 1, 3 * tpserve::ATTENTION_CHUNK - 7}) {
+      check_attention(g, 3, D, len, 0);
+      check_attention(g, 3, D, len, tpserve::ATTENTION_CHUNK + 9, true);
+      check_attention_rows(g, 5, 3, D, len - 3, 0);
+      check_attention_rows(g, 5, 3, D, len - 3, tpserve::ATTENTION_CHUNK - 2);
+    }
   for (int64_t V : {1, 2, 7, 16, 17, 1000, 1001})
     for (int where : {0, 1, 2})
       for (bool nan : {false, true}) check_argmax(g, V, where, nan);
