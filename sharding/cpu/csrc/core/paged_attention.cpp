@@ -294,14 +294,28 @@ void paged_attention_combine(const float* part, int64_t n, int64_t D, const floa
   const int64_t P = D + 2;
   float M = sink ? *sink : part[D];
   for (int64_t c = 0; c < n; ++c) M = std::max(M, part[c * P + D]);
-  float den = sink ? std::exp(*sink - M) : 0.f;
+  float den = sink ? std::exp(*sink - M) : 0.f, f[64];
+  // (which of the two loops runs depends on n and D alone, so a query's bits still do not depend on its company)
+  if (n <= 64 && D % W == 0) {  // up to 16K keys: in vectors
+    for (int64_t c = 0; c < n; ++c) {
+      f[c] = std::exp(part[c * P + D] - M);
+      den += f[c] * part[c * P + D + 1];
+    }
+    const float inv = 1.f / den;
+    for (int64_t d = 0; d < D; d += W) {
+      fvec acc{};
+      for (int64_t c = 0; c < n; ++c) acc += splat(f[c]) * load(part + c * P + d);  // in chunk order
+      store(o + d, acc * inv);
+    }
+    return;
+  }
   std::fill(o, o + D, 0.f);
   for (int64_t c = 0; c < n; ++c) {  // in chunk order
     const float* pt = part + c * P;
-    const float f = std::exp(pt[D] - M);
-    den += f * pt[D + 1];
+    const float e = std::exp(pt[D] - M);
+    den += e * pt[D + 1];
 #pragma omp simd
-    for (int64_t d = 0; d < D; ++d) o[d] += f * pt[d];
+    for (int64_t d = 0; d < D; ++d) o[d] += e * pt[d];
   }
   const float inv = 1.f / den;
 #pragma omp simd
