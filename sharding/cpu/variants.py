@@ -72,7 +72,10 @@ _V3 = ("avx", "avx2", "fma", "f16c", "bmi1", "bmi2", "abm", "movbe")
 _V4 = _V3 + ("avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl")
 # best first: `choose` takes the first one whose flags the CPU has. The AVX-512 levels are tuned for an AVX-512 core:
 # GCC's -mtune=generic made the batched int8 kernel (int8_range, 8 rows) 0.6x as fast on Zen 4 (BENCHMARKS.md
-# section 14), and any AVX-512 core's tuning (icelake-server, sapphirerapids, znver3) gave it back.
+# section 14), and any AVX-512 core's tuning (icelake-server, sapphirerapids, znver3) gave it back. Those tunings
+# also have the compiler vectorize loops at 256 bits; the VNNI levels ask for 512 (the hand-written loops are 512-bit
+# already): with 256, the loops the compiler vectorizes (quantize_rows, attention's softmax) left the variant at
+# 0.91-0.94x native for int4 at 8 streams on Zen 5, 0.96x with 512 (section 31).
 _AMX = ("amx_tile", "amx_int8", "amx_bf16")
 VARIANTS = (
     # Sapphire Rapids and later Xeons: the VNNI-BF16 build, plus AMX tiles for prefill-sized batches of the int8, int4
@@ -80,10 +83,11 @@ VARIANTS = (
     # Chosen only where Linux grants the process the tile registers (cpu_flags).
     Variant("x86-64-v4-amx", "x86_64", _V4 + ("avx512_vnni", "avx512_bf16") + _AMX,
             ("-march=x86-64-v4", "-mavx512vnni", "-mavx512bf16", "-mamx-tile", "-mamx-int8", "-mamx-bf16",
-             "-mtune=sapphirerapids")),
+             "-mtune=sapphirerapids", "-mprefer-vector-width=512")),
     # Zen 4 / Zen 5, Sapphire Rapids and later: int8/int4 activations in int8 (vpdpbusd), bf16 ones in bfloat16
     Variant("x86-64-v4-vnni-bf16", "x86_64", _V4 + ("avx512_vnni", "avx512_bf16"),
-            ("-march=x86-64-v4", "-mavx512vnni", "-mavx512bf16", "-mtune=icelake-server")),
+            ("-march=x86-64-v4", "-mavx512vnni", "-mavx512bf16", "-mtune=icelake-server",
+             "-mprefer-vector-width=512")),
     # AVX-512 without VNNI/BF16 (Skylake-X, Cascade Lake): the AVX-512 float32 paths, float32 activations for
     # int8/int4/bf16
     Variant("x86-64-v4", "x86_64", _V4, ("-march=x86-64-v4", "-mtune=skylake-avx512")),
