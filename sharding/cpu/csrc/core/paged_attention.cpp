@@ -6,14 +6,20 @@
 // The keys go W at a time (W: the build's float vector, 16 with AVX-512, 8 with AVX/AVX2, 4 elsewhere), W rows of a
 // cache block being one contiguous stretch. Per query, W keys' dot products are W vectors of partial sums (D / W
 // products each, in the compiler's portable vector extension), and one transposed reduction (log2 W levels of two
-// shuffles and an add) turns them into one vector of W scores. A score per key and query with a horizontal sum of
-// its own (the loop this replaces) cost ~10x more: at 400 tokens of context it was a third of SmolLM2's decode step.
-// The softmax and the weighted sum of the values then run over the same groups, the sum over keys in order. Head
-// sizes the templates do not cover (and cache blocks that are not a multiple of W rows) take the plain loops.
+// shuffles and an add) turns them into one vector of W scores. The loop this replaced paid a horizontal sum per key
+// and query: at 400 tokens of context that was about a third of SmolLM2's int4 decode step, and after 3,000 tokens a
+// 5-row verification step took 18.4 ms against 8.3 now (BENCHMARKS.md section 31). Head sizes the templates do not
+// cover (and cache blocks that are not a multiple of W rows) take the plain loops.
 //
-// A query's arithmetic does not depend on how many rows share the call: the same loops for each query, over the same
-// absolute groups of keys, in the same order. A verification row therefore gets the bits a plain decode step of that
-// position gets, and speculation stays exact (tests/sharding/test_kernel_harness.py: attention_rows).
+// The keys are cut into chunks of ATTENTION_CHUNK at fixed positions (core/kernels.h). paged_attention_chunk gives a
+// chunk's partial per query: the sum over its keys, in order, of exp(s - m) v, with m the chunk's largest score, and
+// the sum of those exponentials; paged_attention_combine merges a query's partials in chunk order. decode_layers hands
+// chunks to its team one at a time; paged_attention_rows makes the same calls in sequence.
+//
+// A query's arithmetic does not depend on how many rows share the call or who computes which chunk: the same loops
+// for each query, over the same absolute groups and chunks of keys, in the same order. A verification row therefore
+// gets the bits a plain decode step of that position gets, and speculation stays exact
+// (tests/sharding/test_kernel_harness.py: attention_rows; tests/sharding/test_perf_paths.py: long contexts).
 
 #include "kernels.h"
 
