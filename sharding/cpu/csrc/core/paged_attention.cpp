@@ -97,9 +97,10 @@ void chunk_vec(const float* q, int64_t qs, const float* kh, const float* vh, con
   constexpr int NV = D / W;  // vectors per row of D
   int64_t f0 = ce, l1 = cs, end = 0;  // the keys any row reads here; the last one any row reads at all
   for (int64_t r = 0; r < R; ++r) {
+    end = std::max(end, lens[r]);
+    if (std::max(firsts[r], cs) >= std::min(lens[r], ce)) continue;  // (a row whose keys miss the chunk)
     f0 = std::min(f0, std::max(firsts[r], cs));
     l1 = std::max(l1, std::min(lens[r], ce));
-    end = std::max(end, lens[r]);
   }
   if (f0 >= l1) return;
   const int64_t k0 = f0 / W * W, ng = (l1 - k0 + W - 1) / W;  // groups of W keys from k0
@@ -206,6 +207,7 @@ void chunk_plain(const float* q, int64_t qs, const float* kh, const float* vh, c
   auto hi = [&](int64_t r) { return std::min(lens[r], ce); };
   int64_t f0 = ce, l1 = cs;
   for (int64_t r = 0; r < R; ++r) {
+    if (lo(r) >= hi(r)) continue;  // (a row whose keys miss the chunk)
     f0 = std::min(f0, lo(r));
     l1 = std::max(l1, hi(r));
   }
