@@ -1275,10 +1275,10 @@ at::Tensor moe_forward(const c10::intrusive_ptr<MoeExperts>& plan, const at::Ten
   return out;
 }
 
-// The attention phase's units of work: runs of consecutive rows that read the same blocks (a speculative step's
-// verification rows of one sequence: each KV block is then read once for all of them, paged_attention_rows), cut
-// into pieces of at most ATTENTION_PIECE rows and few enough rows that the pieces times the KV heads still give every
-// thread about two tasks. Other rows are pieces of one. (Which rows share a piece changes no result: each row's
+// The attention phase's pieces: runs of consecutive rows that read the same blocks (a speculative step's
+// verification rows of one sequence: each KV block is then read once for all of them), cut into pieces of at most
+// ATTENTION_PIECE rows and few enough rows that the pieces times the KV heads times the chunks of the longest context
+// still give every thread about two units (attention_units). Other rows are pieces of one. (Which rows share a piece changes no result: each row's
 // attention has the same bits alone or with others.)
 constexpr int64_t ATTENTION_PIECE = 16;
 
@@ -1301,54 +1301,50 @@ std::vector<std::pair<int64_t, int64_t>> attention_pieces(const int64_t* tp, con
   return pieces;
 }
 
-// Attention's units of work within a layer: the rows of a piece that start in the same chunk of keys (all of them
-// unless a sliding window cuts differently per row), times each chunk their keys meet (ATTENTION_CHUNK keys at fixed
-// positions, so that the pieces of a long context spread over the team and every row's bits stay its own). Fills
-// each row's first key (`firsts`, under the window `win` > 0) and first chunk; true when every row has one chunk.
+// Attention's units of work for one window (a layer's own, or the step's; 0: none): the rows of a piece that start in
+// the same chunk of keys (all of them unless the window cuts differently per row), times each chunk their keys meet
+// (ATTENTION_CHUNK keys at fixed positions, so that a long context spreads over the team and every row's bits stay its
+// own), largest first. Built once per step and window, before the team starts; each layer takes its window's.
 struct AttentionUnit {
   int64_t row, rows, chunk, work;  // work: keys times rows, for the order units are taken in
 };
 
-bool attention_units(const std::vector<std::pair<int64_t, int64_t>>& pieces, const int64_t* lp, int64_t win,
-                     std::vector<AttentionUnit>& units, std::vector<int64_t>& firsts, std::vector<int64_t>& chunk0) {
-  constexpr int64_t C = tpserve::ATTENTION_CHUNK;
-  units.clear();
-  bool single = true;
-  for (const auto& [s, n] : pieces) {
-    for (int64_t r = s; r < s + n; ++r) {
-      firsts[r] = win > 0 ? std::max<int64_t>(0, lp[r] - win) : 0;
-      chunk0[r] = firsts[r] / C;
-      single &= (lp[r] - 1) / C == chunk0[r];
-    }
-    for (int64_t a = s; a < s + n;) {
-      int64_t e = a + 1, last = (lp[a] - 1) / C;
-      for (; e < s + n && chunk0[e] == chunk0[a]; ++e) last = std::max(last, (lp[e] - 1) / C);
-      for (int64_t c = chunk0[a]; c <= last; ++c) {
-        int64_t keys = 0;  // the most keys a row of the unit reads in the chunk
-        for (int64_t r = a; r < e; ++r)
-          keys = std::max(keys, std::min(lp[r], (c + 1) * C) - std::max(firsts[r], c * C));
-        units.push_back({a, e - a, c, keys * (e - a)});
-      }
-      a = e;
-    }
-  }
-  std::stable_sort(units.begin(), units.end(),
-                   [](const AttentionUnit& x, const AttentionUnit& y) { return x.work > y.work; });
-  return single;
-}
+struct AttentionUnits {
+  int64_t win = 0;
+  std::vector<AttentionUnit> units;
+  std::vector<int64_t> firsts, chunk0;  // each row's first key and first chunk
+  int64_t chunks = 1;                   // the most chunks a row's keys meet
+  bool single = true;                   // every row's keys in one chunk: no combine phase
+};
 
-// the most chunks any row's attention takes in any layer (its window, or the step's)
-int64_t attention_max_chunks(const std::vector<PlanLayer>& layers, const int64_t* lp, int64_t B, int64_t window) {
+AttentionUnits attention_units(const std::vector<std::pair<int64_t, int64_t>>& pieces, const int64_t* lp, int64_t B,
+                               int64_t win) {
   constexpr int64_t C = tpserve::ATTENTION_CHUNK;
-  int64_t most = 1;
-  for (const PlanLayer& l : layers) {
-    const int64_t win = l.window > 0 ? l.window : window;
-    for (int64_t r = 0; r < B; ++r) {
-      const int64_t first = win > 0 ? std::max<int64_t>(0, lp[r] - win) : 0;
-      most = std::max(most, (lp[r] - 1) / C - first / C + 1);
-    }
+  AttentionUnits a;
+  a.win = win;
+  a.firsts.resize(B);
+  a.chunk0.resize(B);
+  for (int64_t r = 0; r < B; ++r) {
+    a.firsts[r] = win > 0 ? std::max<int64_t>(0, lp[r] - win) : 0;
+    a.chunk0[r] = a.firsts[r] / C;
+    a.chunks = std::max(a.chunks, (lp[r] - 1) / C - a.chunk0[r] + 1);
   }
-  return most;
+  a.single = a.chunks == 1;
+  for (const auto& [s, n] : pieces)
+    for (int64_t b = s; b < s + n;) {
+      int64_t e = b + 1, last = (lp[b] - 1) / C;
+      for (; e < s + n && a.chunk0[e] == a.chunk0[b]; ++e) last = std::max(last, (lp[e] - 1) / C);
+      for (int64_t c = a.chunk0[b]; c <= last; ++c) {
+        int64_t keys = 0;  // the most keys a row of the unit reads in the chunk
+        for (int64_t r = b; r < e; ++r)
+          keys = std::max(keys, std::min(lp[r], (c + 1) * C) - std::max(a.firsts[r], c * C));
+        a.units.push_back({b, e - b, c, keys * (e - b)});
+      }
+      b = e;
+    }
+  std::stable_sort(a.units.begin(), a.units.end(),
+                   [](const AttentionUnit& x, const AttentionUnit& y) { return x.work > y.work; });
+  return a;
 }
 
 at::Tensor decode_layers(const c10::intrusive_ptr<DecodeLayers>& plan, at::Tensor h, const at::Tensor& x,
@@ -1439,13 +1435,26 @@ at::Tensor decode_layers(const c10::intrusive_ptr<DecodeLayers>& plan, at::Tenso
   std::vector<std::vector<float>> scores(nt), lora_u(nt), normed(nt, std::vector<float>(D));
   // attention's partials (paged_attention_chunk): per (row, query head), max_chunks of D + 2 floats from the row's
   // first chunk
-  const int64_t PART = D + 2, max_chunks = attention_max_chunks(layers, lp, B, window);
+  // attention's units, per distinct window, and their partials (paged_attention_chunk): per (row, query head),
+  // max_chunks of D + 2 floats from the row's first chunk
+  std::vector<AttentionUnits> windows;
+  std::vector<int64_t> window_of(layers.size());  // each layer's entry in `windows`
+  int64_t max_chunks = 1;
+  for (size_t li = 0; li < layers.size(); ++li) {
+    const int64_t win = layers[li].window > 0 ? layers[li].window : window;
+    size_t i = 0;
+    while (i < windows.size() && windows[i].win != win) ++i;
+    if (i == windows.size()) {
+      windows.push_back(attention_units(pieces, lp, B, win));
+      max_chunks = std::max(max_chunks, windows.back().chunks);
+    }
+    window_of[li] = static_cast<int64_t>(i);
+  }
+  const int64_t PART = D + 2;
   at::Tensor parts = at::empty({B * layers[0].heads * max_chunks * PART}, opts);
   float* partp = parts.data_ptr<float>();
-  std::vector<std::vector<AttentionUnit>> units(nt);
   std::unique_ptr<std::atomic<int64_t>[]> next_unit(new std::atomic<int64_t>[layers.size()]);  // per layer
   for (size_t i = 0; i < layers.size(); ++i) next_unit[i].store(0);
-  std::vector<std::vector<int64_t>> firsts(nt, std::vector<int64_t>(B)), chunk0(nt, std::vector<int64_t>(B));
   const LoraGroups groups(rs, B);  // the adapter rows by slot (none: the base-only step, untouched)
   const int64_t lstride = plan->lora_rp;
   std::vector<float> lora_parts(groups.size() > 0 ? nt * B * lstride : 0);
@@ -1536,17 +1545,17 @@ at::Tensor decode_layers(const c10::intrusive_ptr<DecodeLayers>& plan, at::Tenso
       }
 #pragma omp barrier
       // every row's K/V is in the cache before any row attends (several rows of one sequence: speculation)
-      const int64_t win = l.window > 0 ? l.window : window;
       const float* sk = l.sinks.has_value() ? l.sinks->data_ptr<float>() : nullptr;
       // units of (rows that read the same blocks and start in the same chunk, one chunk of keys), times the KV heads
-      const bool single = attention_units(pieces, lp, win, units[t], firsts[t], chunk0[t]);
-      const int64_t* fr = firsts[t].data();
-      const int64_t* cf = chunk0[t].data();
+      const AttentionUnits& au = windows[window_of[li]];
+      const bool single = au.single;
+      const int64_t* fr = au.firsts.data();
+      const int64_t* cf = au.chunk0.data();
       // taken one at a time, the largest first (a team that splits the list evenly would leave one thread the full
       // chunks and the other the short last ones); who computes a unit changes no bit
-      const int64_t total = static_cast<int64_t>(units[t].size()) * kvh;
+      const int64_t total = static_cast<int64_t>(au.units.size()) * kvh;
       for (int64_t task; (task = next_unit[li].fetch_add(1, std::memory_order_relaxed)) < total;) {
-        const AttentionUnit& u = units[t][task / kvh];
+        const AttentionUnit& u = au.units[task / kvh];
         const int64_t kh = task % kvh, s = u.row;
         float* part = partp + ((s * heads + kh * G) * max_chunks + (u.chunk - cf[s])) * PART;
         tpserve::paged_attention_chunk(qp + (s * heads + kh * G) * D, heads * D, kc + kh * per_head * D,

@@ -344,7 +344,10 @@ __attribute__((noinline, noclone)) void paged_attention_rows(const float* q, int
     c1 = std::max(c1, (lens[r] - 1) / ATTENTION_CHUNK);
   }
   const int64_t nc = c1 - c0 + 1, P = D + 2;
-  std::vector<float> parts(R * G * nc * P);  // query (r, g)'s partial of chunk c at ((r G + g) nc + c - c0) P
+  // query (r, g)'s partial of chunk c at ((r G + g) nc + c - c0) P (kept per thread: the loop's op calls this per
+  // sequence, KV head and layer)
+  thread_local std::vector<float> parts;
+  parts.resize(R * G * nc * P);
   for (int64_t c = c0; c <= c1; ++c)
     paged_attention_chunk(q, qs, kh, vh, blocks, lens, firsts, R, G, D, BS, fscale, c, scratch,
                           parts.data() + (c - c0) * P, G * nc * P, nc * P, softcap);
