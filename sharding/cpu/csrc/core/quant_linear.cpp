@@ -164,8 +164,10 @@ void int8_range(const float* x, const Int8Rows* xq, int64_t M, int64_t K, const 
   if (amx_int_range(xq, M, K, w, false, scale, 32, bias, N, y, b0, b1)) return;  // AMX builds, prefill
 #ifdef TPSERVE_INT8_DOT
   (void)x;
-  for (int64_t b = b0; b < b1; ++b) {
-    const int64_t n0 = b * NV, nrows = std::min<int64_t>(NV, N - n0);
+  const int64_t per_call = M >= DOT_BLOCKS_ROWS ? DOT_BLOCKS : 1;  // blocks a call
+  for (int64_t b = b0, nb; b < b1; b += nb) {
+    nb = std::min<int64_t>(per_call, b1 - b);
+    const int64_t n0 = b * NV, nrows = std::min<int64_t>(nb * NV, N - n0);
     for (int64_t m0 = 0; m0 < M; m0 += MB_VNNI)
       with_rows<MB_VNNI>(std::min<int64_t>(MB_VNNI, M - m0), [&](auto r) {
         int8_dot_block<decltype(r)::value>(*xq, m0, w + n0 * K, K, nrows, scale + b * (K / 32) * NV,
@@ -219,8 +221,10 @@ void int4_range(const float* x, const Int8Rows* xq, int64_t M, int64_t K, const 
   const int64_t ng = K / G;
 #ifdef TPSERVE_INT8_DOT
   (void)x;
-  for (int64_t b = b0; b < b1; ++b) {
-    const int64_t n0 = b * NV, nrows = std::min<int64_t>(NV, N - n0);
+  const int64_t per_call = M >= DOT_BLOCKS_ROWS ? DOT_BLOCKS : 1;  // blocks a call
+  for (int64_t b = b0, nb; b < b1; b += nb) {
+    nb = std::min<int64_t>(per_call, b1 - b);
+    const int64_t n0 = b * NV, nrows = std::min<int64_t>(nb * NV, N - n0);
     for (int64_t m0 = 0; m0 < M; m0 += MB_VNNI)
       with_rows<MB_VNNI>(std::min<int64_t>(MB_VNNI, M - m0), [&](auto r) {
         int4_dot_block<decltype(r)::value>(*xq, m0, w + n0 * (K / 2), K, nrows, scale + n0 * ng, G, y + m0 * N + n0, N);

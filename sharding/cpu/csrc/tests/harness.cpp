@@ -733,11 +733,12 @@ int main(int argc, char** argv) {
   for (int64_t M : Ms)
     for (int64_t N : {16, 37, 100})
       for (int64_t K : {32, 96, 160, 224}) check_int(g, false, M, N, K, 32, (bias++ % 2) == 1);
-  // int4: groups of 32, 64, 128, each with an odd number of groups
+  // int4: groups of 32, 64, 128, each with an odd number of groups; N: one block each side, a pair of full blocks, a
+  // pair with a ragged second block beside a single block (AVX-512 VNNI takes two blocks a call)
   for (int64_t M : Ms)
     for (int64_t G : {32, 64, 128})
       for (int64_t odd : {1, 3, 5})
-        for (int64_t N : {20, 48}) check_int(g, true, M, N, G * odd, G, (bias++ % 2) == 1);
+        for (int64_t N : {20, 48, 100}) check_int(g, true, M, N, G * odd, G, (bias++ % 2) == 1);
   for (int64_t M : Ms)
     for (int64_t N : {16, 37})
       for (int64_t K : {16, 48, 272}) check_bf16(g, M, N, K, (bias++ % 2) == 1);

@@ -38,6 +38,7 @@ namespace {
 
 constexpr int64_t NV = tpserve::VNNI_BLOCK;  // output rows per block: one int32 lane each (in 4 registers)
 constexpr int64_t MB_VNNI = 4;  // activation rows per pass: 4 x 4 float32 accumulators
+constexpr int64_t DOT_BLOCKS = 1, DOT_BLOCKS_ROWS = 1;  // blocks of 16 output rows a call (quant_linear.cpp)
 
 // the block's 16 float16 scales of one group, as 4 vectors of 4 rows
 inline void row_scales16(const tpserve::fp16_t* s, float32x4_t (&sw)[4]) {

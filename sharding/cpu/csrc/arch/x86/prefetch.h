@@ -21,4 +21,12 @@ inline void prefetch_lines_ahead(const void* p, int64_t bytes) {
     _mm_prefetch(static_cast<const char*>(p) + o + PREFETCH_AHEAD, _MM_HINT_T0);
 }
 
+// The same for one of P blocks of `stride` bytes read side by side (block p at its own pointer): bytes [o, o + bytes)
+// of this block, ahead; past the block's end the ask continues into this block's place among the next P blocks
+inline void prefetch_block_ahead(const void* block, int64_t o, int64_t bytes, int64_t stride, int P) {
+  int64_t a = o + PREFETCH_AHEAD / P;
+  if (a >= stride) a += (P - 1) * stride;
+  for (int64_t i = 0; i < bytes; i += 64) _mm_prefetch(static_cast<const char*>(block) + a + i, _MM_HINT_T0);
+}
+
 }  // namespace

@@ -24,6 +24,7 @@ namespace {
 // kernels': the same outputs bit for bit.
 constexpr int64_t NV = tpserve::VNNI_BLOCK;  // output rows per block: one 32-bit lane each (of two halves)
 constexpr int64_t MB_VNNI = 4;  // activation rows per pass
+constexpr int64_t DOT_BLOCKS = 1, DOT_BLOCKS_ROWS = 1;  // blocks of 16 output rows a call (quant_linear.cpp)
 
 inline void row_scales16(const tpserve::fp16_t* s, __m256 (&sw)[2]) {  // the block's 16 float16 scales of one group
   sw[0] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s)));

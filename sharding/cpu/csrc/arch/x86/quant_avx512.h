@@ -131,63 +131,137 @@ struct RowsAt {
   }
 };
 
-// One block b of 32 inputs for R activation rows: 8 vpdpbusd of the block's unsigned weight lines (w + offset) by each
-// row's activation bytes, started from the row's correction for the block (-offset * its sum), then scaled and added in
-// float32.
-template <int R>
-inline void dot_rows(const RowsAt<R>& rows, int64_t b, const __m512i* lines, __m512 sw, __m512* acc) {
-  for (int r = 0; r < R; ++r) {
-    const int32_t* xr = rows.x[r] + b * 8;
-    // two chains of 4 (even and odd lines) halve a row's latency; the int32 sum is the same
-    __m512i d0 = _mm512_set1_epi32(rows.fix[r][b]), d1 = _mm512_setzero_si512();
-    for (int i = 0; i < 8; i += 2) {
-      d0 = dpbusd_bcst(d0, lines[i], xr + i);
-      d1 = dpbusd_bcst(d1, lines[i + 1], xr + i + 1);
+// P blocks of 16 weight rows (side by side in memory) against R activation rows, one block b of 32 inputs at a time. Per unit of 4 inputs each row's 4 activation bytes are broadcast once, into a register, and multiplied
+// into the P blocks' lines: the broadcasts are loads, and a load per vpdpbusd (the form with the broadcast in the
+// instruction) bounded the loop at several rows. With P = 2 a 5-row pass of a 4096 x 4096 int4 weight in cache, one
+// Zen 5 core, took 12.5 us a 512 KB share against 18.0 (one block a call), near vpdpbusd's own rate (BENCHMARKS.md
+// section 32). Each row's int32 sum of a block starts from its correction (-offset * the block's activation sum: the
+// weights are stored or flipped to unsigned, w + offset), then one conversion to float32 and one FMA by the weights'
+// scales (a vector: one per output row) times the row's block scale; the same integers and float steps whatever P.
+// W supplies the weights: W::prefetch(p, b), W::units(p, b, i, u0, u1) (the lines of inputs 8i..8i+3 and 8i+4..8i+7
+// as unsigned bytes) and W::scales(p) (the 16 rows' scales of block b's group; W::next(b) after each block).
+template <int R, int P, class W>
+inline void dot_blocks(const RowsAt<R>& rows, int64_t nb, W& wt, float* y, int64_t ldy, int64_t nrows) {
+  __m512 acc[P][R];
+  for (int p = 0; p < P; ++p)
+    for (int r = 0; r < R; ++r) acc[p][r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    for (int p = 0; p < P; ++p) wt.prefetch(p, b, P);
+    __m512i d[P][R];
+    for (int r = 0; r < R; ++r) {
+      const __m512i f = _mm512_set1_epi32(rows.fix[r][b]);
+      for (int p = 0; p < P; ++p) d[p][r] = f;
     }
-    d0 = _mm512_add_epi32(d0, d1);
-    acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d0), _mm512_mul_ps(sw, _mm512_set1_ps(rows.scale[r][b])), acc[r]);
+    for (int i = 0; i < 4; ++i) {
+      __m512i u0[P], u1[P];
+      for (int p = 0; p < P; ++p) wt.units(p, b, i, u0[p], u1[p]);
+      for (int r = 0; r < R; ++r) {
+        const int32_t* xr = rows.x[r] + b * 8 + 2 * i;
+        const __m512i x0 = _mm512_set1_epi32(xr[0]), x1 = _mm512_set1_epi32(xr[1]);
+        for (int p = 0; p < P; ++p) d[p][r] = _mm512_dpbusd_epi32(d[p][r], u0[p], x0);
+        for (int p = 0; p < P; ++p) d[p][r] = _mm512_dpbusd_epi32(d[p][r], u1[p], x1);
+      }
+    }
+    for (int p = 0; p < P; ++p) {
+      const __m512 sw = wt.scales(p);
+      for (int r = 0; r < R; ++r)
+        acc[p][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d[p][r]), _mm512_mul_ps(sw, _mm512_set1_ps(rows.scale[r][b])),
+                                    acc[p][r]);
+    }
+    wt.next(b);
   }
+  const int64_t last = nrows - (P - 1) * NV;  // rows of the last block (a weight's last block may have fewer)
+  for (int p = 0; p < P; ++p) store_rows16(acc[p], R, y + p * NV, ldy, p == P - 1 ? last : NV);
 }
+
+// One block of 16 weight rows against R activation rows: per block b of 32 inputs and row, 8 vpdpbusd with the
+// activation bytes broadcast from memory (in the instruction), in two chains of 4 (even and odd lines: half the latency
+// of one chain), the rest as dot_blocks. What decode's 1-7 rows run: there the weights' reads bound the loop.
+template <int R, class W>
+inline void dot_rows(const RowsAt<R>& rows, int64_t nb, W& wt, float* y, int64_t ldy, int64_t nrows) {
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    wt.prefetch(0, b, 1);
+    __m512i u[8];
+    for (int i = 0; i < 4; ++i) wt.units(0, b, i, u[2 * i], u[2 * i + 1]);
+    const __m512 sw = wt.scales(0);
+    for (int r = 0; r < R; ++r) {
+      const int32_t* xr = rows.x[r] + b * 8;
+      __m512i d0 = _mm512_set1_epi32(rows.fix[r][b]), d1 = _mm512_setzero_si512();
+      for (int i = 0; i < 8; i += 2) {
+        d0 = dpbusd_bcst(d0, u[i], xr + i);
+        d1 = dpbusd_bcst(d1, u[i + 1], xr + i + 1);
+      }
+      d0 = _mm512_add_epi32(d0, d1);
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d0), _mm512_mul_ps(sw, _mm512_set1_ps(rows.scale[r][b])), acc[r]);
+    }
+    wt.next(b);
+  }
+  store_rows16(acc, R, y, ldy, nrows);
+}
+
+// R rows against the one or two blocks of nrows output rows at w. quant_linear.cpp hands a call DOT_BLOCKS blocks
+// where the linear has DOT_BLOCKS_ROWS activation rows or more, one block otherwise: with the weights streamed from
+// memory, two blocks side by side read slower than one (two streams: 5 rows of a 134 MB int4 weight took 3.4-3.9 ms
+// against 3.2-3.5 on Zen 5), and at fewer than 8 rows the arithmetic of one block at a time already keeps up with
+// memory; from 8 rows it does not, and from 9 the later passes of 8 read the block from cache (BENCHMARKS.md section 32).
+constexpr int64_t DOT_BLOCKS = 2, DOT_BLOCKS_ROWS = 8;
+template <int R, class W>
+inline void dot_run(const tpserve::Int8Rows& xq, int64_t m0, const std::vector<int32_t>& fix, W wt, int64_t K,
+                    int64_t nrows, float* y, int64_t ldy) {
+  const RowsAt<R> rows(xq, m0, fix);
+  if (nrows > NV) return dot_blocks<R, 2>(rows, K / 32, wt, y, ldy, nrows);
+  dot_rows<R>(rows, K / 32, wt, y, ldy, nrows);
+}
+
+// int8 weights as 8 lines a block of 32 inputs, flipped to unsigned (w ^ 0x80 = w + 128); block p's at w + p * stride
+struct Int8Lines {
+  const int8_t* w;
+  int64_t stride;
+  const tpserve::fp16_t* s;  // block b's scales, of block p at s + p * sstride
+  int64_t sstride;
+  __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  void prefetch(int p, int64_t b, int P) const { prefetch_block_ahead(w + p * stride, b * 512, 512, stride, P); }
+  void units(int p, int64_t b, int i, __m512i& u0, __m512i& u1) const {
+    const int8_t* c = w + p * stride + (b * 8 + 2 * i) * 64;
+    u0 = _mm512_xor_si512(_mm512_loadu_si512(c), flip);
+    u1 = _mm512_xor_si512(_mm512_loadu_si512(c + 64), flip);
+  }
+  __m512 scales(int p) const { return row_scales16(s + p * sstride); }
+  void next(int64_t) { s += NV; }
+};
 
 template <int R>
 inline void int8_dot_block(const tpserve::Int8Rows& xq, int64_t m0, const int8_t* w, int64_t K, int64_t nrows,
                             const tpserve::fp16_t* scale, float* y, int64_t ldy) {
-  __m512 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-  const int64_t nb = K / 32;
-  const RowsAt<R> rows(xq, m0, xq.fix128);  // the bytes flipped to w + 128
-  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
-  for (int64_t b = 0; b < nb; ++b) {
-    __m512i line[8];
-    prefetch_lines_ahead(w + b * 512, 512);
-    for (int i = 0; i < 8; ++i) line[i] = _mm512_xor_si512(_mm512_loadu_si512(w + (b * 8 + i) * 64), flip);
-    dot_rows<R>(rows, b, line, row_scales16(scale + b * NV), acc);
-  }
-  store_rows16(acc, R, y, ldy, nrows);
+  dot_run<R>(xq, m0, xq.fix128, Int8Lines{w, NV * K, scale, (K / 32) * NV}, K, nrows, y, ldy);
 }
 
-// int4: a row's byte i of each run of 8 inputs holds input i (low nibble) and input i + 4 (high nibble)
+// int4: a row's byte i of each run of 8 inputs holds input i (low nibble) and input i + 4 (high nibble), stored as
+// the nibble w + 8; the scales per group of G inputs (G / 32 blocks, counted instead of divided)
+struct Int4Lines {
+  const uint8_t* w;
+  int64_t stride;
+  const tpserve::fp16_t* s;  // the scales of block b's group, of block p at s + p * sstride
+  int64_t sstride, per_group, in_group = 0;
+  __m512i low = _mm512_set1_epi8(0x0F);
+  void prefetch(int p, int64_t b, int P) const { prefetch_block_ahead(w + p * stride, b * 256, 256, stride, P); }
+  void units(int p, int64_t b, int i, __m512i& u0, __m512i& u1) const {
+    const __m512i line = _mm512_loadu_si512(w + p * stride + (b * 4 + i) * 64);
+    u0 = _mm512_and_si512(line, low);
+    u1 = _mm512_and_si512(_mm512_srli_epi16(line, 4), low);
+  }
+  __m512 scales(int p) const { return row_scales16(s + p * sstride); }
+  void next(int64_t) {
+    if (++in_group == per_group) in_group = 0, s += NV;
+  }
+};
+
 template <int R>
 inline void int4_dot_block(const tpserve::Int8Rows& xq, int64_t m0, const uint8_t* w, int64_t K, int64_t nrows,
                             const tpserve::fp16_t* scale, int64_t G, float* y, int64_t ldy) {
-  __m512 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-  const int64_t nb = K / 32, per_group = G / 32;  // blocks of 32 inputs per scale group
-  const RowsAt<R> rows(xq, m0, xq.fix8);  // the nibbles are w + 8
-  const __m512i low = _mm512_set1_epi8(0x0F);
-  const tpserve::fp16_t* sg = scale;  // the scales of the block's group
-  for (int64_t b = 0, in_group = 0; b < nb; ++b) {
-    __m512i half[8];  // inputs 8i..8i+3 (low nibbles), 8i+4..8i+7 (high), i = 0..3
-    prefetch_lines_ahead(w + b * 256, 256);
-    for (int i = 0; i < 4; ++i) {
-      const __m512i line = _mm512_loadu_si512(w + (b * 4 + i) * 64);
-      half[2 * i] = _mm512_and_si512(line, low);
-      half[2 * i + 1] = _mm512_and_si512(_mm512_srli_epi16(line, 4), low);
-    }
-    dot_rows<R>(rows, b, half, row_scales16(sg), acc);
-    if (++in_group == per_group) in_group = 0, sg += NV;
-  }
-  store_rows16(acc, R, y, ldy, nrows);
+  dot_run<R>(xq, m0, xq.fix8, Int4Lines{w, NV * (K / 2), scale, (K / G) * NV, G / 32}, K, nrows, y, ldy);
 }
 #endif
 
