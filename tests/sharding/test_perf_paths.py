@@ -239,8 +239,10 @@ def moe_checkpoint(tmp_path_factory):
 def test_moe_layers_in_the_one_call(moe_checkpoint, quantization):
     """MoE layers inside the one compiled call (router, top-k, grouped experts: decode_glue.cpp's MoeExperts), mixed
     with a dense layer: the same tokens and logprobs, bit for bit, as the Python loop (which calls the MoE module,
-    moe_forward), and to rounding as the modules; the expert-token metric counts the same routing in each."""
-    three_decode_paths(moe_checkpoint, quantization, moe=True)
+    moe_forward), and to rounding as the modules; the expert-token metric counts the same routing in each. Six
+    sequences: steps of more rows than thread 0 routes alone (decode_glue.cpp's ROUTE_ALONE)."""
+    prompts = [[5, 6, 7, 8, 9, 10], list(range(30, 50)), [3, 4], [11, 12, 13], list(range(60, 69)), [21, 22, 23, 24]]
+    three_decode_paths(moe_checkpoint, quantization, moe=True, prompts=prompts)
 
 
 @pytest.mark.parametrize("arch, quantization", [("llama_long", None), ("llama_long", "int4"), ("mistral", None)])
@@ -265,8 +267,8 @@ def three_decode_paths(folder, quantization, moe: bool = False, prompts=None, kv
     from sharding.layers.moe import SparseMoe
 
     # (no prefix cache: every run prefills every prompt token, so each counts the same tokens)
-    llm = LLM(str(folder), max_num_seqs=4, kv_cache_memory=kv_cache_memory, quantization=quantization,
-              enable_prefix_caching=False)
+    llm = LLM(str(folder), max_num_seqs=max(4, len(prompts or ())), kv_cache_memory=kv_cache_memory,
+              quantization=quantization, enable_prefix_caching=False)
     try:
         model = llm.executor.model
         params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=0)

@@ -1051,15 +1051,29 @@ void route_row(const float* l, int64_t E, int64_t k, bool renormalize, bool topk
   }
 }
 
-// inside a team: the router's logits over x's M rows, then each row's experts and weights into s.ids / s.wts
-// (a barrier after each phase)
-void moe_route(const MoeExperts& p, MoeScratch& s, const float* x, int64_t M, int t, int T) {
+void moe_group(const MoeExperts& p, MoeScratch& s, int64_t M, int64_t k, int64_t* counts);
+
+// inside a team: the router's logits over x's M rows, each row's experts and weights into s.ids / s.wts, then the
+// pairs grouped by expert (moe_group, on thread 0; `counts` as there), a barrier after each phase. Up to
+// ROUTE_ALONE rows thread 0 routes them all itself and groups them without a barrier between: routing a row is a few
+// microseconds, about what a barrier costs (at one row the other threads had nothing to route anyway).
+constexpr int64_t ROUTE_ALONE = 4;
+void moe_route(const MoeExperts& p, MoeScratch& s, const float* x, int64_t M, int t, int T, int64_t* counts) {
   const PlanLinear& r = *p.router;
   linear_range(r, x, nullptr, M, s.logits.data(), r.blocks * t / T, r.blocks * (t + 1) / T);
 #pragma omp barrier
-  for (int64_t m = M * t / T; m < M * (t + 1) / T; ++m)
-    route_row(s.logits.data() + m * r.n, r.n, p.top_k, p.renormalize, p.topk_softmax, s.ids.data() + m * p.top_k,
-              s.wts.data() + m * p.top_k);
+  const auto route = [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m)
+      route_row(s.logits.data() + m * r.n, r.n, p.top_k, p.renormalize, p.topk_softmax, s.ids.data() + m * p.top_k,
+                s.wts.data() + m * p.top_k);
+  };
+  if (M <= ROUTE_ALONE) {
+    if (t == 0) route(0, M);
+  } else {
+    route(M * t / T, M * (t + 1) / T);
+#pragma omp barrier
+  }
+  if (t == 0) moe_group(p, s, M, p.top_k, counts);
 #pragma omp barrier
 }
 
@@ -1140,37 +1154,39 @@ void moe_run(const MoeExperts& p, MoeScratch& s, const float* x, float* out, int
       if (b0 < b1) f(a, s.start[e], s.start[e + 1] - s.start[e], b0, b1);
     }
   };
-  // a linear's input rows as int8 / bfloat16 copies, per active expert (this thread's share of the experts)
-  const auto quantize = [&](const std::vector<PlanLinear>& lin, const float* src, int64_t width,
-                            std::vector<tpserve::Int8Rows>& rows) {
-    int64_t a0, a1;
-    share(A, a0, a1);
-    for (int64_t a = a0; a < a1; ++a) {
-      const int64_t e = s.active[a], s0 = s.start[e], c = s.start[e + 1] - s0;
-      if (takes_rows(lin[e])) tpserve::quantize_rows(src + s0 * width, rows[a], 0, c, 0, width / 32);
-      if (takes_bf16(lin[e])) tpserve::round_rows_bf16(src + s0 * width, rows[a], 0, c);
-    }
+  // a linear's input rows of active expert a as int8 / bfloat16 copies
+  const auto quantize = [&](const PlanLinear& lin, const float* src, int64_t width, int64_t a, tpserve::Int8Rows& rows) {
+    const int64_t e = s.active[a], s0 = s.start[e], c = s.start[e + 1] - s0;
+    if (takes_rows(lin)) tpserve::quantize_rows(src + s0 * width, rows, 0, c, 0, width / 32);
+    if (takes_bf16(lin)) tpserve::round_rows_bf16(src + s0 * width, rows, 0, c);
   };
   int64_t lo, hi;
   if (P > 0) {
-    share(P, lo, hi);
-    for (int64_t q = lo; q < hi; ++q) std::copy(x + s.row[q] * H, x + s.row[q] * H + H, xgp + q * H);
-#pragma omp barrier
-    quantize(p.gate_up, xgp, H, s.xq);
+    // per active expert of this thread's share: its pairs' rows gathered, then their copies for gate/up (one phase:
+    // the thread that writes an expert's rows reads them); the same below for the activation and the down copies
+    int64_t a0, a1;
+    share(A, a0, a1);
+    for (int64_t a = a0; a < a1; ++a) {
+      const int64_t e = s.active[a];
+      for (int64_t q = s.start[e]; q < s.start[e + 1]; ++q)
+        std::copy(x + s.row[q] * H, x + s.row[q] * H + H, xgp + q * H);
+      quantize(p.gate_up[e], xgp, H, a, s.xq[a]);
+    }
 #pragma omp barrier
     blocks(s.gu_items, [&](int64_t a, int64_t s0, int64_t c, int64_t b0, int64_t b1) {
       linear_range(p.gate_up[s.active[a]], xgp + s0 * H, &s.xq[a], c, gup + s0 * 2 * I, b0, b1);
     });
 #pragma omp barrier
-    share(P, lo, hi);
-    for (int64_t q = lo; q < hi; ++q) {
-      if (p.act == 1)
-        clamped_swiglu_row(gup + q * 2 * I, gup + q * 2 * I + I, actp + q * I, I, p.alpha, p.limit);
-      else
-        silu_mul_row(gup + q * 2 * I, gup + q * 2 * I + I, actp + q * I, I);
+    for (int64_t a = a0; a < a1; ++a) {
+      const int64_t e = s.active[a];
+      for (int64_t q = s.start[e]; q < s.start[e + 1]; ++q) {
+        if (p.act == 1)
+          clamped_swiglu_row(gup + q * 2 * I, gup + q * 2 * I + I, actp + q * I, I, p.alpha, p.limit);
+        else
+          silu_mul_row(gup + q * 2 * I, gup + q * 2 * I + I, actp + q * I, I);
+      }
+      quantize(p.down[e], actp, I, a, s.aq[a]);
     }
-#pragma omp barrier
-    quantize(p.down, actp, I, s.aq);
 #pragma omp barrier
     blocks(s.dn_items, [&](int64_t a, int64_t s0, int64_t c, int64_t b0, int64_t b1) {
       linear_range(p.down[s.active[a]], actp + s0 * I, &s.aq[a], c, yp + s0 * H, b0, b1);
@@ -1267,9 +1283,7 @@ at::Tensor moe_forward(const c10::intrusive_ptr<MoeExperts>& plan, const at::Ten
 #pragma omp parallel num_threads(nt)
   {
     const int t = omp_get_thread_num(), T = omp_get_num_threads();
-    moe_route(*plan, s, xp, M, t, T);
-    if (t == 0) moe_group(*plan, s, M, K, cp);
-#pragma omp barrier
+    moe_route(*plan, s, xp, M, t, T, cp);
     moe_run(*plan, s, xp, op, t, T);
   }
   return out;
@@ -1590,14 +1604,10 @@ at::Tensor decode_layers(const c10::intrusive_ptr<DecodeLayers>& plan, at::Tenso
       residual_norm(obp, l.attn_out_w, l.attn_out_eps, l.post_w, l.post_eps);  // the post-attention norm
       if (l.moe) {  // an MoE feed-forward: router, routing, the grouped experts (moe_forward's phases)
 #pragma omp barrier
-        moe_route(*l.moe, moe, outp, B, t, T);
-        if (t == 0) {
-          moe.with_shared = true;  // (where this layer has one)
-          moe_group(*l.moe, moe, B, l.moe->top_k, l.counts.has_value() ? l.counts->data_ptr<int64_t>() : nullptr);
-        }
-#pragma omp barrier
+        if (t == 0) moe.with_shared = true;  // (where this layer has one; read after moe_route's barriers)
+        moe_route(*l.moe, moe, outp, B, t, T, l.counts.has_value() ? l.counts->data_ptr<int64_t>() : nullptr);
         moe_run(*l.moe, moe, outp, ddp, t, T);
-#pragma omp barrier
+        // no barrier: moe_run ends with each thread summing its own share of the rows, share(B) as below
       } else {
         quantize(l.gate_up, outp, xq_x, a, b);
 #pragma omp barrier
