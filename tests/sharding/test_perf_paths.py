@@ -224,12 +224,13 @@ def test_llama_decode_fast_path_equals_the_module_path(checkpoints, arch, quanti
 @pytest.fixture(scope="module")
 def moe_checkpoint(tmp_path_factory):
     """Qwen 3-MoE: sparse layers 0 and 2 around dense layer 1, 6 experts, top 2 renormalised; input sizes of 64, so
-    int8 and int4 quantize every expert."""
+    int8 and int4 quantize every expert; heads of 32, so the one call quantizes the o projection's input head by head
+    as attention completes it (the other tiny models' heads of 16 take the separate phase)."""
     import tiny
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setitem(tiny.ARCHS, "qwen3_moe", dict(cls="Qwen3MoeConfig", num_attention_heads=8, num_key_value_heads=4,
-                                                 head_dim=16, num_experts=6, num_experts_per_tok=2,
+                                                 head_dim=32, num_experts=6, num_experts_per_tok=2,
                                                  moe_intermediate_size=64, norm_topk_prob=True, mlp_only_layers=[1],
                                                  num_hidden_layers=3))
         return tiny.make_checkpoint(tmp_path_factory.mktemp("qwen3_moe"), "qwen3_moe")
@@ -245,16 +246,22 @@ def test_moe_layers_in_the_one_call(moe_checkpoint, quantization):
     three_decode_paths(moe_checkpoint, quantization, moe=True, prompts=prompts)
 
 
-@pytest.mark.parametrize("arch, quantization", [("llama_long", None), ("llama_long", "int4"), ("mistral", None)])
+@pytest.mark.parametrize("arch, quantization", [("llama_long", None), ("llama_long", "int4"), ("mistral", None),
+                                                 ("llama_heads32", "int8")])
 def test_long_contexts_attend_in_chunks_alike_on_every_path(checkpoints, tmp_path_factory, arch, quantization):
     """Contexts of several attention chunks (sharding/cpu/csrc/core/kernels.h: ATTENTION_CHUNK keys at fixed
     positions), which the one call hands out to its team chunk by chunk and the loop's op attends in one call, with and
     without a sliding window that starts inside a chunk: the same tokens and logprobs bit for bit, and the modules' to
-    rounding."""
+    rounding. Heads of 32: the o projection's int8 input made head by head as the chunks' combine completes it."""
     import tiny
 
-    folder = checkpoints(arch) if arch != "mistral" else tiny.make_checkpoint(
-        tmp_path_factory.mktemp("mistral_window"), "mistral", max_position_embeddings=1024, sliding_window=300)
+    if arch == "mistral":
+        folder = tiny.make_checkpoint(tmp_path_factory.mktemp("mistral_window"), "mistral",
+                                      max_position_embeddings=1024, sliding_window=300)
+    elif arch == "llama_heads32":
+        folder = tiny.make_checkpoint(tmp_path_factory.mktemp("llama_heads32"), "llama_long", head_dim=32)
+    else:
+        folder = checkpoints(arch)
     prompts = [[3 + (7 * i) % 300 for i in range(700)], [3 + (5 * i) % 290 for i in range(300)], [4, 5]]
     three_decode_paths(folder, quantization, prompts=prompts, kv_cache_memory=32 << 20)
 

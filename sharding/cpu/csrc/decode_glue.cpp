@@ -1568,6 +1568,13 @@ at::Tensor decode_layers(const c10::intrusive_ptr<DecodeLayers>& plan, at::Tenso
       // taken one at a time, the largest first (a team that splits the list evenly would leave one thread the full
       // chunks and the other the short last ones); who computes a unit changes no bit
       const int64_t total = static_cast<int64_t>(au.units.size()) * kvh;
+      // the o projection's int8 copy of its input, made by whoever completes a (row, head)'s output: a head's D
+      // outputs are whole blocks of 32 (D % 32 == 0) and a block's quantization reads only its own 32, so the copy
+      // needs no phase (and barrier) of its own; the same bits as quantizing each row at once
+      const bool o_quantized = takes_rows(l.o) && !takes_bf16(l.o) && D % 32 == 0;
+      const auto quantize_head = [&](int64_t r, int64_t h) {
+        if (o_quantized) tpserve::quantize_rows(attp, xq_att, r, r + 1, h * D / 32, (h + 1) * D / 32);
+      };
       for (int64_t task; (task = next_unit[li].fetch_add(1, std::memory_order_relaxed)) < total;) {
         const AttentionUnit& u = au.units[task / kvh];
         const int64_t kh = task % kvh, s = u.row;
@@ -1578,9 +1585,11 @@ at::Tensor decode_layers(const c10::intrusive_ptr<DecodeLayers>& plan, at::Tenso
                                        heads * max_chunks * PART, max_chunks * PART, static_cast<float>(l.softcap));
         if (single)  // every row's keys are in one chunk: its partials are complete
           for (int64_t r = s; r < s + u.rows; ++r)
-            for (int64_t h = kh * G; h < (kh + 1) * G; ++h)
+            for (int64_t h = kh * G; h < (kh + 1) * G; ++h) {
               tpserve::paged_attention_combine(partp + (r * heads + h) * max_chunks * PART, 1, D,
                                                sk ? sk + h : nullptr, attp + (r * heads + h) * D);
+              quantize_head(r, h);
+            }
       }
       if (!single) {
 #pragma omp barrier
@@ -1590,10 +1599,11 @@ at::Tensor decode_layers(const c10::intrusive_ptr<DecodeLayers>& plan, at::Tenso
           tpserve::paged_attention_combine(partp + task * max_chunks * PART,
                                            (lp[r] - 1) / tpserve::ATTENTION_CHUNK - cf[r] + 1, D,
                                            sk ? sk + h : nullptr, attp + task * D);
+          quantize_head(r, h);
         }
       }
 #pragma omp barrier
-      if (takes_rows(l.o) || takes_bf16(l.o)) {
+      if (!o_quantized && (takes_rows(l.o) || takes_bf16(l.o))) {
         share(B, a, b);
         quantize(l.o, attp, xq_att, a, b);
 #pragma omp barrier
