@@ -96,9 +96,9 @@ constexpr int64_t MB_VNNI = 8;  // activation rows per pass: one accumulator eac
 #define TPSERVE_VNNI 1
 #define TPSERVE_INT8_DOT 1
 
-// The VNNI kernels: R activation rows (int8, per row and block of 32 inputs) against one block of 16 weight rows
-// stored as quant.py's pack_rows(rows=16, run=4) lays them out: per 4 inputs (int8) or 8 inputs (int4), the block's
-// 16 rows' 4 bytes side by side, one 64-byte line. vpdpbusd multiplies a line (unsigned bytes) by 4 activation bytes
+// The VNNI kernels: R activation rows (int8, per row and block of 32 inputs) against one block of 16 weight rows (two
+// side by side from 8 rows: dot_blocks, dot_run) stored as quant.py's pack_rows(rows=16, run=4) lays them out: per 4
+// inputs (int8) or 8 inputs (int4), the block's 16 rows' 4 bytes side by side, one 64-byte line. vpdpbusd multiplies a line (unsigned bytes) by 4 activation bytes
 // broadcast to every lane (signed), so each int32 lane accumulates one output row, with no reduction across lanes at
 // the end. Per block of 32 inputs and activation row: 8 vpdpbusd started from the block's correction (the weights
 // are stored or flipped to unsigned: w + 8, w + 128), then one conversion to float32 and one FMA by the weights'
