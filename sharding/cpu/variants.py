@@ -75,7 +75,7 @@ _V4 = _V3 + ("avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl")
 # section 14), and any AVX-512 core's tuning (icelake-server, sapphirerapids, znver3) gave it back. Those tunings
 # also have the compiler vectorize loops at 256 bits; the VNNI levels ask for 512 (the hand-written loops are 512-bit
 # already): with 256, the loops the compiler vectorizes (quantize_rows, attention's softmax) left the variant at
-# 0.91-0.94x native for int4 at 8 streams on Zen 5, 0.96x with 512 (section 31).
+# 0.91-0.94x native for int4 at 8 streams on Zen 5, 0.97-1.01x with 512 (sections 31, 32).
 _AMX = ("amx_tile", "amx_int8", "amx_bf16")
 VARIANTS = (
     # Sapphire Rapids and later Xeons: the VNNI-BF16 build, plus AMX tiles for prefill-sized batches of the int8, int4

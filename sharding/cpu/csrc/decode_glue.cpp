@@ -1155,7 +1155,8 @@ void moe_run(const MoeExperts& p, MoeScratch& s, const float* x, float* out, int
     }
   };
   // a linear's input rows of active expert a as int8 / bfloat16 copies
-  const auto quantize = [&](const PlanLinear& lin, const float* src, int64_t width, int64_t a, tpserve::Int8Rows& rows) {
+  const auto quantize = [&](const PlanLinear& lin, const float* src, int64_t width, int64_t a,
+                            tpserve::Int8Rows& rows) {
     const int64_t e = s.active[a], s0 = s.start[e], c = s.start[e + 1] - s0;
     if (takes_rows(lin)) tpserve::quantize_rows(src + s0 * width, rows, 0, c, 0, width / 32);
     if (takes_bf16(lin)) tpserve::round_rows_bf16(src + s0 * width, rows, 0, c);
@@ -1292,8 +1293,8 @@ at::Tensor moe_forward(const c10::intrusive_ptr<MoeExperts>& plan, const at::Ten
 // The attention phase's pieces: runs of consecutive rows that read the same blocks (a speculative step's
 // verification rows of one sequence: each KV block is then read once for all of them), cut into pieces of at most
 // ATTENTION_PIECE rows and few enough rows that the pieces times the KV heads times the chunks of the longest context
-// still give every thread about two units (attention_units). Other rows are pieces of one. (Which rows share a piece changes no result: each row's
-// attention has the same bits alone or with others.)
+// still give every thread about two units (attention_units). Other rows are pieces of one. (Which rows share a piece
+// changes no result: each row's attention has the same bits alone or with others.)
 constexpr int64_t ATTENTION_PIECE = 16;
 
 std::vector<std::pair<int64_t, int64_t>> attention_pieces(const int64_t* tp, const int64_t* lp, int64_t B,
@@ -1447,8 +1448,6 @@ at::Tensor decode_layers(const c10::intrusive_ptr<DecodeLayers>& plan, at::Tenso
     tpserve::resize_bf16_rows(xq_act, B, max_gu / 2);
   }
   std::vector<std::vector<float>> scores(nt), lora_u(nt), normed(nt, std::vector<float>(D));
-  // attention's partials (paged_attention_chunk): per (row, query head), max_chunks of D + 2 floats from the row's
-  // first chunk
   // attention's units, per distinct window, and their partials (paged_attention_chunk): per (row, query head),
   // max_chunks of D + 2 floats from the row's first chunk
   std::vector<AttentionUnits> windows;

@@ -98,12 +98,12 @@ constexpr int64_t MB_VNNI = 8;  // activation rows per pass: one accumulator eac
 
 // The VNNI kernels: R activation rows (int8, per row and block of 32 inputs) against one block of 16 weight rows (two
 // side by side from 8 rows: dot_blocks, dot_run) stored as quant.py's pack_rows(rows=16, run=4) lays them out: per 4
-// inputs (int8) or 8 inputs (int4), the block's 16 rows' 4 bytes side by side, one 64-byte line. vpdpbusd multiplies a line (unsigned bytes) by 4 activation bytes
-// broadcast to every lane (signed), so each int32 lane accumulates one output row, with no reduction across lanes at
-// the end. Per block of 32 inputs and activation row: 8 vpdpbusd started from the block's correction (the weights
-// are stored or flipped to unsigned: w + 8, w + 128), then one conversion to float32 and one FMA by the weights'
-// scales (a vector: one per row) times the activations' block scale. The weight lines are loaded (and unpacked) once
-// per block and used by every activation row.
+// inputs (int8) or 8 inputs (int4), the block's 16 rows' 4 bytes side by side, one 64-byte line. vpdpbusd multiplies a
+// line (unsigned bytes) by 4 activation bytes broadcast to every lane (signed), so each int32 lane accumulates one
+// output row, with no reduction across lanes at the end. Per block of 32 inputs and activation row: 8 vpdpbusd started
+// from the block's correction (the weights are stored or flipped to unsigned: w + 8, w + 128), then one conversion to
+// float32 and one FMA by the weights' scales (a vector: one per row) times the activations' block scale. The weight
+// lines are loaded (and unpacked) once per block and used by every activation row.
 
 inline __m512 row_scales16(const tpserve::fp16_t* s) {  // the block's 16 float16 scales of one group
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s)));
@@ -131,15 +131,16 @@ struct RowsAt {
   }
 };
 
-// P blocks of 16 weight rows (side by side in memory) against R activation rows, one block b of 32 inputs at a time. Per unit of 4 inputs each row's 4 activation bytes are broadcast once, into a register, and multiplied
-// into the P blocks' lines: the broadcasts are loads, and a load per vpdpbusd (the form with the broadcast in the
-// instruction) bounded the loop at several rows. With P = 2 a 5-row pass of a 4096 x 4096 int4 weight in cache, one
-// Zen 5 core, took 12.5 us a 512 KB share against 18.0 (one block a call), near vpdpbusd's own rate (BENCHMARKS.md
-// section 32). Each row's int32 sum of a block starts from its correction (-offset * the block's activation sum: the
-// weights are stored or flipped to unsigned, w + offset), then one conversion to float32 and one FMA by the weights'
-// scales (a vector: one per output row) times the row's block scale; the same integers and float steps whatever P.
-// W supplies the weights: W::prefetch(p, b), W::units(p, b, i, u0, u1) (the lines of inputs 8i..8i+3 and 8i+4..8i+7
-// as unsigned bytes) and W::scales(p) (the 16 rows' scales of block b's group; W::next(b) after each block).
+// P blocks of 16 weight rows (side by side in memory) against R activation rows, one block b of 32 inputs at a time.
+// Per unit of 4 inputs each row's 4 activation bytes are broadcast once, into a register, and multiplied into the P
+// blocks' lines: the broadcasts are loads, and a load per vpdpbusd (the form with the broadcast in the instruction)
+// bounded the loop at several rows. With P = 2 a 5-row pass of a 4096 x 4096 int4 weight in cache, one Zen 5 core, took
+// 12.5 us a 512 KB share against 18.0 (one block a call), near vpdpbusd's own rate (BENCHMARKS.md section 32). Each
+// row's int32 sum of a block starts from its correction (-offset * the block's activation sum: the weights are stored
+// or flipped to unsigned, w + offset), then one conversion to float32 and one FMA by the weights' scales (a vector: one
+// per output row) times the row's block scale; the same integers and float steps whatever P. W supplies the weights:
+// W::prefetch(p, b, P), W::units(p, b, i, u0, u1) (the lines of inputs 8i..8i+3 and 8i+4..8i+7 as unsigned bytes) and
+// W::scales(p) (the 16 rows' scales of block b's group; W::next() after each block).
 template <int R, int P, class W>
 inline void dot_blocks(const RowsAt<R>& rows, int64_t nb, W& wt, float* y, int64_t ldy, int64_t nrows) {
   __m512 acc[P][R];
@@ -168,7 +169,7 @@ inline void dot_blocks(const RowsAt<R>& rows, int64_t nb, W& wt, float* y, int64
         acc[p][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d[p][r]), _mm512_mul_ps(sw, _mm512_set1_ps(rows.scale[r][b])),
                                     acc[p][r]);
     }
-    wt.next(b);
+    wt.next();
   }
   const int64_t last = nrows - (P - 1) * NV;  // rows of the last block (a weight's last block may have fewer)
   for (int p = 0; p < P; ++p) store_rows16(acc[p], R, y + p * NV, ldy, p == P - 1 ? last : NV);
@@ -196,22 +197,22 @@ inline void dot_rows(const RowsAt<R>& rows, int64_t nb, W& wt, float* y, int64_t
       d0 = _mm512_add_epi32(d0, d1);
       acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d0), _mm512_mul_ps(sw, _mm512_set1_ps(rows.scale[r][b])), acc[r]);
     }
-    wt.next(b);
+    wt.next();
   }
   store_rows16(acc, R, y, ldy, nrows);
 }
 
-// R rows against the one or two blocks of nrows output rows at w. quant_linear.cpp hands a call DOT_BLOCKS blocks
-// where the linear has DOT_BLOCKS_ROWS activation rows or more, one block otherwise: with the weights streamed from
-// memory, two blocks side by side read slower than one (two streams: 5 rows of a 134 MB int4 weight took 3.4-3.9 ms
-// against 3.2-3.5 on Zen 5), and at fewer than 8 rows the arithmetic of one block at a time already keeps up with
-// memory; from 8 rows it does not, and from 9 the later passes of 8 read the block from cache (BENCHMARKS.md section 32).
+// R rows against the one or two blocks of nrows output rows at w. quant_linear.cpp hands a call DOT_BLOCKS blocks where
+// the linear has DOT_BLOCKS_ROWS activation rows or more, one block otherwise: with the weights streamed from memory,
+// two blocks side by side read slower than one (two streams: 5 rows of a 134 MB int4 weight took 3.4-3.9 ms against
+// 3.2-3.5 on Zen 5), and at fewer than 8 rows the arithmetic of one block at a time already keeps up with memory; from
+// 8 rows it does not, and from 9 the later passes of 8 read the block from cache (BENCHMARKS.md section 32).
 constexpr int64_t DOT_BLOCKS = 2, DOT_BLOCKS_ROWS = 8;
 template <int R, class W>
 inline void dot_run(const tpserve::Int8Rows& xq, int64_t m0, const std::vector<int32_t>& fix, W wt, int64_t K,
                     int64_t nrows, float* y, int64_t ldy) {
   const RowsAt<R> rows(xq, m0, fix);
-  if (nrows > NV) return dot_blocks<R, 2>(rows, K / 32, wt, y, ldy, nrows);
+  if (nrows > NV) return dot_blocks<R, DOT_BLOCKS>(rows, K / 32, wt, y, ldy, nrows);
   dot_rows<R>(rows, K / 32, wt, y, ldy, nrows);
 }
 
@@ -229,7 +230,7 @@ struct Int8Lines {
     u1 = _mm512_xor_si512(_mm512_loadu_si512(c + 64), flip);
   }
   __m512 scales(int p) const { return row_scales16(s + p * sstride); }
-  void next(int64_t) { s += NV; }
+  void next() { s += NV; }
 };
 
 template <int R>
@@ -253,7 +254,7 @@ struct Int4Lines {
     u1 = _mm512_and_si512(_mm512_srli_epi16(line, 4), low);
   }
   __m512 scales(int p) const { return row_scales16(s + p * sstride); }
-  void next(int64_t) {
+  void next() {
     if (++in_group == per_group) in_group = 0, s += NV;
   }
 };
