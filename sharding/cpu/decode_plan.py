@@ -136,6 +136,12 @@ class Norm:
         return cls(norm.weight + norm.offset if norm.offset else norm.weight, norm.eps)
 
 
+# The attention partials of a step's rows: per row, query head and chunk of ATTENTION_CHUNK keys (at fixed positions,
+# sharding/cpu/csrc/core/kernels.h), head_dim + 2 floats (decode_glue.cpp decode_layers, paged_attention_rows)
+ATTENTION_CHUNK = 256
+ROWS_PARTIALS_MAX = 64 << 20  # bytes: the most a step with prompt chunks may take for them on the plan
+
+
 @dataclass(slots=True)
 class DecodePlan:
     ops: tuple[kernels.Op, ...]  # decode_attention, add_rms_norm_, silu_mul, whole_qk_norm_ (kernels.decode_glue_ops)
@@ -147,6 +153,18 @@ class DecodePlan:
     run: kernels.Op | None = None  # torch.ops.tpserve.decode_layers
     pool: torch.Tensor | None = None  # the first layer's cache pool when `compiled` was made
 
+    def takes(self, meta: AttentionMetadata) -> bool:
+        """Whether this step runs on the plan: decode rows only, or a step with prompt chunks whose tokens, each a
+        row of the decode attention (AttentionMetadata.token_table), keep the attention's partials under
+        ROWS_PARTIALS_MAX (a long context's chunk of a prompt runs on the modules, through SDPA)."""
+        if meta.all_decode:
+            return True
+        if meta.token_table is None:
+            return False
+        chunks = (int(meta.token_lens.max()) + ATTENTION_CHUNK - 1) // ATTENTION_CHUNK
+        heads = self.layers[0].attn.num_heads
+        return meta.token_lens.numel() * heads * chunks * (self.head_dim + 2) * 4 <= ROWS_PARTIALS_MAX
+
     def invalidate(self) -> None:
         """The compiled step holds what changed (the adapters' tensors): rebuilt at its next use."""
         self.pool = None
@@ -156,12 +174,13 @@ class DecodePlan:
         returns the final norm of every token's hidden state."""
         x = self.first_norm.forward(h)
         n = h.shape[0]
+        table, lens = (meta.decode_table, meta.decode_lens) if meta.all_decode else (meta.token_table, meta.token_lens)
         if self.pool is not self.layers[0].attn.cache.pool:  # first use, or a new cache
             self.compiled = compile_layers(self)
             self.run = kernels.decode_layers_ops()[1] if self.compiled is not None else None
             self.pool = self.layers[0].attn.cache.pool
         if self.compiled is not None:  # (with the adapters of every slot: invalidate rebuilds it)
-            return self.run(self.compiled, h, x, meta.cos, meta.sin, meta.slots, meta.decode_table, meta.decode_lens,
+            return self.run(self.compiled, h, x, meta.cos, meta.sin, meta.slots, table, lens,
                             meta.window or 0, meta.lora.token_slots if meta.lora is not None else None)
         attention, add_rms_norm_, silu_mul, whole_qk_norm_ = self.ops
         norm = kernels.rms_norm_op()
@@ -171,7 +190,7 @@ class DecodePlan:
             if f.whole_qk is not None:
                 whole_qk_norm_(qkv, f.whole_qk[0], f.whole_qk[1], a.num_heads, a.num_kv_heads, *f.whole_qk[2:])
             qn, kn = f.qk_norms or (None, None)
-            o = attention(qkv, meta.cos, meta.sin, a.cache.pool, meta.slots, meta.decode_table, meta.decode_lens,
+            o = attention(qkv, meta.cos, meta.sin, a.cache.pool, meta.slots, table, lens,
                           f.q_index, a.num_heads, a.num_kv_heads, a.scale, f.window or meta.window or 0,
                           qn.weight if qn is not None else None, kn.weight if kn is not None else None,
                           qn.eps if qn is not None else 0.0, f.sinks, f.softcap)

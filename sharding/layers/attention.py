@@ -73,6 +73,7 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 LEAN_DECODE_MAX = 64  # decode steps of up to this many sequences take AttentionMetadata._build_decode
+ROWS_VIEW_MAX = 2048  # steps with prompt chunks: the tokens up to which AttentionMetadata has a view of them as rows
 
 
 @dataclass(slots=True)
@@ -152,6 +153,11 @@ class AttentionMetadata:
     write_rows: dict = field(default_factory=dict)  # per cache geometry: flat row of each (token, K/V head)
     pool: Pool | None = None  # embedding sequences' pooled rows, returned beside the logits
     lora: "LoraRows | None" = None  # the tokens of each LoRA adapter slot (sharding/layers/lora.py); None: base rows only
+    # a step with prompt chunks seen as decode rows, one per token (on CPU, up to ROWS_VIEW_MAX tokens): each token's
+    # sequence's blocks [N, nblk] and the keys it sees [N] (its position + 1). The CPU decode plan runs such a step as
+    # it runs a speculative step's verification rows (sharding/cpu/decode_plan.py); None otherwise
+    token_table: torch.Tensor | None = None
+    token_lens: torch.Tensor | None = None
 
     @staticmethod
     def build(step: Step, block_table: torch.Tensor, block_size: int, rotary: "RotaryTable | None",
@@ -199,6 +205,10 @@ class AttentionMetadata:
                 decode_blocks = blocks.to(device)
             decode_table = decode_table.to(device)
         logits_indices = _logits_indices(ends, ns, flags)
+        token_table = token_lens = None
+        if not all_decode and device.type == "cpu" and positions.numel() <= ROWS_VIEW_MAX:
+            token_lens = positions + 1
+            token_table = block_table[token_rows, : (int(token_lens.max()) + block_size - 1) // block_size]
         meta = AttentionMetadata(
             positions=positions.to(device),
             slots=slots.to(device),
@@ -216,6 +226,8 @@ class AttentionMetadata:
             all_decode=all_decode,
             pool=_pool(ends, ns, flags),
             lora=lora_rows(flags, ns),
+            token_table=token_table,
+            token_lens=token_lens,
         )
         return meta.windowed(sliding_window)
 

@@ -257,12 +257,14 @@ class LlamaForCausalLM(CausalLM):
             self._plan.invalidate()
 
     def plan_for(self, meta: AttentionMetadata) -> decode_plan.DecodePlan | None:
-        """The CPU decode plan where this step runs on it (decode tokens only), else None (the modules run it)."""
-        if meta.all_decode and not meta.seq_parallel and meta.cos is not None:
+        """The CPU decode plan where this step runs on it (decode rows only, or prompt chunks as rows of it:
+        DecodePlan.takes), else None (the modules run it)."""
+        if (meta.all_decode or meta.token_table is not None) and not meta.seq_parallel and meta.cos is not None:
             if self._plan is False:
                 self._plan = self._decode_plan()
-            if self._plan is not None and meta.cos.shape[-1] <= self._plan.head_dim:  # (partial rotary: fewer)
-                return self._plan
+            plan = self._plan
+            if plan is not None and meta.cos.shape[-1] <= plan.head_dim and plan.takes(meta):  # (partial rotary)
+                return plan
         return None
 
     def forward(self, ids: torch.Tensor, meta: AttentionMetadata, hidden: torch.Tensor | None = None):

@@ -158,11 +158,18 @@ def test_quantized_experts_agree_with_float32(tmp_path):
 
     assert agreement(int8) >= 0.9, agreement(int8)
     assert agreement(int4) >= 0.6, agreement(int4)
-    for compiled, looped in zip((f32, int8, int4), loop):  # the two paths: the same products, summed alike
+    # The two paths: the same products, their sums ordered apart (float32 logprobs within ~2e-6). Where the kernels
+    # quantize activations to int8 (VNNI, AVX2), such a difference may move one activation across a rounding boundary,
+    # and every later position's logprobs by up to a few hundredths (tests/sharding/test_perf_paths.py).
+    from sharding.cpu import kernels
+    from sharding.layers import quant
+
+    rounded = kernels.build_kernels() and quant.int8_activations()  # (what the runs' processes loaded)
+    for q, compiled, looped in zip((None, "int8", "int4"), (f32, int8, int4), loop):
         assert agreement(looped, compiled) >= 0.98
         worst = max(abs(a[0][1] - b[0][1]) for a, b in zip(compiled["outputs"][0]["prompt_top"],
                                                             looped["outputs"][0]["prompt_top"]))
-        assert worst < 1e-3, worst
+        assert worst < (0.05 if q is not None and rounded else 1e-3), (q, worst)
 
 
 def test_refused_configs(reference, tmp_path):
