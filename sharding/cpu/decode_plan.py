@@ -1,9 +1,10 @@
-"""The CPU decode plan: a step of decode tokens only through the layers of every family that declares it, run as each
-layer's linears with a few compiled ops between them (sharding/cpu/csrc/decode_glue.cpp) instead of ~40 torch ops and the module
-calls around them: the same arithmetic, without the per-op dispatch that dominated everything but the linears at
-batch 1. At TP=1 the layers run as one compiled call instead (decode_layers: one OpenMP team through every phase of
-every layer; see `compile_layers`), bitwise the same (LoRA adapter rows: within float32 rounding, their deltas summed
-in another order).
+"""The CPU decode plan: a step of decode tokens (and prompt tokens, each a row attending as a decode row at its position
+would: AttentionMetadata.token_table, DecodePlan.takes) through the layers of every family that declares it, run as each
+layer's linears with a few compiled ops between them (sharding/cpu/csrc/decode_glue.cpp) instead of ~40 torch ops and
+the module calls around them: the same arithmetic, without the per-op dispatch that dominated everything but the linears
+at batch 1. At TP=1 the layers run as one compiled call instead (decode_layers: one OpenMP team through every phase of
+every layer; see `compile_layers`), bitwise the same (LoRA adapter rows: within float32 rounding, their deltas summed in
+another order).
 
 Which layers qualify, and what each adds to Llama's layer, is declared by the model's classes (sharding/models/),
 never detected from its forward: `PlanLayer.on_decode_plan`; per-head q/k RMSNorms (Qwen 3,

@@ -4,15 +4,15 @@ Per layer: input RMSNorm -> fused q/k/v (column-parallel, by heads) -> rotary ->
 o_proj (row-parallel, all-reduce) -> residual -> RMSNorm -> fused gate/up (column-parallel) -> SiLU(gate) * up ->
 down_proj (row-parallel, all-reduce) -> residual. Two all-reduces per layer, one more for the embedding.
 
-Decode fast path (CPU, float32): a step of decode tokens only runs through the CPU decode plan
-(sharding/cpu/decode_plan.py), the same arithmetic as the modules in a few compiled ops. Each of the three classes
-below declares, in `llama_shaped`, that it computes what the plan computes; a subclass that changes its forward (or
-the methods the plan replaces: project_qkv and norm_qk, act) without declaring the change says False, and its model
+Decode fast path (CPU, float32): a step of decode tokens, and one with prompt chunks as rows of it, runs through the CPU
+decode plan (sharding/cpu/decode_plan.py), the same arithmetic as the modules in a few compiled ops. Each of the three
+classes below declares, in `llama_shaped`, that it computes what the plan computes; a subclass that changes its forward
+(or the methods the plan replaces: project_qkv and norm_qk, act) without declaring the change says False, and its model
 takes the module path (OLMoE's whole-projection q/k norms). Declared to the plan: per-head q/k RMSNorms (Qwen 3) by
 plan_qk_norms, attention sinks (gpt-oss) by attention_sinks, a layer's own window by `window`, soft-capped scores
 (Gemma 2) by `softcap`, the MLP's activation (Gemma's GELU) by plan_activation, norms around the attention's and the
-feed-forward's outputs (Gemma 2) by plan_norms. An MLP that is not llama_shaped, or an MoE layer, runs as its own
-module inside the plan's Python loop (an MoE layer offers itself to the one compiled call: SparseMoe.plan_moe).
+feed-forward's outputs (Gemma 2) by plan_norms. An MLP that is not llama_shaped, or an MoE layer, runs as its own module
+inside the plan's Python loop (an MoE layer offers itself to the one compiled call: SparseMoe.plan_moe).
 tests/test_layout.py checks each registered model's declarations against its overrides.
 """
 
