@@ -300,6 +300,36 @@ def test_prompts_run_as_rows_of_the_decode_step(checkpoints, tmp_path_factory, a
     assert one.prompt_logprobs[1:] == chunked.prompt_logprobs[1:] and one.logprobs == chunked.logprobs
 
 
+def test_a_step_past_the_partials_bound_runs_the_modules(checkpoints, monkeypatch):
+    """A step with prompt chunks whose rows' attention partials pass DecodePlan's bound runs the modules (SDPA), and
+    the answer is the plan's to float32 rounding; the decode steps after it stay on the plan."""
+    from server.llm import LLM
+    from server.engine.sampler import SamplingParams
+    from sharding.cpu import decode_plan
+
+    steps = []
+    forward = decode_plan.DecodePlan.forward
+    monkeypatch.setattr(decode_plan.DecodePlan, "forward",
+                        lambda plan, h, meta: steps.append((h.shape[0], meta.all_decode)) or forward(plan, h, meta))
+    prompt = [3 + (13 * i) % 250 for i in range(45)]
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=0, prompt_logprobs=0)
+    llm = LLM(str(checkpoints("qwen3")), max_num_seqs=4, kv_cache_memory=8 << 20, enable_prefix_caching=False)
+    try:
+        attn = llm.executor.model.layers[0].self_attn
+        row = attn.num_heads * (attn.head_dim + 2) * 4  # one row's partials at one chunk of keys
+        on_plan = llm.generate([prompt], params)[0]
+        assert [n for n, decode in steps if not decode] == [45]
+        steps.clear()
+        monkeypatch.setattr(decode_plan, "ROWS_PARTIALS_MAX", 44 * row)  # 45 rows: one too many
+        on_modules = llm.generate([prompt], params)[0]
+        assert steps and all(decode for _, decode in steps)  # the prompt's step left the plan, the decode steps not
+    finally:
+        llm.close()
+    assert on_plan.token_ids == on_modules.token_ids
+    torch.testing.assert_close(torch.tensor(on_plan.prompt_logprobs[1:]), torch.tensor(on_modules.prompt_logprobs[1:]),
+                               rtol=0, atol=1e-4)
+
+
 def three_decode_paths(folder, quantization, moe: bool = False, prompts=None, kv_cache_memory: int = 8 << 20) -> None:
     from server.llm import LLM
     from server.engine.sampler import SamplingParams
