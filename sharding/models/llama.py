@@ -259,7 +259,7 @@ class LlamaForCausalLM(CausalLM):
     def plan_for(self, meta: AttentionMetadata) -> decode_plan.DecodePlan | None:
         """The CPU decode plan where this step runs on it (decode rows only, or prompt chunks as rows of it:
         DecodePlan.takes), else None (the modules run it)."""
-        if (meta.all_decode or meta.token_table is not None) and not meta.seq_parallel and meta.cos is not None:
+        if not meta.seq_parallel and meta.cos is not None:  # (which steps it takes: DecodePlan.takes)
             if self._plan is False:
                 self._plan = self._decode_plan()
             plan = self._plan
