@@ -78,6 +78,14 @@ def output_rows(ns: torch.Tensor, flags: torch.Tensor) -> tuple[torch.Tensor, to
     return logits, ((flags & HIDDEN) != 0).long()
 
 
+def entry_rows(n: int, flags: int) -> tuple[int, int]:
+    """`output_rows` for one entry, in Python ints: rank 0 splits a step's few entries by it (server/engine/outputs.py),
+    where each torch op on a tiny table costs more than the arithmetic (13-30 us right after a step has streamed the
+    weights through the caches; BENCHMARKS.md section 34). tests/sharding/test_attention_steps.py holds
+    the two to one answer."""
+    return (n if flags & LOGITS_ALL else 1 if flags & LOGITS_LAST else 0), (1 if flags & HIDDEN else 0)
+
+
 SEQ_FIELDS = 4  # row, n_tokens, start_pos, flags
 UPDATE_FIELDS = 3  # row, index in the row, block id
 

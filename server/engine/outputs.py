@@ -3,8 +3,9 @@
     Scheduler.schedule() -> SchedulerOutput -> .to_step() -> Step (sharding/wire.py) -> the ranks
     the ranks -> logits and pooled rows -> StepOutput.split() -> StepOutput -> Engine (server/engine/core.py)
 
-The rows a step returns are laid out by one function, `sharding.wire.output_rows`, which the last stage uses to pick
-them and `StepOutput.split` uses to hand them back to their sequences; nothing else counts rows.
+The rows a step returns are laid out by one rule, `sharding.wire.output_rows`, which the last stage uses to pick
+them and `StepOutput.split` uses, entry by entry (`entry_rows`, the same rule in Python ints), to hand them back to
+their sequences; nothing else counts rows.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch
 
 from server.engine.request import Sequence
 from sharding.wire import (HIDDEN_FIRST, HIDDEN_LAST, HIDDEN_SUM, LOGITS_ALL, LOGITS_LAST, SEQ_FIELDS, Step,
-                           output_rows, with_lora)
+                           entry_rows, with_lora)
 
 # an embedding sequence's flags for one chunk of its prompt: the last token's hidden state with the prompt's last
 # chunk, the first token's with the chunk from position 0, the sum over every chunk's tokens
@@ -105,23 +106,23 @@ class StepOutput:
 
     @staticmethod
     def split(batch: SchedulerOutput, step: Step, logits: torch.Tensor, pooled: torch.Tensor | None) -> "StepOutput":
-        """Hand the rows back to their sequences, by `output_rows` over the step's table (built by `to_step`)."""
-        table = step.seq_table
-        n_logits, n_pooled = (v.tolist() for v in output_rows(table[:, 1], table[:, 3]))
-        flags = table[:, 3].tolist()
+        """Hand the rows back to their sequences, by `entry_rows` (`output_rows` entry by entry) over the step's table
+        (built by `to_step`)."""
+        table = step.seq_table.tolist()  # (a few entries: Python ints, `entry_rows`)
         seqs: dict[int, SeqOutput] = {}
         entry = row = pooled_at = 0
         for item in batch.items:
             entries = 1 + len(item.drafts)
-            count = sum(n_logits[entry : entry + entries])
+            count = sum(entry_rows(n, f)[0] for _, n, _, f in table[entry : entry + entries])
+            flags = table[entry][3]
             pooled_row = None
-            if n_pooled[entry]:
+            if entry_rows(table[entry][1], flags)[1]:
                 pooled_row = pooled[pooled_at]
                 pooled_at += 1
-            seqs[item.seq.seq_id] = SeqOutput(range(row, row + count), bool(flags[entry] & LOGITS_ALL), pooled_row)
+            seqs[item.seq.seq_id] = SeqOutput(range(row, row + count), bool(flags & LOGITS_ALL), pooled_row)
             row += count
             entry += entries
-        assert row == logits.shape[0] and entry == table.shape[0], "step rows do not match its table"
+        assert row == logits.shape[0] and entry == len(table), "step rows do not match its table"
         return StepOutput(logits, seqs)
 
     def __getitem__(self, seq: Sequence) -> SeqOutput:

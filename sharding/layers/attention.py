@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from sharding.cpu import kernels
 from sharding.layers.lora_rows import LoraRows, lora_rows
-from sharding.wire import FLAG_BITS, HIDDEN, HIDDEN_FIRST, HIDDEN_SUM, LOGITS_LAST, Step, output_rows
+from sharding.wire import FLAG_BITS, HIDDEN, HIDDEN_FIRST, HIDDEN_SUM, LOGITS_LAST, LORA_SHIFT, Step, output_rows
 
 
 def rope_inv_freq(config) -> tuple[torch.Tensor, float]:
@@ -125,7 +125,8 @@ def stage_output(x: torch.Tensor, meta: "AttentionMetadata", head, norm=None):
     """The last stage's result from the hidden states x of every token of the step: head(norm(x[rows])) for the
     logits rows, and, when the step has embedding sequences, the pair (logits, pooled rows). `norm` None: x is
     already normed (the decode fast path)."""
-    rows = x[meta.logits_indices]
+    # (a decode step whose every row returns logits: the indices are 0..n-1, and x itself is the rows)
+    rows = x if meta.all_decode and meta.logits_indices.numel() == x.shape[0] else x[meta.logits_indices]
     logits = head(rows if norm is None else norm(rows))
     if meta.pool is None:
         return logits
@@ -235,11 +236,14 @@ class AttentionMetadata:
     def _build_decode(table: torch.Tensor, block_table: torch.Tensor, block_size: int, rotary: "RotaryTable | None",
                       sliding_window: int | None) -> "AttentionMetadata":
         """`build` for a step of decode tokens only (one per sequence), on CPU: the same fields, computed on numpy
-        views of the small tables. Each torch op costs a few microseconds on such tables, and the ~40 of the general
-        path were ~0.2 ms of a ~4 ms int4 decode step (BENCHMARKS.md)."""
+        views of the small tables, the flags tested as Python ints, and the window's mask made here (`decode_mask`)
+        rather than by `windowed`'s second pass. Each torch or numpy op costs 1-3 us when the host's caches are warm,
+        but the step before has just streamed the weights through them: then it is 13-30 us, and this builder's ~40
+        ops were ~175 us of SmolLM2's 2.8 ms int4 decode step (BENCHMARKS.md section 34)."""
         t, bt = table.numpy(), block_table.numpy()
-        rows, starts, flags = t[:, 0], t[:, 2], t[:, 3]
-        n_seqs = t.shape[0]
+        rows, starts = t[:, 0], t[:, 2]
+        flags = t[:, 3].tolist()
+        n_seqs = len(flags)
         slots = bt[rows, starts // block_size] * block_size + starts % block_size
         lens = starts + 1
         decode_len = int(lens.max())
@@ -248,7 +252,7 @@ class AttentionMetadata:
         first = int(blocks[0])
         contiguous = bool((blocks == np.arange(first, first + blocks.size)).all())
         positions = torch.from_numpy(starts.copy())
-        if bool(((flags & FLAG_BITS) == LOGITS_LAST).all()):
+        if all((f & FLAG_BITS) == LOGITS_LAST for f in flags):
             logits_indices = torch.arange(n_seqs)
         else:
             ones = torch.ones(n_seqs, dtype=torch.int64)
@@ -260,25 +264,27 @@ class AttentionMetadata:
             cos, sin = rotary.cos[p : p + 1], rotary.sin[p : p + 1]
         else:
             cos, sin = rotary.cos[positions], rotary.sin[positions]
+        decode_lens = torch.from_numpy(lens)
         return AttentionMetadata(
             positions=positions,
             slots=torch.from_numpy(slots),
             cos=cos,
             sin=sin,
             decode_tokens=torch.arange(n_seqs),
-            decode_lens=torch.from_numpy(lens),
+            decode_lens=decode_lens,
             decode_table=torch.from_numpy(decode_table),
             decode_blocks=None if contiguous else torch.from_numpy(blocks),
             decode_range=(first, first + blocks.size) if contiguous else None,
             decode_len=decode_len,
-            decode_mask=None,
+            decode_mask=_decode_mask(decode_lens, decode_len, sliding_window, n_seqs == 1),
             prefills=[],
             logits_indices=logits_indices,
             all_decode=True,
+            window=sliding_window,
             pool=_pool(torch.arange(1, n_seqs + 1), torch.ones(n_seqs, dtype=torch.int64), table[:, 3])
-            if bool((flags & HIDDEN).any()) else None,
-            lora=lora_rows(flags, None),
-        ).windowed(sliding_window)  # the decode mask, where lengths differ or a window cuts
+            if any(f & HIDDEN for f in flags) else None,
+            lora=lora_rows(t[:, 3], None) if any(f >> LORA_SHIFT for f in flags) else None,
+        )
 
     def windowed(self, window: int | None) -> "AttentionMetadata":
         """This step's masks with each query limited to the `window` latest keys (itself included), as transformers'
@@ -296,16 +302,22 @@ class AttentionMetadata:
                     mask &= k > q - window
             key_start = max(0, p.start_pos - window + 1) if window is not None else 0
             prefills.append(dataclasses.replace(p, mask=mask, key_start=key_start))
-        decode_mask = None
-        if self.decode_len:
-            lens = self.decode_lens
-            windowed = window is not None and self.decode_len > window
-            if windowed or bool((lens != self.decode_len).any()):
-                k = torch.arange(self.decode_len, device=device)[None, :]
-                decode_mask = k < lens[:, None]
-                if windowed:
-                    decode_mask &= k >= lens[:, None] - window
+        decode_mask = _decode_mask(self.decode_lens, self.decode_len, window) if self.decode_len else None
         return dataclasses.replace(self, prefills=prefills, decode_mask=decode_mask, window=window)
+
+
+def _decode_mask(lens: torch.Tensor, decode_len: int, window: int | None, one_row: bool = False) -> torch.Tensor | None:
+    """[B, decode_len] bool: the keys each decode row sees (its first lens[b]; with a window, only the `window`
+    latest of them), or None when every row sees all decode_len keys. `one_row`: lens is known to be one row (it
+    then equals decode_len)."""
+    windowed = window is not None and decode_len > window
+    if not windowed and (one_row or not bool((lens != decode_len).any())):
+        return None
+    k = torch.arange(decode_len, device=lens.device)[None, :]
+    mask = k < lens[:, None]
+    if windowed:
+        mask &= k >= lens[:, None] - window
+    return mask
 
 
 def _logits_indices(ends: torch.Tensor, ns: torch.Tensor, flags: torch.Tensor) -> torch.Tensor:

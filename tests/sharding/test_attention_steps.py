@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from sharding.layers.attention import AttentionMetadata, PagedKVCache, attend
-from sharding.wire import LOGITS_ALL, LOGITS_LAST, Step
+from sharding.wire import (HIDDEN, HIDDEN_FIRST, HIDDEN_LAST, HIDDEN_SUM, LOGITS_ALL, LOGITS_LAST, Step, entry_rows,
+                           output_rows, with_lora)
 
 
 def naive(q, k_all, v_all, scale, window=None, softcap=None):
@@ -105,7 +106,8 @@ def test_mixed_steps_equal_per_sequence_attention(heads, kv_heads, window, softc
 @pytest.mark.parametrize("window", [None, 6])
 def test_decode_steps_build_the_same_metadata_on_the_lean_path(window, monkeypatch):
     """AttentionMetadata for a decode-only step: the numpy path (_build_decode) gives every field the general
-    path gives. Steps of 1-5 sequences at scattered and consecutive blocks, equal and unequal lengths, each flag."""
+    path gives. Steps of 1-5 sequences at scattered and consecutive blocks, equal and unequal lengths, each flag
+    (an embedding's pooled row and an adapter's slot among them)."""
     import dataclasses
 
     from sharding.layers import attention
@@ -122,19 +124,25 @@ def test_decode_steps_build_the_same_metadata_on_the_lean_path(window, monkeypat
             table[2] = torch.arange(20, 28)
         rows = rng.sample(range(6), n) if trial % 4 else [2] * n
         starts = [rng.randrange(0, 30) for _ in rows] if trial % 3 else [17] * n
-        flags = [rng.choice([LOGITS_LAST, LOGITS_LAST, 0, LOGITS_ALL | LOGITS_LAST]) for _ in rows]
+        flags = [rng.choice([LOGITS_LAST, LOGITS_LAST, 0, LOGITS_ALL | LOGITS_LAST, HIDDEN_LAST | LOGITS_LAST,
+                             with_lora(LOGITS_LAST, 2)]) for _ in rows]
         step = Step(torch.zeros(n, dtype=torch.int64),
                     torch.tensor([[r, 1, s, f] for r, s, f in zip(rows, starts, flags)]))
         lean = AttentionMetadata.build(step, table, bs, Rotary, window, cpu)
         monkeypatch.setattr(attention, "LEAN_DECODE_MAX", 0)
         general = AttentionMetadata.build(step, table, bs, Rotary, window, cpu)
         monkeypatch.undo()
-        for f in dataclasses.fields(AttentionMetadata):
-            a, b = getattr(lean, f.name), getattr(general, f.name)
+        def same(a, b) -> bool:  # tensors by dtype and value, dataclasses (Pool, LoraRows) field by field
             if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-                assert a is not None and b is not None and a.dtype == b.dtype and torch.equal(a, b), f.name
-            else:
-                assert a == b, f.name
+                return a is not None and b is not None and a.dtype == b.dtype and torch.equal(a, b)
+            if dataclasses.is_dataclass(a) and type(a) is type(b):
+                return all(same(getattr(a, g.name), getattr(b, g.name)) for g in dataclasses.fields(a))
+            if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+                return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+            return a == b
+
+        for f in dataclasses.fields(AttentionMetadata):
+            assert same(getattr(lean, f.name), getattr(general, f.name)), f.name
         assert lean.decode_table.is_contiguous() and lean.cos.is_contiguous()
 
 
@@ -163,6 +171,17 @@ def test_logits_rows_follow_the_flags():
                               [3, 4, 8, LOGITS_ALL]]))
     meta = AttentionMetadata.build(step, table, 4, None, None, torch.device("cpu"))
     assert meta.logits_indices.tolist() == [0, 5, 6, 7, 8, 9, 10, 11]
+
+
+def test_entry_rows_is_output_rows_entry_by_entry():
+    """Rank 0 splits a step's rows by `entry_rows` (Python ints), the last stage picks them by `output_rows`
+    (tensors): one answer for every flag combination and token count."""
+    flags = [a | b for a in (0, LOGITS_LAST, LOGITS_ALL, LOGITS_ALL | LOGITS_LAST)
+             for b in (0, HIDDEN_LAST, HIDDEN_FIRST, HIDDEN_SUM, HIDDEN)]
+    flags += [with_lora(f, 3) for f in flags]
+    for n in (1, 2, 7):
+        logits, pooled = output_rows(torch.full((len(flags),), n), torch.tensor(flags))
+        assert [entry_rows(n, f) for f in flags] == list(zip(logits.tolist(), pooled.tolist()))
 
 
 def test_step_message_round_trip():
