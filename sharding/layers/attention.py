@@ -276,7 +276,7 @@ class AttentionMetadata:
             decode_blocks=None if contiguous else torch.from_numpy(blocks),
             decode_range=(first, first + blocks.size) if contiguous else None,
             decode_len=decode_len,
-            decode_mask=_decode_mask(decode_lens, decode_len, sliding_window, n_seqs == 1),
+            decode_mask=_decode_mask(decode_lens, decode_len, sliding_window),
             prefills=[],
             logits_indices=logits_indices,
             all_decode=True,
@@ -306,12 +306,11 @@ class AttentionMetadata:
         return dataclasses.replace(self, prefills=prefills, decode_mask=decode_mask, window=window)
 
 
-def _decode_mask(lens: torch.Tensor, decode_len: int, window: int | None, one_row: bool = False) -> torch.Tensor | None:
+def _decode_mask(lens: torch.Tensor, decode_len: int, window: int | None) -> torch.Tensor | None:
     """[B, decode_len] bool: the keys each decode row sees (its first lens[b]; with a window, only the `window`
-    latest of them), or None when every row sees all decode_len keys. `one_row`: lens is known to be one row (it
-    then equals decode_len)."""
+    latest of them), or None when every row sees all decode_len keys (always so for one row: its lens is decode_len)."""
     windowed = window is not None and decode_len > window
-    if not windowed and (one_row or not bool((lens != decode_len).any())):
+    if not windowed and (lens.numel() == 1 or not bool((lens != decode_len).any())):
         return None
     k = torch.arange(decode_len, device=lens.device)[None, :]
     mask = k < lens[:, None]

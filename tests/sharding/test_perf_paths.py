@@ -266,6 +266,17 @@ def test_long_contexts_attend_in_chunks_alike_on_every_path(checkpoints, tmp_pat
     three_decode_paths(folder, quantization, prompts=prompts, kv_cache_memory=32 << 20)
 
 
+def plan_steps(monkeypatch) -> list[tuple[int, bool]]:
+    """The (rows, every row a decode row) of each step the CPU decode plan runs from here on, recorded as it runs."""
+    from sharding.cpu.decode_plan import DecodePlan
+
+    steps: list[tuple[int, bool]] = []
+    forward = DecodePlan.forward
+    monkeypatch.setattr(DecodePlan, "forward",
+                        lambda plan, h, meta: steps.append((h.shape[0], meta.all_decode)) or forward(plan, h, meta))
+    return steps
+
+
 @pytest.mark.parametrize("arch, quantization", [("qwen3", None), ("qwen3", "int4"), ("mistral", "int8")])
 def test_prompts_run_as_rows_of_the_decode_step(checkpoints, tmp_path_factory, arch, quantization, monkeypatch):
     """A prompt's tokens run on the CPU decode plan as rows of its step, each attending as a decode row of its
@@ -274,14 +285,10 @@ def test_prompts_run_as_rows_of_the_decode_step(checkpoints, tmp_path_factory, a
     import tiny
     from server.llm import LLM
     from server.engine.sampler import SamplingParams
-    from sharding.cpu.decode_plan import DecodePlan
 
     folder = (tiny.make_checkpoint(tmp_path_factory.mktemp("mistral_w24"), "mistral", sliding_window=24)
               if arch == "mistral" else checkpoints(arch))
-    steps = []  # (rows, whether every row was a decode row) of each step on the plan
-    forward = DecodePlan.forward
-    monkeypatch.setattr(DecodePlan, "forward",
-                        lambda plan, h, meta: steps.append((h.shape[0], meta.all_decode)) or forward(plan, h, meta))
+    steps = plan_steps(monkeypatch)
     prompt = [3 + (11 * i) % 200 for i in range(45)]
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=0, prompt_logprobs=0)
     results = []
@@ -307,10 +314,7 @@ def test_a_step_past_the_partials_bound_runs_the_modules(checkpoints, monkeypatc
     from server.engine.sampler import SamplingParams
     from sharding.cpu import decode_plan
 
-    steps = []
-    forward = decode_plan.DecodePlan.forward
-    monkeypatch.setattr(decode_plan.DecodePlan, "forward",
-                        lambda plan, h, meta: steps.append((h.shape[0], meta.all_decode)) or forward(plan, h, meta))
+    steps = plan_steps(monkeypatch)
     prompt = [3 + (13 * i) % 250 for i in range(45)]
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=0, prompt_logprobs=0)
     llm = LLM(str(checkpoints("qwen3")), max_num_seqs=4, kv_cache_memory=8 << 20, enable_prefix_caching=False)
