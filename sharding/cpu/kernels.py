@@ -158,6 +158,7 @@ def build_kernels(verbose: bool = False) -> bool:
                                 ops.moe_forward.default))):
             if env.get():
                 _OPS[name] = op
+        _OPS["meta"] = ops.decode_metadata.default  # (no switch: it computes what the Python builder does)
     finally:
         _BUILT["ok"] = ok
     return ok
@@ -259,6 +260,11 @@ class _Part:
 
     def __init__(self, qweight) -> None:
         self.qweight = qweight
+
+
+def decode_metadata_op():
+    """A decode step's attention metadata in one call (step_meta.cpp; AttentionMetadata._build_decode), or None."""
+    return _OPS.get("meta")
 
 
 def decode_glue_ops():

@@ -44,7 +44,7 @@ CORE_SOURCES = ("core/quant_linear.cpp", "core/f32_linear.cpp", "core/rms_norm.c
                 "core/paged_attention.cpp", "core/argmax.cpp", "core/amx_linear.cpp", "core/kquant_linear.cpp",
                 "core/kquant_pack.cpp")
 SOURCES = CORE_SOURCES + ("paged_attention.cpp", "quant_linear.cpp", "rms_norm.cpp", "rotary.cpp", "decode_glue.cpp",
-                          "f32_linear.cpp", "build_info.cpp")
+                          "f32_linear.cpp", "step_meta.cpp", "build_info.cpp")
 # included by the sources (the arch/ ones by core/ for the build's ISA): part of a build's hash, and of the wheel
 # (pyproject.toml's package-data); tests/sharding/test_kernel_harness.py checks that this lists every header
 HEADERS = ("tpserve_kernels.h", "core/kernels.h", "core/portable_quant.h", "core/portable_f32.h",

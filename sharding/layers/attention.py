@@ -17,7 +17,6 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -72,6 +71,7 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return torch.cat([rot * cos + rotate_half(rot) * sin, rest], dim=-1)
 
 
+_EMPTY = torch.empty(0)  # (no rotary tables)
 LEAN_DECODE_MAX = 64  # decode steps of up to this many sequences take AttentionMetadata._build_decode
 ROWS_VIEW_MAX = 2048  # steps with prompt chunks: the tokens up to which AttentionMetadata has a view of them as rows
 
@@ -166,8 +166,9 @@ class AttentionMetadata:
         """Vectorized over the step's sequences; only prefilling sequences (few per step) loop in Python.
         `block_table` [rows, blocks per sequence] already holds this step's updates."""
         table = step.seq_table
-        if table.shape[0] == step.input_ids.numel() and table.shape[0] <= LEAN_DECODE_MAX and device.type == "cpu":
-            return AttentionMetadata._build_decode(table, block_table, block_size, rotary, sliding_window)
+        if (table.shape[0] == step.input_ids.numel() and table.shape[0] <= LEAN_DECODE_MAX and device.type == "cpu"
+                and (op := kernels.decode_metadata_op()) is not None):
+            return AttentionMetadata._build_decode(op, table, block_table, block_size, rotary, sliding_window)
         rows, ns, starts, flags = table[:, 0], table[:, 1], table[:, 2], table[:, 3]
         n_seqs = table.shape[0]
         ends = ns.cumsum(0)
@@ -233,57 +234,41 @@ class AttentionMetadata:
         return meta.windowed(sliding_window)
 
     @staticmethod
-    def _build_decode(table: torch.Tensor, block_table: torch.Tensor, block_size: int, rotary: "RotaryTable | None",
-                      sliding_window: int | None) -> "AttentionMetadata":
-        """`build` for a step of decode tokens only (one per sequence), on CPU: the same fields, computed on numpy
-        views of the small tables, the flags tested as Python ints, and the window's mask made here (`decode_mask`)
-        rather than by `windowed`'s second pass. Each torch or numpy op costs 1-3 us when the host's caches are warm,
-        but the step before has just streamed the weights through them: then it is 13-30 us, and this builder's ~40
-        ops were ~175 us of SmolLM2's 2.8 ms int4 decode step (BENCHMARKS.md section 34)."""
-        t, bt = table.numpy(), block_table.numpy()
-        rows, starts = t[:, 0], t[:, 2]
-        flags = t[:, 3].tolist()
+    def _build_decode(op, table: torch.Tensor, block_table: torch.Tensor, block_size: int,
+                      rotary: "RotaryTable | None", sliding_window: int | None) -> "AttentionMetadata":
+        """`build` for a step of decode tokens only (one per sequence), on CPU: the same fields, the numbers from one
+        compiled call (`op`: sharding/cpu/csrc/step_meta.cpp), the flags tested as Python ints, and the window's mask
+        made here rather than by `windowed`'s second pass. Each torch or numpy op costs 1-3 us when the host's caches
+        are warm, but the step before has just streamed the weights through them: then it is 13-30 us, and the ~30
+        ops of this builder in numpy were ~80-160 us of a decode step (BENCHMARKS.md sections 34, 35)."""
+        flags = table[:, 3].tolist()
         n_seqs = len(flags)
-        slots = bt[rows, starts // block_size] * block_size + starts % block_size
-        lens = starts + 1
-        decode_len = int(lens.max())
-        decode_table = bt[rows, : (decode_len + block_size - 1) // block_size]  # (a copy: fancy indexing)
-        blocks = decode_table.reshape(-1)
-        first = int(blocks[0])
-        contiguous = bool((blocks == np.arange(first, first + blocks.size)).all())
-        positions = torch.from_numpy(starts.copy())
+        positions, slots, lens, decode_table, cos, sin, idx, decode_len, first = op(
+            table, block_table, block_size, rotary.cos if rotary is not None else _EMPTY,
+            rotary.sin if rotary is not None else _EMPTY)
         if all((f & FLAG_BITS) == LOGITS_LAST for f in flags):
-            logits_indices = torch.arange(n_seqs)
+            logits_indices = idx
         else:
-            ones = torch.ones(n_seqs, dtype=torch.int64)
-            logits_indices = _logits_indices(torch.arange(1, n_seqs + 1), ones, table[:, 3])
-        if rotary is None:
-            cos = sin = None
-        elif n_seqs == 1:
-            p = int(starts[0])
-            cos, sin = rotary.cos[p : p + 1], rotary.sin[p : p + 1]
-        else:
-            cos, sin = rotary.cos[positions], rotary.sin[positions]
-        decode_lens = torch.from_numpy(lens)
+            logits_indices = _logits_indices(idx + 1, torch.ones(n_seqs, dtype=torch.int64), table[:, 3])
         return AttentionMetadata(
             positions=positions,
-            slots=torch.from_numpy(slots),
-            cos=cos,
-            sin=sin,
-            decode_tokens=torch.arange(n_seqs),
-            decode_lens=decode_lens,
-            decode_table=torch.from_numpy(decode_table),
-            decode_blocks=None if contiguous else torch.from_numpy(blocks),
-            decode_range=(first, first + blocks.size) if contiguous else None,
+            slots=slots,
+            cos=cos if rotary is not None else None,
+            sin=sin if rotary is not None else None,
+            decode_tokens=idx,
+            decode_lens=lens,
+            decode_table=decode_table,
+            decode_blocks=None if first >= 0 else decode_table.view(-1),
+            decode_range=(first, first + decode_table.numel()) if first >= 0 else None,
             decode_len=decode_len,
-            decode_mask=_decode_mask(decode_lens, decode_len, sliding_window),
+            decode_mask=_decode_mask(lens, decode_len, sliding_window),
             prefills=[],
             logits_indices=logits_indices,
             all_decode=True,
             window=sliding_window,
-            pool=_pool(torch.arange(1, n_seqs + 1), torch.ones(n_seqs, dtype=torch.int64), table[:, 3])
+            pool=_pool(idx + 1, torch.ones(n_seqs, dtype=torch.int64), table[:, 3])
             if any(f & HIDDEN for f in flags) else None,
-            lora=lora_rows(t[:, 3], None) if any(f >> LORA_SHIFT for f in flags) else None,
+            lora=lora_rows(table[:, 3], None) if any(f >> LORA_SHIFT for f in flags) else None,
         )
 
     def windowed(self, window: int | None) -> "AttentionMetadata":

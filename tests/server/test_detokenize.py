@@ -69,3 +69,31 @@ def test_prompt_ending_mid_character_is_completed_by_the_output(tok):
         assert all("\ufffd" not in p for p in pieces), (cut, pieces)
         # a character the prompt started is the output's first; prompt text + output text is the whole text
         assert tok.decode(prompt).rstrip("\ufffd") + "".join(pieces) == TEXT, (cut, pieces)
+
+
+@pytest.mark.parametrize("skip_special", [True, False])
+def test_backend_decode_streams_what_the_transformers_decode_streams(tok, skip_special):
+    """The detokenizer decodes through the `tokenizers` backend where transformers' `decode` would add nothing to it:
+    the streamed pieces equal, one by one, those of the same detokenizer decoding through transformers' `decode`,
+    on text with multi-byte characters and special tokens, from prompts ending mid-character."""
+    import random
+
+    ids = tok.encode(TEXT)
+    specials = tok.all_special_ids
+    rng = random.Random(0)
+    fast = IncrementalDetokenizer(tok, [1], [], skip_special)
+    assert fast._backend is not None  # (the tiny checkpoint's tokenizer is a plain TokenizersBackend)
+    for trial in range(20):
+        out = [rng.choice(ids + specials) for _ in range(rng.randrange(1, 30))]
+        prompt = ids[: rng.randrange(1, len(ids))]
+        runs = []
+        for backend in (True, False):
+            d = IncrementalDetokenizer(tok, prompt, ["Paris"], skip_special)
+            if not backend:
+                d._backend = None
+            pieces = []
+            for t in out:
+                d.add(t)
+                pieces.append(d.release())
+            runs.append(pieces + [d.release(final=True)])
+        assert runs[0] == runs[1], (prompt, out)

@@ -105,12 +105,18 @@ def test_mixed_steps_equal_per_sequence_attention(heads, kv_heads, window, softc
 
 @pytest.mark.parametrize("window", [None, 6])
 def test_decode_steps_build_the_same_metadata_on_the_lean_path(window, monkeypatch):
-    """AttentionMetadata for a decode-only step: the numpy path (_build_decode) gives every field the general
-    path gives. Steps of 1-5 sequences at scattered and consecutive blocks, equal and unequal lengths, each flag
-    (an embedding's pooled row and an adapter's slot among them)."""
+    """AttentionMetadata for a decode-only step: the lean path (_build_decode, its numbers from the compiled
+    decode_metadata op) gives every field the general path gives. Steps of 1-5 sequences at scattered and consecutive
+    blocks, equal and unequal lengths, each flag (an embedding's pooled row and an adapter's slot among them)."""
     import dataclasses
 
+    from sharding.cpu import kernels
     from sharding.layers import attention
+
+    op = kernels.decode_metadata_op()
+    assert op is not None, "the CPU kernels are built here (make install)"
+    calls = []
+    monkeypatch.setattr(kernels, "decode_metadata_op", lambda: lambda *a: calls.append(1) or op(*a))
 
     class Rotary:
         cos, sin = torch.randn(64, 8), torch.randn(64, 8)
@@ -129,9 +135,10 @@ def test_decode_steps_build_the_same_metadata_on_the_lean_path(window, monkeypat
         step = Step(torch.zeros(n, dtype=torch.int64),
                     torch.tensor([[r, 1, s, f] for r, s, f in zip(rows, starts, flags)]))
         lean = AttentionMetadata.build(step, table, bs, Rotary, window, cpu)
+        assert len(calls) == trial + 1  # (the lean path ran)
         monkeypatch.setattr(attention, "LEAN_DECODE_MAX", 0)
         general = AttentionMetadata.build(step, table, bs, Rotary, window, cpu)
-        monkeypatch.undo()
+        monkeypatch.setattr(attention, "LEAN_DECODE_MAX", 64)
         def same(a, b) -> bool:  # tensors by dtype and value, dataclasses (Pool, LoraRows) field by field
             if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
                 return a is not None and b is not None and a.dtype == b.dtype and torch.equal(a, b)
@@ -144,6 +151,17 @@ def test_decode_steps_build_the_same_metadata_on_the_lean_path(window, monkeypat
         for f in dataclasses.fields(AttentionMetadata):
             assert same(getattr(lean, f.name), getattr(general, f.name)), f.name
         assert lean.decode_table.is_contiguous() and lean.cos.is_contiguous()
+
+
+def test_decode_metadata_refuses_a_row_outside_the_block_table():
+    """The compiled decode_metadata checks every row against the block table instead of reading past it."""
+    from sharding.cpu import kernels
+
+    op = kernels.decode_metadata_op()
+    table = torch.zeros(2, 4, dtype=torch.int64)
+    for row, start in ((2, 0), (0, 16), (-1, 0)):
+        with pytest.raises(RuntimeError, match="outside the block table"):
+            op(torch.tensor([[row, 1, start, LOGITS_LAST]]), table, 4, torch.empty(0), torch.empty(0))
 
 
 def test_decode_over_consecutive_blocks_reads_a_view():
