@@ -72,7 +72,7 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 _EMPTY = torch.empty(0)  # (no rotary tables)
-LEAN_DECODE_MAX = 64  # decode steps of up to this many sequences take AttentionMetadata._build_decode
+LEAN_DECODE_MAX = 64  # decode steps of up to this many sequences take AttentionMetadata._build_decode (kernels built)
 ROWS_VIEW_MAX = 2048  # steps with prompt chunks: the tokens up to which AttentionMetadata has a view of them as rows
 
 

@@ -115,7 +115,7 @@ def test_decode_steps_build_the_same_metadata_on_the_lean_path(window, monkeypat
 
     op = kernels.decode_metadata_op()
     assert op is not None, "the CPU kernels are built here (make install)"
-    calls = []
+    calls, lean_max = [], attention.LEAN_DECODE_MAX
     monkeypatch.setattr(kernels, "decode_metadata_op", lambda: lambda *a: calls.append(1) or op(*a))
 
     class Rotary:
@@ -138,7 +138,7 @@ def test_decode_steps_build_the_same_metadata_on_the_lean_path(window, monkeypat
         assert len(calls) == trial + 1  # (the lean path ran)
         monkeypatch.setattr(attention, "LEAN_DECODE_MAX", 0)
         general = AttentionMetadata.build(step, table, bs, Rotary, window, cpu)
-        monkeypatch.setattr(attention, "LEAN_DECODE_MAX", 64)
+        monkeypatch.setattr(attention, "LEAN_DECODE_MAX", lean_max)
         def same(a, b) -> bool:  # tensors by dtype and value, dataclasses (Pool, LoraRows) field by field
             if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
                 return a is not None and b is not None and a.dtype == b.dtype and torch.equal(a, b)
