@@ -41,13 +41,16 @@ stored weight (packed int8/int4 data and their float16 scales, or the float32 bl
 LM head (int8 under -q int4, as tpserve quantizes it); the embedding's one looked-up row is left out. For an MoE
 layer only the k routed experts' share counts (mean expert bytes x top_k), plus the router. Plus the KV cache read at
 the mean context of the measured decode (prompt + tokens / 2 positions, every layer's K and V). Floor (ms) = bytes /
-bandwidth. The bandwidth is measured by a read probe in this process before each of a case's three measurements and
-after the last, and the best of the four is used (this host's read bandwidth drifts between ~45 and ~80 GB/s within
-minutes: a single probe a minute away from a measurement can read below what the measurement streamed). The probe:
-torch summing a 1 GiB float32 tensor, madvised for huge pages as tpserve's weights are, on --threads threads, best of
-3 (GB/s = 2^30 bytes / best time); interleaved with tpserve's kernels at one row it read at or above them (one-off:
-torch.sum 77-81 GB/s, the int8 kernel 67-70, int4 52-57, float32 f32_linear within 5 % of torch.sum). A step
-that drifts into a faster spell than all four probes can still come out below its floor.
+bandwidth. The bandwidth is measured by read probes in this process before each of a case's three measurements and
+after the last, and the best read rate of all of them is used (this host's read bandwidth drifts between ~45 and
+~85 GB/s within minutes: a single probe a minute away from a measurement can read below what the measurement
+streamed). Each probe reads three ways, on --threads threads, in huge pages as tpserve's weights are:
+- torch summing a 1 GiB float32 tensor, best of 3 (GB/s = 2^30 bytes / best time);
+- tpserve's own int8 and int4 kernels multiplying one row by 14336 x 4096 weights (235 and 264 MB of them), best of 3
+  (KernelProbe). These outread torch.sum by 1.03-1.31x on Zen 5 (int4 the most), in slow spells and fast: a floor at
+  torch.sum's rate alone is below the rate memory really delivers, and a step could come out "within 15 %" of it while
+  reading well below what the kernels read by themselves. plan_over_sum_floor keeps the old ratio for comparison.
+A step that drifts into a faster spell than all four probes can still come out below its floor.
 llama.cpp's Q4_0 files store the output matrix as Q6_K (llama-quantize's default), tpserve's -q int4 as int8: the
 floor is tpserve's bytes.
 
@@ -167,7 +170,7 @@ def tpserve_run(model: str, precision: str, mode: str, args, count_bytes: bool) 
     return json.loads(lines[-1][len(RESULT):])
 
 
-def bandwidth_probe(threads: int) -> float:
+def sum_probe(threads: int) -> float:
     """GB/s: torch summing a 1 GiB float32 tensor on `threads` threads, best of 3 (after one untimed pass). The buffer
     is madvised for transparent huge pages, as tpserve's weights are (sharding/cpu/hugepages.py): ~5 % faster here."""
     import ctypes
@@ -191,6 +194,63 @@ def bandwidth_probe(threads: int) -> float:
         best = min(best, time.perf_counter() - t0)
     del t, buf
     return n / best / 1e9
+
+
+class KernelProbe:
+    """GB/s of tpserve's own int8 and int4 kernels multiplying one row by weights of 14336 x 4096 (an 8B model's
+    gate/up shape), 4 of them at int8 (235 MB) and 8 at int4 (264 MB, scales included), in huge pages as a loaded
+    model's are: best of 3 passes over all of them (after one untimed pass). Built once (random weights, ~10 s), kept
+    for the run. At one row these kernels read faster than torch.sum (1.03-1.31x on Zen 5: BENCHMARKS.md, "Why the
+    misses"), so a floor from torch.sum alone is below the rate memory really delivers."""
+
+    SHAPE, COUNT = (14336, 4096), {"int8": 4, "int4": 8}
+
+    def __init__(self, threads: int):
+        import torch
+
+        from sharding.cpu import hugepages, kernels
+        from sharding.layers import quant
+
+        torch.set_num_threads(threads)
+        self.ok = kernels.build_kernels() and kernels.quant_linear_ops() is not None
+        self.weights: dict[str, list] = {}
+        if not self.ok:
+            return
+        gen = torch.Generator().manual_seed(0)
+        for mode, count in self.COUNT.items():
+            ws = []
+            for _ in range(count):
+                qw = quant.quantize(torch.randn(*self.SHAPE, generator=gen), mode)
+                data = hugepages.huge_empty(qw.data.nbytes).view(qw.data.dtype).view(qw.data.shape)
+                data.copy_(qw.data)
+                qw.data = data
+                ws.append(quant.bind(qw))
+            self.weights[mode] = ws
+        self.x = torch.randn(1, self.SHAPE[1], generator=gen)
+
+    def __call__(self) -> dict[str, float]:
+        from sharding.layers import quant
+
+        rates = {}
+        for mode, ws in self.weights.items():
+            nbytes = sum(w.data.nbytes + w.scale.nbytes for w in ws)
+            for w in ws:
+                quant.linear(self.x, w)
+            best = float("inf")
+            for _ in range(3):
+                t0 = time.perf_counter()
+                for w in ws:
+                    quant.linear(self.x, w)
+                best = min(best, time.perf_counter() - t0)
+            rates[mode] = nbytes / best / 1e9
+        return rates
+
+
+def bandwidth_probe(threads: int, kernel: KernelProbe | None) -> dict[str, float]:
+    """The read rates of this moment: torch.sum ("sum") and, with compiled kernels, the int8 and int4 kernels at one
+    row; "best" is the highest, the rate the floor divides by."""
+    rates = dict(sum=sum_probe(threads), **(kernel() if kernel is not None and kernel.ok else {}))
+    return dict(rates, best=max(rates.values()))
 
 
 def compact_memory() -> None:
@@ -236,7 +296,7 @@ def summarize(rows: list[dict], cases: list[tuple[str, str]]) -> list[dict]:
                  on_plan=all(r["on_plan"] for r in mine), one_call=all(r["one_call"] for r in mine),
                  modules_on_plan=any(r["modules_on_plan"] for r in mine))
         for key in ("plan_ms", "modules_ms", "llama_ms", "modules_over_plan", "llama_over_plan", "floor_ms",
-                    "plan_over_floor", "bandwidth_gb_s", "total_bytes"):
+                    "plan_over_floor", "plan_over_sum_floor", "bandwidth_gb_s", "sum_probe_gb_s", "total_bytes"):
             s[key] = med(mine, key)
             s[key + "_rounds"] = [r.get(key) for r in mine]
         s.update({k: mine[0][k] for k in ("weight_bytes", "kv_bytes", "lm_head_bytes", "experts_active_bytes",
@@ -255,10 +315,12 @@ def print_table(summary: list[dict]) -> None:
         print(f"{s['name'][:16]:<16} {s['precision']:<9} {flags:<16} {fmt(s['plan_ms'], '8.2f'):>8} "
               f"{fmt(s['modules_ms'], '8.2f'):>8} {fmt(s['llama_ms'], '8.2f'):>8} "
               f"{fmt(s['modules_over_plan'], '11.2f'):>11}x {fmt(s['llama_over_plan'], '9.2f'):>9}x "
-              f"{fmt(s['total_bytes'] and s['total_bytes'] / 1e6, '9.0f'):>9} {fmt(s['floor_ms'], '9.2f'):>9} "
-              f"{fmt(s['plan_over_floor'], '9.2f'):>9}x")
+              f"{fmt(s['total_bytes'] and s['total_bytes'] / 1e6, '9.0f'):>9} {fmt(s['bandwidth_gb_s'], '5.1f'):>5} "
+              f"{fmt(s['floor_ms'], '9.2f'):>9} {fmt(s['plan_over_floor'], '9.2f'):>9}x "
+              f"{fmt(s['plan_over_sum_floor'], '9.2f'):>9}x")
     print("ms per token, medians over rounds; ratios taken within each round (modules/plan, llama/plan > 1: the plan "
-          "is faster); plan/floor: the plan's step over bytes / the round's probe bandwidth")
+          "is faster); plan/floor: the plan's step over bytes / the round's best read rate (torch.sum or tpserve's one-row "
+          "int8 / int4 kernels); (sum only): over bytes / torch.sum's rate, as the tables before section 36 took it")
 
 
 def plot(summary: list[dict], path: Path) -> None:
@@ -335,6 +397,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"CPU: {cpu_name()}, {args.threads} threads, load {load_avg()}; {args.tokens} tokens after the chat prompt "
           f"({', '.join(f'{Path(m).name}: {d} tokens' for m, d in depth.items())}); {args.rounds} rounds", flush=True)
 
+    kernel_probe = KernelProbe(args.threads)
+    if not kernel_probe.ok:
+        print("(no compiled kernels: the floor's bandwidth is torch.sum's alone)", flush=True)
     rows = []
     t_start = time.time()
     for r in range(args.rounds):
@@ -349,7 +414,7 @@ def main(argv: list[str] | None = None) -> int:
                        prompt_tokens=depth[model], llama=kind if gguf else None, llama_ms=None, load_start=load_avg())
             probes = []
             for mode in order:
-                probes.append(bandwidth_probe(args.threads))  # before each measurement, and after the last
+                probes.append(bandwidth_probe(args.threads, kernel_probe))  # before each measurement, and after the last
                 if mode == "llama":
                     if gguf is not None:
                         row["llama_ms"] = llama_bench(gguf, args.threads, tokens=args.tokens, depth=depth[model])
@@ -367,9 +432,13 @@ def main(argv: list[str] | None = None) -> int:
                 else:
                     row["modules_on_plan"] = res["on_plan"]  # must be False: the plan is off
             row["load_end"] = load_avg()
-            probes.append(bandwidth_probe(args.threads))
+            probes.append(bandwidth_probe(args.threads, kernel_probe))
             row["bandwidth_probes_gb_s"] = probes
-            row["bandwidth_gb_s"] = bw = max(probes)
+            row["sum_probe_gb_s"] = max(p["sum"] for p in probes)
+            row["bandwidth_gb_s"] = bw = max(p["best"] for p in probes)
+            # against torch.sum's rate alone, as this script measured before it took the kernels' (comparable with
+            # the earlier tables of BENCHMARKS.md)
+            row["plan_over_sum_floor"] = row["plan_ms"] / (row["total_bytes"] / (row["sum_probe_gb_s"] * 1e9) * 1e3)
             row["modules_over_plan"] = row["modules_ms"] / row["plan_ms"]
             row["llama_over_plan"] = row["llama_ms"] / row["plan_ms"] if row["llama_ms"] else None
             row["floor_ms"] = row["total_bytes"] / (bw * 1e9) * 1e3
@@ -380,7 +449,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[round {r}] {row['name']:<14} {precision:<7} plan {row['plan_ms']:7.2f} ({where})"
                   f" | modules {row['modules_ms']:7.2f} | llama.cpp {fmt(row['llama_ms'], '7.2f')} | modules/plan "
                   f"{row['modules_over_plan']:.2f}x llama/plan {fmt(row['llama_over_plan'], '.2f')}x | "
-                  f"{row['total_bytes'] / 1e6:.0f} MB at {bw:.1f} GB/s: floor {row['floor_ms']:.2f} ms, plan/floor "
+                  f"{row['total_bytes'] / 1e6:.0f} MB at {bw:.1f} GB/s (torch.sum {row['sum_probe_gb_s']:.1f}): floor {row['floor_ms']:.2f} ms, plan/floor "
                   f"{row['plan_over_floor']:.2f}x (load {row['load_start']} -> {row['load_end']}; "
                   f"order {'/'.join(order)})", flush=True)
     summary = summarize(rows, cases)
