@@ -41,16 +41,17 @@ stored weight (packed int8/int4 data and their float16 scales, or the float32 bl
 LM head (int8 under -q int4, as tpserve quantizes it); the embedding's one looked-up row is left out. For an MoE
 layer only the k routed experts' share counts (mean expert bytes x top_k), plus the router. Plus the KV cache read at
 the mean context of the measured decode (prompt + tokens / 2 positions, every layer's K and V). Floor (ms) = bytes /
-bandwidth. The bandwidth is measured by read probes in this process before each of a case's three measurements and
-after the last, and the best read rate of all of them is used (this host's read bandwidth drifts between ~45 and
-~85 GB/s within minutes: a single probe a minute away from a measurement can read below what the measurement
-streamed). Each probe reads three ways, on --threads threads, in huge pages as tpserve's weights are:
+bandwidth, the best read rate of two probes taken in the plan's worker just before and just after its measured decode
+(this host's read bandwidth drifts between ~45 and ~85 GB/s, and switches within seconds: a probe in the driver
+between two measurements, 10-30 s from the decode it stands for, was often in the other spell). Each probe reads three
+ways, on --threads threads, in huge pages as tpserve's weights are:
 - torch summing a 1 GiB float32 tensor, best of 3 (GB/s = 2^30 bytes / best time);
-- tpserve's own int8 and int4 kernels multiplying one row by 14336 x 4096 weights (235 and 264 MB of them), best of 3
-  (KernelProbe). These outread torch.sum by 1.03-1.31x on Zen 5 (int4 the most), in slow spells and fast: a floor at
-  torch.sum's rate alone is below the rate memory really delivers, and a step could come out "within 15 %" of it while
-  reading well below what the kernels read by themselves. plan_over_sum_floor keeps the old ratio for comparison.
-A step that drifts into a faster spell than all four probes can still come out below its floor.
+- tpserve's own int8 and int4 kernels multiplying one row by 14336 x 4096 weights (250 and 264 MB of them), best of 3
+  (KernelProbe). On Zen 5 these read 0.93-1.07x what torch.sum reads; the best of the three is the floor's rate.
+  plan_over_sum_floor keeps the ratio against torch.sum's rate alone, as the tables before section 36 took it.
+The modules run and llama-bench are bracketed the same way (the driver probes around llama-bench). A round is steady
+when every one of its probes read at least STEADY (0.85) of the fastest: its three measurements saw one spell, so
+their ratios compare like with like. The summary's medians are over the steady rounds where there are any.
 llama.cpp's Q4_0 files store the output matrix as Q6_K (llama-quantize's default), tpserve's -q int4 as int8: the
 floor is tpserve's bytes.
 
@@ -65,6 +66,7 @@ so every load gets the huge pages of a fresh host; it disturbs anything else run
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -81,6 +83,7 @@ from bench_quant import (PROMPT, Tpserve, builds, cpu_name, linear_bytes, llama_
                          load_avg)
 
 KIND = {"float32": "F32", "int8": "Q8_0", "int4": "Q4_0"}
+STEADY = 0.85  # a round is steady when every probe in it read at least this fraction of the fastest
 MODES = ("plan", "modules", "llama")
 RESULT = "BENCH_FAMILIES_RESULT "
 
@@ -126,6 +129,7 @@ def worker(args) -> int:
     """One measurement: load, warm up, generate --tokens, report as one JSON line."""
     from sharding.cpu.decode_plan import DecodePlan
 
+    probe = KernelProbe(args.threads)
     t0 = time.perf_counter()
     dtype, q = ("float32", None) if args.precision == "float32" else ("float32", args.precision)
     e = Tpserve(args.model, dtype, q)  # (its constructor generates 4 tokens: the warm-up, and the plan is built)
@@ -133,15 +137,17 @@ def worker(args) -> int:
     t0 = time.perf_counter()
     e.generate(1)
     ttft = time.perf_counter() - t0
+    before = bandwidth_probe(args.threads, probe)  # the read rates just before and just after the measured decode
     t0 = time.perf_counter()
     out = e.generate(args.tokens)
     wall = time.perf_counter() - t0
+    after = bandwidth_probe(args.threads, probe)
     n = len(out[0].token_ids) if hasattr(out[0], "token_ids") else args.tokens
     plan = getattr(e.llm.executor.model, "_plan", None)
     res = dict(ms=(wall - ttft) / (args.tokens - 1) * 1e3, ttft_ms=ttft * 1e3, load_s=load_s, generated=n,
                prompt_tokens=len(e.ids), on_plan=isinstance(plan, DecodePlan),
                one_call=isinstance(plan, DecodePlan) and plan.compiled is not None,
-               plan_state=type(plan).__name__ if plan is not False else "never built")
+               plan_state=type(plan).__name__ if plan is not False else "never built", probes=[before, after])
     if args.count_bytes:
         res.update(step_bytes(e.llm, len(e.ids) + args.tokens / 2))
     with open("/proc/self/status") as f:
@@ -198,10 +204,9 @@ def sum_probe(threads: int) -> float:
 
 class KernelProbe:
     """GB/s of tpserve's own int8 and int4 kernels multiplying one row by weights of 14336 x 4096 (an 8B model's
-    gate/up shape), 4 of them at int8 (235 MB) and 8 at int4 (264 MB, scales included), in huge pages as a loaded
-    model's are: best of 3 passes over all of them (after one untimed pass). Built once (random weights, ~10 s), kept
-    for the run. At one row these kernels read faster than torch.sum (1.03-1.31x on Zen 5: BENCHMARKS.md, "Why the
-    misses"), so a floor from torch.sum alone is below the rate memory really delivers."""
+    gate/up shape), 4 of them at int8 (250 MB, scales included) and 8 at int4 (264 MB), in huge pages as a loaded
+    model's are: best of 3 passes over all of them (after one untimed pass). Built once per process (one random weight
+    quantized per precision, copied into every buffer: ~2 s), kept for the process."""
 
     SHAPE, COUNT = (14336, 4096), {"int8": 4, "int4": 8}
 
@@ -218,12 +223,13 @@ class KernelProbe:
             return
         gen = torch.Generator().manual_seed(0)
         for mode, count in self.COUNT.items():
+            one = quant.quantize(torch.randn(*self.SHAPE, generator=gen), mode)
             ws = []
             for _ in range(count):
-                qw = quant.quantize(torch.randn(*self.SHAPE, generator=gen), mode)
-                data = hugepages.huge_empty(qw.data.nbytes).view(qw.data.dtype).view(qw.data.shape)
-                data.copy_(qw.data)
-                qw.data = data
+                qw = dataclasses.replace(one)
+                qw.data = hugepages.huge_empty(one.data.nbytes).view(one.data.dtype).view(one.data.shape)
+                qw.data.copy_(one.data)
+                qw.scale = one.scale.clone()
                 ws.append(quant.bind(qw))
             self.weights[mode] = ws
         self.x = torch.randn(1, self.SHAPE[1], generator=gen)
@@ -292,7 +298,9 @@ def summarize(rows: list[dict], cases: list[tuple[str, str]]) -> list[dict]:
         mine = [r for r in rows if r["model"] == model and r["precision"] == precision]
         if not mine:
             continue
-        s = dict(model=model, name=Path(model).name, precision=precision, rounds=len(mine),
+        steady = [r for r in mine if r["steady"]]
+        mine = steady or mine  # the steady rounds where there are any
+        s = dict(model=model, name=Path(model).name, precision=precision, rounds=len(mine), steady=bool(steady),
                  on_plan=all(r["on_plan"] for r in mine), one_call=all(r["one_call"] for r in mine),
                  modules_on_plan=any(r["modules_on_plan"] for r in mine))
         for key in ("plan_ms", "modules_ms", "llama_ms", "modules_over_plan", "llama_over_plan", "floor_ms",
@@ -307,7 +315,8 @@ def summarize(rows: list[dict], cases: list[tuple[str, str]]) -> list[dict]:
 
 def print_table(summary: list[dict]) -> None:
     head = (f"{'model':<16} {'precision':<9} {'plan / one call':<16} {'plan ms':>8} {'modules':>8} {'llama':>8} "
-            f"{'modules/plan':>12} {'llama/plan':>10} {'MB/token':>9} {'floor ms':>9} {'plan/floor':>10}")
+            f"{'modules/plan':>12} {'llama/plan':>10} {'MB/token':>9} {'GB/s':>5} {'floor ms':>9} {'plan/floor':>10} "
+            f"{'(sum only)':>10} {'rounds':>7}")
     print(head)
     print("-" * len(head))
     for s in summary:
@@ -317,10 +326,11 @@ def print_table(summary: list[dict]) -> None:
               f"{fmt(s['modules_over_plan'], '11.2f'):>11}x {fmt(s['llama_over_plan'], '9.2f'):>9}x "
               f"{fmt(s['total_bytes'] and s['total_bytes'] / 1e6, '9.0f'):>9} {fmt(s['bandwidth_gb_s'], '5.1f'):>5} "
               f"{fmt(s['floor_ms'], '9.2f'):>9} {fmt(s['plan_over_floor'], '9.2f'):>9}x "
-              f"{fmt(s['plan_over_sum_floor'], '9.2f'):>9}x")
+              f"{fmt(s['plan_over_sum_floor'], '9.2f'):>9}x {s['rounds']:>6}{' ' if s['steady'] else '*'}")
     print("ms per token, medians over rounds; ratios taken within each round (modules/plan, llama/plan > 1: the plan "
           "is faster); plan/floor: the plan's step over bytes / the round's best read rate (torch.sum or tpserve's one-row "
-          "int8 / int4 kernels); (sum only): over bytes / torch.sum's rate, as the tables before section 36 took it")
+          "int8 / int4 kernels) just before and after the plan's decode; (sum only): over bytes / torch.sum's rate; rounds: "
+          "the steady rounds the medians are over (* none was steady: every round)")
 
 
 def plot(summary: list[dict], path: Path) -> None:
@@ -412,14 +422,16 @@ def main(argv: list[str] | None = None) -> int:
                 gguf = None
             row = dict(round=r, model=model, name=Path(model).name, precision=precision, order=list(order),
                        prompt_tokens=depth[model], llama=kind if gguf else None, llama_ms=None, load_start=load_avg())
-            probes = []
+            probes = {}  # per measurement: the read rates just before and just after it
             for mode in order:
-                probes.append(bandwidth_probe(args.threads, kernel_probe))  # before each measurement, and after the last
                 if mode == "llama":
                     if gguf is not None:
+                        before = bandwidth_probe(args.threads, kernel_probe)
                         row["llama_ms"] = llama_bench(gguf, args.threads, tokens=args.tokens, depth=depth[model])
+                        probes["llama"] = [before, bandwidth_probe(args.threads, kernel_probe)]
                     continue
                 res = tpserve_run(model, precision, mode, args, count_bytes=mode == "plan")
+                probes[mode] = res["probes"]
                 row[f"{mode}_ms"] = res["ms"]
                 row[f"{mode}_load_s"] = res["load_s"]
                 row[f"{mode}_peak_rss_gb"] = res["peak_rss_gb"]
@@ -432,10 +444,11 @@ def main(argv: list[str] | None = None) -> int:
                 else:
                     row["modules_on_plan"] = res["on_plan"]  # must be False: the plan is off
             row["load_end"] = load_avg()
-            probes.append(bandwidth_probe(args.threads, kernel_probe))
             row["bandwidth_probes_gb_s"] = probes
-            row["sum_probe_gb_s"] = max(p["sum"] for p in probes)
-            row["bandwidth_gb_s"] = bw = max(p["best"] for p in probes)
+            row["sum_probe_gb_s"] = max(p["sum"] for p in probes["plan"])
+            row["bandwidth_gb_s"] = bw = max(p["best"] for p in probes["plan"])
+            every = [p["best"] for around in probes.values() for p in around]
+            row["steady"] = min(every) >= STEADY * max(every)  # the same spell through the round's measurements
             # against torch.sum's rate alone, as this script measured before it took the kernels' (comparable with
             # the earlier tables of BENCHMARKS.md)
             row["plan_over_sum_floor"] = row["plan_ms"] / (row["total_bytes"] / (row["sum_probe_gb_s"] * 1e9) * 1e3)
@@ -450,7 +463,8 @@ def main(argv: list[str] | None = None) -> int:
                   f" | modules {row['modules_ms']:7.2f} | llama.cpp {fmt(row['llama_ms'], '7.2f')} | modules/plan "
                   f"{row['modules_over_plan']:.2f}x llama/plan {fmt(row['llama_over_plan'], '.2f')}x | "
                   f"{row['total_bytes'] / 1e6:.0f} MB at {bw:.1f} GB/s (torch.sum {row['sum_probe_gb_s']:.1f}): floor {row['floor_ms']:.2f} ms, plan/floor "
-                  f"{row['plan_over_floor']:.2f}x (load {row['load_start']} -> {row['load_end']}; "
+                  f"{row['plan_over_floor']:.2f}x ({'steady' if row['steady'] else 'the spell changed'}: probes "
+                  f"{min(every):.0f}-{max(every):.0f} GB/s; load {row['load_start']} -> {row['load_end']}; "
                   f"order {'/'.join(order)})", flush=True)
     summary = summarize(rows, cases)
     print(f"\n{len(rows)} cases in {(time.time() - t_start) / 60:.1f} min\n")
