@@ -47,7 +47,8 @@ between two measurements, 10-30 s from the decode it stands for, was often in th
 ways, on --threads threads, in huge pages as tpserve's weights are:
 - torch summing a 1 GiB float32 tensor, best of 3 (GB/s = 2^30 bytes / best time);
 - tpserve's own int8 and int4 kernels multiplying one row by 14336 x 4096 weights (250 and 264 MB of them), best of 3
-  (KernelProbe). On Zen 5 these read 0.93-1.07x what torch.sum reads; the best of the three is the floor's rate.
+  (KernelProbe). On Zen 5 the faster kernel read a median 1.02x what torch.sum read in the same probe (140 probes;
+  a probe whose reads straddle a switch of spell can differ much more); the best of the three is the floor's rate.
   plan_over_sum_floor keeps the ratio against torch.sum's rate alone, as the tables before section 36 took it.
 The modules run and llama-bench are bracketed the same way (the driver probes around llama-bench). A round is steady
 when every one of its probes read at least STEADY (0.85) of the fastest: its three measurements saw one spell, so
@@ -55,7 +56,8 @@ their ratios compare like with like. The summary's medians are over the steady r
 llama.cpp's Q4_0 files store the output matrix as Q6_K (llama-quantize's default), tpserve's -q int4 as int8: the
 floor is tpserve's bytes.
 
-Ratios (speed, > 1: the plan is faster) are taken within each round, then the median over rounds: modules/plan is
+Ratios (speed, > 1: the plan is faster) are taken within each round, then the median over the steady rounds (every
+round where none was steady): modules/plan is
 modules ms / plan ms, llama/plan is llama-bench ms / plan ms. A model whose float32 weights would not fit in this
 host's memory (the MoE: 30 GB) skips float32 with a message; a missing GGUF skips llama-bench for that case.
 
@@ -328,9 +330,9 @@ def print_table(summary: list[dict]) -> None:
               f"{fmt(s['floor_ms'], '9.2f'):>9} {fmt(s['plan_over_floor'], '9.2f'):>9}x "
               f"{fmt(s['plan_over_sum_floor'], '9.2f'):>9}x {s['rounds']:>6}{' ' if s['steady'] else '*'}")
     print("ms per token, medians over rounds; ratios taken within each round (modules/plan, llama/plan > 1: the plan "
-          "is faster); plan/floor: the plan's step over bytes / the round's best read rate (torch.sum or tpserve's one-row "
-          "int8 / int4 kernels) just before and after the plan's decode; (sum only): over bytes / torch.sum's rate; rounds: "
-          "the steady rounds the medians are over (* none was steady: every round)")
+          "is faster); plan/floor: the plan's step over bytes / the best read rate (torch.sum or tpserve's one-row "
+          "int8 / int4 kernels) just before and after the plan's decode; (sum only): over bytes / torch.sum's rate; "
+          "rounds: the steady rounds the medians are over (* none was steady: every round)")
 
 
 def plot(summary: list[dict], path: Path) -> None:
@@ -462,7 +464,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[round {r}] {row['name']:<14} {precision:<7} plan {row['plan_ms']:7.2f} ({where})"
                   f" | modules {row['modules_ms']:7.2f} | llama.cpp {fmt(row['llama_ms'], '7.2f')} | modules/plan "
                   f"{row['modules_over_plan']:.2f}x llama/plan {fmt(row['llama_over_plan'], '.2f')}x | "
-                  f"{row['total_bytes'] / 1e6:.0f} MB at {bw:.1f} GB/s (torch.sum {row['sum_probe_gb_s']:.1f}): floor {row['floor_ms']:.2f} ms, plan/floor "
+                  f"{row['total_bytes'] / 1e6:.0f} MB at {bw:.1f} GB/s (torch.sum {row['sum_probe_gb_s']:.1f}): floor "
+                  f"{row['floor_ms']:.2f} ms, plan/floor "
                   f"{row['plan_over_floor']:.2f}x ({'steady' if row['steady'] else 'the spell changed'}: probes "
                   f"{min(every):.0f}-{max(every):.0f} GB/s; load {row['load_start']} -> {row['load_end']}; "
                   f"order {'/'.join(order)})", flush=True)
