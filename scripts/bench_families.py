@@ -409,9 +409,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"CPU: {cpu_name()}, {args.threads} threads, load {load_avg()}; {args.tokens} tokens after the chat prompt "
           f"({', '.join(f'{Path(m).name}: {d} tokens' for m, d in depth.items())}); {args.rounds} rounds", flush=True)
 
-    kernel_probe = KernelProbe(args.threads)
-    if not kernel_probe.ok:
-        print("(no compiled kernels: the floor's bandwidth is torch.sum's alone)", flush=True)
+    # the driver's probes bracket llama-bench only (each tpserve worker probes around its own decode)
+    kernel_probe = KernelProbe(args.threads) if have_llama else None
+    if kernel_probe is not None and not kernel_probe.ok:
+        print("(no compiled kernels: every probe reads torch.sum alone)", flush=True)
     rows = []
     t_start = time.time()
     for r in range(args.rounds):
