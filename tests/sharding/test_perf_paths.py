@@ -353,8 +353,10 @@ def three_decode_paths(folder, quantization, moe: bool = False, prompts=None, kv
         counts = []  # the expert-token counts each path adds
 
         def generate():
+            # the prompts together, then the first alone: its decode steps are of one row, which the one call runs in
+            # its own form (decode_glue.cpp decode_layers' `solo`: per-thread copies of the row, moe_solo)
             before = [m.tokens_per_expert.clone() for m in sparse]
-            out = llm.generate(prompts, params)
+            out = llm.generate(prompts, params) + llm.generate(prompts[:1], params)
             counts.append([m.tokens_per_expert - b for m, b in zip(sparse, before)])
             return out
 
@@ -390,7 +392,7 @@ def three_decode_paths(folder, quantization, moe: bool = False, prompts=None, kv
             x, y = a.token_ids[same], c.token_ids[same]
             assert x in dict(c.top_logprobs[same]) and y in dict(a.top_logprobs[same]), (same, a.token_ids, c.token_ids)
     if moe:  # every token of the prompts and of the answers (but the last) routed to k experts in each sparse layer
-        tokens = sum(len(p) for p in prompts) + len(prompts) * (params.max_tokens - 1)
+        tokens = sum(len(p) for p in prompts + prompts[:1]) + (len(prompts) + 1) * (params.max_tokens - 1)
         for step in counts:
             assert [int(c.sum()) for c in step] == [m.routing.top_k * tokens for m in sparse]
         assert all(torch.equal(x, y) for x, y in zip(counts[0], counts[1]))

@@ -1237,6 +1237,62 @@ void moe_run(const MoeExperts& p, MoeScratch& s, const float* x, float* out, int
   }
 }
 
+// A one-row step's MoE feed-forward inside decode_layers' team (its `solo` form), where every expert is this plan's
+// (decode_layers runs at TP 1) and the row's k experts split evenly over the team (moe_solo_fits): the router over this
+// thread's share of its blocks, a barrier, then every thread routes the row itself (route_row: the same bits in each)
+// and runs whole experts of its own through gate/up -> activation -> down, with no barrier between; a barrier, and
+// every thread sums the k outputs, in expert order as moe_run does, into its own `out`. Against moe_route + moe_run at
+// one row, five barriers fewer and no phase on one thread while the others wait (routing, the sum). x: the row; xq:
+// its int8 / bfloat16 copy, as the experts' gate/up take it (every expert's, the same row).
+constexpr int64_t SOLO_MAX_K = 32;
+bool moe_solo_fits(const MoeExperts& p, int T) {
+  return p.router.has_value() && !p.shared_gate_up.has_value() && p.size() == p.router->n && p.index.front() == 0 &&
+         p.index.back() == p.router->n - 1 && p.top_k <= SOLO_MAX_K && p.top_k % T == 0;  // (ids ascending: 0..n-1)
+}
+
+void moe_solo(const MoeExperts& p, MoeScratch& s, const float* x, const tpserve::Int8Rows& xq, float* out, int t,
+              int T, int64_t* counts) {
+  const PlanLinear& r = *p.router;
+  const int64_t H = p.hidden(), I = p.inter(), k = p.top_k;
+  linear_range(r, x, nullptr, 1, s.logits.data(), r.blocks * t / T, r.blocks * (t + 1) / T);
+#pragma omp barrier
+  int64_t ids[SOLO_MAX_K], order[SOLO_MAX_K];
+  float w[SOLO_MAX_K];
+  route_row(s.logits.data(), r.n, k, p.renormalize, p.topk_softmax, ids, w);
+  if (t == 0 && counts != nullptr)
+    for (int64_t j = 0; j < k; ++j) ++counts[ids[j]];
+  for (int64_t j = 0; j < k; ++j) order[j] = j;
+  std::sort(order, order + k, [&](int64_t i, int64_t j) { return ids[i] < ids[j]; });  // (k distinct experts)
+  float *gup = s.gu.data_ptr<float>(), *actp = s.act.data_ptr<float>(), *yp = s.y.data_ptr<float>();
+  for (int64_t a = k * t / T; a < k * (t + 1) / T; ++a) {  // (every expert local: its id is its index)
+    const PlanLinear &gu = p.gate_up[ids[order[a]]], &dn = p.down[ids[order[a]]];
+    float *g = gup + a * 2 * I, *act = actp + a * I;
+    linear_range(gu, x, &xq, 1, g, 0, gu.blocks);
+    if (p.act == 1)
+      clamped_swiglu_row(g, g + I, act, I, p.alpha, p.limit);
+    else
+      silu_mul_row(g, g + I, act, I);
+    tpserve::Int8Rows& aq = s.aq[a];
+    if (takes_rows(dn)) {  // (no allocation after the first step: the sizes stay)
+      tpserve::resize_rows(aq, 1, I);
+      tpserve::quantize_rows(act, aq, 0, 1, 0, I / 32);
+    }
+    if (takes_bf16(dn)) {
+      tpserve::resize_bf16_rows(aq, 1, I);
+      tpserve::round_rows_bf16(act, aq, 0, 1);
+    }
+    linear_range(dn, act, &aq, 1, yp + a * H, 0, dn.blocks);
+  }
+#pragma omp barrier
+  std::fill(out, out + H, 0.f);
+  for (int64_t a = 0; a < k; ++a) {
+    const float wa = w[order[a]];
+    const float* ya = yp + a * H;
+#pragma omp simd
+    for (int64_t i = 0; i < H; ++i) out[i] += ya[i] * wa;
+  }
+}
+
 void check_moe_input(const MoeExperts& p, const at::Tensor& x, const char* op) {
   TORCH_CHECK(p.size() > 0, op, ": an empty plan");
   TORCH_CHECK(x.dim() == 2 && x.size(1) == p.hidden() && x.scalar_type() == at::kFloat && x.is_contiguous(), op,
@@ -1476,6 +1532,33 @@ at::Tensor decode_layers(const c10::intrusive_ptr<DecodeLayers>& plan, at::Tenso
   const float* x0 = x.data_ptr<float>();
   MoeScratch moe;  // the MoE layers' (one at a time)
   if (moe_k > 0) moe_reserve(moe, B, moe_k, moe_h, moe_i, moe_e, moe_local, moe_si, opts);
+  // One row (batch 1, the commonest decode step): every thread keeps its own copy of the row's residual stream h, of
+  // its normed input x and of x's int8 / bfloat16 copy, and computes them itself: the same arithmetic on the same data,
+  // so the same bits in every thread. The phases that a one-row step ran on one thread while the rest of the team
+  // waited (the residual add and norm, the input's copy, an MoE layer's routing and sum) then need no barrier after
+  // them; an MoE layer whose experts split evenly over the team runs as moe_solo. h and the result are written back
+  // at the end. Where one row's keys are in one attention chunk, each thread attends the KV heads it rotated, without
+  // a barrier between.
+  const bool solo = B == 1;
+  std::vector<std::vector<float>> solo_h(solo ? nt : 0), solo_x(solo ? nt : 0), solo_d(solo ? nt : 0);
+  std::vector<tpserve::Int8Rows> solo_q(solo ? nt : 0);
+  std::vector<char> solo_moe(layers.size(), 0), moe_rows(layers.size(), 0), moe_bf16(layers.size(), 0);
+  for (size_t li = 0; li < layers.size(); ++li)
+    if (layers[li].moe) {
+      const MoeExperts& m = *layers[li].moe;
+      solo_moe[li] = solo && moe_solo_fits(m, nt);
+      for (const PlanLinear& g : m.gate_up) {
+        moe_rows[li] |= takes_rows(g);
+        moe_bf16[li] |= takes_bf16(g);
+      }
+    }
+  for (int i = 0; i < (solo ? nt : 0); ++i) {
+    solo_h[i].resize(hidden);
+    solo_x[i].resize(hidden);
+    solo_d[i].resize(hidden);
+    tpserve::resize_rows(solo_q[i], 1, hidden);
+    tpserve::resize_bf16_rows(solo_q[i], 1, hidden);
+  }
 
 #pragma omp parallel num_threads(nt)
   {
@@ -1517,9 +1600,29 @@ at::Tensor decode_layers(const c10::intrusive_ptr<DecodeLayers>& plan, at::Tenso
         tpserve::rms_norm_rows(hp, w.data_ptr<float>(), static_cast<float>(eps), outp, hidden, r, r + 1);
       }
     };
-    share(B, a, b);
-    quantize(layers[0].qkv, xin, xq_x, a, b);
+    // solo: this thread's h, x (and delta, where it norms or sums one itself) and x's copy
+    float *hs = solo ? solo_h[t].data() : nullptr, *xs = solo ? solo_x[t].data() : nullptr;
+    float* ds = solo ? solo_d[t].data() : nullptr;
+    tpserve::Int8Rows& xq_in = solo ? solo_q[t] : xq_x;  // the copy qkv and gate/up read
+    // solo: h += delta (first normed by `pre` into ds, where the layer has that norm) and x = rms_norm(h), this
+    // thread's own
+    const auto residual_norm_solo = [&](const float* delta, const std::optional<at::Tensor>& pre, double pre_eps,
+                                        const at::Tensor& w, double eps) {
+      if (pre.has_value()) {
+        tpserve::rms_norm_rows(delta, pre->data_ptr<float>(), static_cast<float>(pre_eps), ds, hidden, 0, 1);
+        delta = ds;
+      }
+      add_row(hs, delta, hidden);
+      tpserve::rms_norm_rows(hs, w.data_ptr<float>(), static_cast<float>(eps), xs, hidden, 0, 1);
+    };
+    if (solo) {
+      std::copy(hp, hp + hidden, hs);
+      quantize(layers[0].qkv, xin, xq_in, 0, 1);
+    } else {
+      share(B, a, b);
+      quantize(layers[0].qkv, xin, xq_x, a, b);
 #pragma omp barrier
+    }
     for (size_t li = 0; li < layers.size(); ++li) {
       const PlanLayer& l = layers[li];
       const int64_t heads = l.heads, kvh = l.kv_heads, G = heads / kvh, width = l.qkv.n;
@@ -1528,7 +1631,7 @@ at::Tensor decode_layers(const c10::intrusive_ptr<DecodeLayers>& plan, at::Tenso
       float* vc = kc + kvh * per_head * D;
       // q, k, v
       share(l.qkv.blocks, a, b);
-      linear(l, 0, l.qkv, xin, &xq_x, qkvp);
+      linear(l, 0, l.qkv, xin, &xq_in, qkvp);
 #pragma omp barrier
       if (l.q_whole_w.has_value()) {  // OLMoE: norms over the whole projections, per row
         share(B, a, b);
@@ -1538,6 +1641,8 @@ at::Tensor decode_layers(const c10::intrusive_ptr<DecodeLayers>& plan, at::Tenso
 #pragma omp barrier
       }
       // rotary, the cache write and attention, per (sequence, KV head)
+      const AttentionUnits& au = windows[window_of[li]];
+      const bool fused = solo && au.units.size() == 1;  // one row, one chunk: each thread attends what it rotated
       share(B * kvh, a, b);
       const float* qn = l.q_norm.has_value() ? l.q_norm->data_ptr<float>() : nullptr;
       const float* kn = l.k_norm.has_value() ? l.k_norm->data_ptr<float>() : nullptr;
@@ -1556,11 +1661,12 @@ at::Tensor decode_layers(const c10::intrusive_ptr<DecodeLayers>& plan, at::Tenso
         const float* v = row + (heads + kvh + kh) * D;
         std::copy(v, v + D, vc + (kh * per_head + sp[s]) * D);
       }
+      if (!fused) {
 #pragma omp barrier
+      }
       // every row's K/V is in the cache before any row attends (several rows of one sequence: speculation)
       const float* sk = l.sinks.has_value() ? l.sinks->data_ptr<float>() : nullptr;
       // units of (rows that read the same blocks and start in the same chunk, one chunk of keys), times the KV heads
-      const AttentionUnits& au = windows[window_of[li]];
       const bool single = au.single;
       const int64_t* fr = au.firsts.data();
       const int64_t* cf = au.chunk0.data();
@@ -1574,7 +1680,7 @@ at::Tensor decode_layers(const c10::intrusive_ptr<DecodeLayers>& plan, at::Tenso
       const auto quantize_head = [&](int64_t r, int64_t h) {
         if (o_quantized) tpserve::quantize_rows(attp, xq_att, r, r + 1, h * D / 32, (h + 1) * D / 32);
       };
-      for (int64_t task; (task = next_unit[li].fetch_add(1, std::memory_order_relaxed)) < total;) {
+      const auto attend = [&](int64_t task) {
         const AttentionUnit& u = au.units[task / kvh];
         const int64_t kh = task % kvh, s = u.row;
         float* part = partp + ((s * heads + kh * G) * max_chunks + (u.chunk - cf[s])) * PART;
@@ -1589,7 +1695,11 @@ at::Tensor decode_layers(const c10::intrusive_ptr<DecodeLayers>& plan, at::Tenso
                                                sk ? sk + h : nullptr, attp + (r * heads + h) * D);
               quantize_head(r, h);
             }
-      }
+      };
+      if (fused)  // unit 0 of the KV heads [a, b) this thread rotated
+        for (int64_t task = a; task < b; ++task) attend(task);
+      else
+        for (int64_t task; (task = next_unit[li].fetch_add(1, std::memory_order_relaxed)) < total;) attend(task);
       if (!single) {
 #pragma omp barrier
         share(B * heads, a, b);
@@ -1610,18 +1720,38 @@ at::Tensor decode_layers(const c10::intrusive_ptr<DecodeLayers>& plan, at::Tenso
       share(l.o.blocks, a, b);
       linear(l, 1, l.o, attp, &xq_att, obp);
 #pragma omp barrier
-      residual_norm(obp, l.attn_out_w, l.attn_out_eps, l.post_w, l.post_eps);  // the post-attention norm
-      if (l.moe) {  // an MoE feed-forward: router, routing, the grouped experts (moe_forward's phases)
+      if (solo)
+        residual_norm_solo(obp, l.attn_out_w, l.attn_out_eps, l.post_w, l.post_eps);
+      else
+        residual_norm(obp, l.attn_out_w, l.attn_out_eps, l.post_w, l.post_eps);  // the post-attention norm
+      const float* ffn_in = solo ? xs : outp;  // the feed-forward's input row(s)
+      float* ffn_out = ddp;                    // and output (solo MoE: this thread's own)
+      int64_t* counts = l.counts.has_value() ? l.counts->data_ptr<int64_t>() : nullptr;
+      if (solo_moe[li]) {
+        if (moe_rows[li]) tpserve::quantize_rows(xs, xq_in, 0, 1, 0, hidden / 32);
+        if (moe_bf16[li]) tpserve::round_rows_bf16(xs, xq_in, 0, 1);
+        moe_solo(*l.moe, moe, xs, xq_in, ds, t, T, counts);
+        ffn_out = ds;
+      } else if (l.moe) {  // an MoE feed-forward: router, routing, the grouped experts (moe_forward's phases)
+        if (solo && t == 0) std::copy(xs, xs + hidden, outp);  // (the phases read the row from outp)
 #pragma omp barrier
         if (t == 0) moe.with_shared = true;  // (where this layer has one; read after moe_route's barriers)
-        moe_route(*l.moe, moe, outp, B, t, T, l.counts.has_value() ? l.counts->data_ptr<int64_t>() : nullptr);
+        moe_route(*l.moe, moe, outp, B, t, T, counts);
         moe_run(*l.moe, moe, outp, ddp, t, T);
-        // no barrier: moe_run ends with each thread summing its own share of the rows, share(B) as below
-      } else {
-        quantize(l.gate_up, outp, xq_x, a, b);
+        // no barrier (but solo: every thread reads the row): moe_run ends with each thread summing its own share of
+        // the rows, share(B) as below
+        if (solo) {
 #pragma omp barrier
+        }
+      } else {
+        if (solo) {
+          quantize(l.gate_up, xs, xq_in, 0, 1);
+        } else {
+          quantize(l.gate_up, outp, xq_x, a, b);
+#pragma omp barrier
+        }
         share(l.gate_up.blocks, a, b);
-        linear(l, 2, l.gate_up, outp, &xq_x, gup);
+        linear(l, 2, l.gate_up, ffn_in, &xq_in, gup);
 #pragma omp barrier
         const int64_t I = l.gate_up.n / 2;
         share(B, a, b);
@@ -1632,10 +1762,20 @@ at::Tensor decode_layers(const c10::intrusive_ptr<DecodeLayers>& plan, at::Tenso
         linear(l, 3, l.down, actp, &xq_act, ddp);
 #pragma omp barrier
       }
+      if (solo) {
+        residual_norm_solo(ffn_out, l.ffn_out_w, l.ffn_out_eps, l.next_w, l.next_eps);
+        if (li + 1 < layers.size()) quantize(layers[li + 1].qkv, xs, xq_in, 0, 1);
+        xin = xs;
+        continue;
+      }
       residual_norm(ddp, l.ffn_out_w, l.ffn_out_eps, l.next_w, l.next_eps);  // the next layer's input norm (or the final)
       if (li + 1 < layers.size()) quantize(layers[li + 1].qkv, outp, xq_x, a, b);
       xin = outp;
 #pragma omp barrier
+    }
+    if (solo && t == 0) {  // (every thread's copies are the same)
+      std::copy(hs, hs + hidden, hp);
+      std::copy(xs, xs + hidden, outp);
     }
   }
   return out;
