@@ -209,6 +209,7 @@ class ModelRunner:
         if dist.device.type == "cpu":
             with phases.phase("kernels"):
                 kernels.build_kernels()  # the compiled CPU kernels: a prebuilt variant or a build for this CPU
+        trim = hugepages.LoadTrim()  # the heap's freed pages back to the OS as the load goes (see there)
         with open_checkpoint(cfg.model) as ckpt:
             asked = cfg.quantization is not None  # (the bf16 of cpu_precision keeps weights as stored: no cache)
             self.cfg = cfg = cpu_precision(cfg, ckpt, dist.device)
@@ -239,6 +240,7 @@ class ModelRunner:
                     with phases.phase("quantizing"):
                         quantize(m, loaded=False)  # right after its read: one layer at a time in the checkpoint's dtype
                     progress.advance()
+                    trim(ckpt.bytes_read)
             finally:
                 progress.close()
             self.bytes_read = ckpt.bytes_read

@@ -20,6 +20,8 @@ pages (1 to 32 sequences of 1,000-4,000 keys, Zen 4).
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import logging
 import math
 import mmap
@@ -98,24 +100,68 @@ def zeros(shapes: list[tuple[int, ...]], dtype: torch.dtype, device: torch.devic
 TRIM_EVERY = 32 << 20  # bytes moved between two malloc_trim calls
 
 
+def _glibc(name: str):
+    """glibc's function `name`, or None (another C library)."""
+    if name not in _GLIBC:
+        try:
+            _GLIBC[name] = getattr(ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6"), name)
+        except (OSError, AttributeError):
+            _GLIBC[name] = None
+    return _GLIBC[name]
+
+
+_GLIBC: dict = {}
+
+
 def _trim() -> None:
     """Give the heap's free pages back to the OS (glibc). The old copies are freed as they move, but glibc keeps
     freed chunks of up to 32 MiB in its heap, so without this the process's peak memory grew by most of the model
     (SmolLM2 float32: +380 MB)."""
-    global _malloc_trim
-    if _malloc_trim is None:
-        import ctypes
-        import ctypes.util
-
-        try:
-            _malloc_trim = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
-        except (OSError, AttributeError):  # not glibc
-            _malloc_trim = False
-    if _malloc_trim:
-        _malloc_trim(0)
+    if (malloc_trim := _glibc("malloc_trim")) is not None:
+        malloc_trim(0)
 
 
-_malloc_trim = None
+class LoadTrim:
+    """Called with the bytes read so far as a rank loads its weights: every CHECK_EVERY bytes it asks glibc how much
+    freed memory its heap holds, and gives the free pages back to the OS (malloc_trim) when that passes SLACK.
+
+    The load's temporaries (a layer's weights as read, their float32 copies, the quantizer's intermediates) are freed
+    as it goes, but the packed weights it keeps are allocated between them, and many of the holes they leave are then
+    too small for the next temporaries: the heap grows by much of what the load allocates. Where the tensors are
+    large, glibc maps each on its own and that does not happen; an MoE's experts are small, and a process that had
+    freed a large tensor before loading had raised glibc's threshold for that to 32 MiB. The 30B-A3B geometry's 12
+    layers at `-q int4`, first start (quantizing): peak 13.8 GB, and 24+ GB (killed by the OOM killer on this 24 GB
+    host) after a 235 MB tensor had been freed; with this, 5.2 and 6.3 GB, in the same time (BENCHMARKS.md section
+    37). Holding every temporary in a mapping of its own instead (mallopt's M_MMAP_THRESHOLD) bounded the peak too but
+    made that start 45 % slower: each temporary's pages faulted in anew."""
+
+    CHECK_EVERY = 256 << 20
+    SLACK = 512 << 20
+
+    def __init__(self) -> None:
+        self.checked = 0
+
+    def __call__(self, bytes_read: int) -> None:
+        if bytes_read - self.checked < self.CHECK_EVERY:
+            return
+        self.checked = bytes_read
+        free = _heap_free()
+        if free is None or free > self.SLACK:  # (without mallinfo2, trim at every check)
+            _trim()
+
+
+class _Mallinfo2(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks",
+                                                 "uordblks", "fordblks", "keepcost")]
+
+
+def _heap_free() -> int | None:
+    """Bytes glibc holds freed in its heaps (mallinfo2's fordblks, every arena), or None (no mallinfo2)."""
+    mallinfo2 = _glibc("mallinfo2")
+    if mallinfo2 is None:
+        return None
+    mallinfo2.restype = _Mallinfo2
+    return int(mallinfo2().fordblks)
 
 
 def _slots(model: torch.nn.Module) -> tuple[list[tuple[torch.nn.Module | quant.QuantizedWeight, str]],

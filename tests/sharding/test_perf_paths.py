@@ -439,6 +439,38 @@ def _mapping(addr: int) -> dict:
     return fields
 
 
+def test_load_trim_gives_back_what_a_load_leaves_in_the_heap():
+    """The pattern that grew a quantizing load's heap by most of what it allocated (sharding/cpu/hugepages.py
+    LoadTrim): once a large tensor has been freed, glibc keeps chunks of up to its size in the heap; temporaries of a
+    few MB freed between small tensors that stay then leave their pages resident. LoadTrim, at its next check, gives
+    them back; before the check, nothing is given back."""
+    import os
+
+    from sharding.cpu import hugepages
+
+    if hugepages._glibc("malloc_trim") is None or hugepages._heap_free() is None:
+        pytest.skip("needs glibc's malloc_trim and mallinfo2")
+
+    def rss() -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    torch.empty(30 << 20, dtype=torch.uint8).fill_(1)  # a large tensor freed: glibc's mmap threshold rises to 30 MiB
+    base = rss()
+    temps, kept = [], []
+    for _ in range(100):  # 600 MB of touched temporaries, a small tensor kept after each
+        temps.append(torch.ones(6 << 20, dtype=torch.uint8))
+        kept.append(torch.ones(64 << 10, dtype=torch.uint8))
+    del temps
+    trim = hugepages.LoadTrim()
+    trim(trim.CHECK_EVERY - 1)  # not yet a check
+    held = rss()
+    assert held - base > 400 << 20, "the freed temporaries stay resident (the premise)"
+    trim(trim.CHECK_EVERY)
+    assert rss() - base < 100 << 20
+    assert len(kept) == 100
+
+
 @pytest.mark.parametrize("quantization", [None, "int8"])
 def test_weights_move_into_one_huge_page_mapping(checkpoints, quantization, monkeypatch):
     """Every streamed weight (float32 blocks; quantized bytes and scales) ends up a view of one mapping that the
