@@ -131,7 +131,7 @@ class LoadTrim:
     large, glibc maps each on its own and that does not happen; an MoE's experts are small, and a process that had
     freed a large tensor before loading had raised glibc's threshold for that to 32 MiB. The 30B-A3B geometry's 12
     layers at `-q int4`, first start (quantizing): peak 13.8 GB, and 24+ GB (killed by the OOM killer on this 24 GB
-    host) after a 235 MB tensor had been freed; with this, 5.2 and 6.3 GB, in the same time (BENCHMARKS.md section
+    host) after a 235 MB tensor had been freed; with this, 5.2 and 5.8 GB, and no slower (BENCHMARKS.md section
     37). Holding every temporary in a mapping of its own instead (mallopt's M_MMAP_THRESHOLD) bounded the peak too but
     made that start 45 % slower: each temporary's pages faulted in anew."""
 
