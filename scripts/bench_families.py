@@ -22,7 +22,9 @@ weights), each round measures, in an order that rotates from round to round:
 
 - plan: tpserve's offline `LLM` (TP 1, --threads torch threads) generating --tokens greedy tokens (EOS ignored) after
   the chat prompt of scripts/bench_quant.py (22 tokens with SmolLM2's tokenizer, 21 with Qwen's); decode ms/token =
-  (wall - time to first token) / (tokens - 1), as bench_quant.py measures it. Also reported: whether the decode
+  (wall - time to first token) / (tokens - 1), as bench_quant.py measures it. Also reported: the worker's memory in
+  huge pages after the decode (its kernel probe's left out; a host short of free 2 MiB blocks gives the weights
+  fewer, and they read slower: see --compact), and whether the decode
   steps ran on the CPU decode plan (the model's `_plan` is a sharding.cpu.decode_plan.DecodePlan) and whether that
   plan is the one compiled call per step (`_plan.compiled` is not None; MoE layers keep their feed-forward as a module,
   so an MoE model runs the plan's per-layer loop).
@@ -132,6 +134,7 @@ def worker(args) -> int:
     from sharding.cpu.decode_plan import DecodePlan
 
     probe = KernelProbe(args.threads)
+    probe_huge = huge_pages_gb()
     t0 = time.perf_counter()
     dtype, q = ("float32", None) if args.precision == "float32" else ("float32", args.precision)
     e = Tpserve(args.model, dtype, q)  # (its constructor generates 4 tokens: the warm-up, and the plan is built)
@@ -154,9 +157,18 @@ def worker(args) -> int:
         res.update(step_bytes(e.llm, len(e.ids) + args.tokens / 2))
     with open("/proc/self/status") as f:
         res["peak_rss_gb"] = next(int(line.split()[1]) for line in f if line.startswith("VmHWM")) / 1e6
+    # the model's memory in transparent huge pages (the probe's own left out): a host whose free memory is short of
+    # 2 MiB blocks (a page cache of many checkpoints) may give the weights fewer, and the step reads slower (--compact)
+    res["huge_gb"] = huge_pages_gb() - probe_huge
     e.close()
     print(RESULT + json.dumps(res), flush=True)
     return 0
+
+
+def huge_pages_gb() -> float:
+    """This process's anonymous memory in transparent huge pages, GB."""
+    with open("/proc/self/smaps_rollup") as f:
+        return next((int(line.split()[1]) for line in f if line.startswith("AnonHugePages")), 0) / 1e6
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -438,6 +450,7 @@ def main(argv: list[str] | None = None) -> int:
                 row[f"{mode}_ms"] = res["ms"]
                 row[f"{mode}_load_s"] = res["load_s"]
                 row[f"{mode}_peak_rss_gb"] = res["peak_rss_gb"]
+                row[f"{mode}_huge_gb"] = res["huge_gb"]
                 if mode == "plan":
                     row.update(on_plan=res["on_plan"], one_call=res["one_call"], plan_state=res["plan_state"],
                                **{k: v for k, v in res.items() if k.endswith("_bytes")})
@@ -461,7 +474,7 @@ def main(argv: list[str] | None = None) -> int:
             row["plan_over_floor"] = row["plan_ms"] / row["floor_ms"]
             rows.append(row)
             where = (f"{'on plan' if row['on_plan'] else 'NOT on plan'}, "
-                     f"{'one call' if row['one_call'] else 'per layer'}")
+                     f"{'one call' if row['one_call'] else 'per layer'}, {row['plan_huge_gb']:.1f} GB in huge pages")
             print(f"[round {r}] {row['name']:<14} {precision:<7} plan {row['plan_ms']:7.2f} ({where})"
                   f" | modules {row['modules_ms']:7.2f} | llama.cpp {fmt(row['llama_ms'], '7.2f')} | modules/plan "
                   f"{row['modules_over_plan']:.2f}x llama/plan {fmt(row['llama_over_plan'], '.2f')}x | "
