@@ -938,6 +938,13 @@ bool takes_bf16(const PlanLinear& l) {
   return l.kind == 3 && tpserve::bf16_dot_layout();
 }
 
+// rows [r0, r1) of linear l's input src (l.k floats a row) into the copy l multiplies: int8 (takes_rows) or bfloat16
+// (takes_bf16); nothing for a linear that takes float32
+void copy_input(const PlanLinear& l, const float* src, tpserve::Int8Rows& rows, int64_t r0, int64_t r1) {
+  if (takes_rows(l)) tpserve::quantize_rows(src, rows, r0, r1, 0, l.k / 32);
+  if (takes_bf16(l)) tpserve::round_rows_bf16(src, rows, r0, r1);
+}
+
 // y[:, output blocks b0..b1) of linear l over the M rows of x (xq: x quantized, see takes_rows)
 void linear_range(const PlanLinear& l, const float* x, const tpserve::Int8Rows* xq, int64_t M, float* y, int64_t b0,
                   int64_t b1) {
@@ -1158,8 +1165,7 @@ void moe_run(const MoeExperts& p, MoeScratch& s, const float* x, float* out, int
   const auto quantize = [&](const PlanLinear& lin, const float* src, int64_t width, int64_t a,
                             tpserve::Int8Rows& rows) {
     const int64_t e = s.active[a], s0 = s.start[e], c = s.start[e + 1] - s0;
-    if (takes_rows(lin)) tpserve::quantize_rows(src + s0 * width, rows, 0, c, 0, width / 32);
-    if (takes_bf16(lin)) tpserve::round_rows_bf16(src + s0 * width, rows, 0, c);
+    copy_input(lin, src + s0 * width, rows, 0, c);
   };
   int64_t lo, hi;
   if (P > 0) {
@@ -1201,8 +1207,7 @@ void moe_run(const MoeExperts& p, MoeScratch& s, const float* x, float* out, int
     float *sgup = s.sgu.data_ptr<float>(), *sactp = s.sact.data_ptr<float>();
     syp = s.sy.data_ptr<float>();
     share(M, lo, hi);
-    if (takes_rows(sgu)) tpserve::quantize_rows(x, s.sxq, lo, hi, 0, H / 32);
-    if (takes_bf16(sgu)) tpserve::round_rows_bf16(x, s.sxq, lo, hi);
+    copy_input(sgu, x, s.sxq, lo, hi);
 #pragma omp barrier
     share(sgu.blocks, lo, hi);
     linear_range(sgu, x, &s.sxq, M, sgup, lo, hi);
@@ -1210,8 +1215,7 @@ void moe_run(const MoeExperts& p, MoeScratch& s, const float* x, float* out, int
 #pragma omp barrier
     share(M, lo, hi);
     for (int64_t m = lo; m < hi; ++m) silu_mul_row(sgup + m * 2 * Is, sgup + m * 2 * Is + Is, sactp + m * Is, Is);
-    if (takes_rows(sdn)) tpserve::quantize_rows(sactp, s.saq, lo, hi, 0, Is / 32);
-    if (takes_bf16(sdn)) tpserve::round_rows_bf16(sactp, s.saq, lo, hi);
+    copy_input(sdn, sactp, s.saq, lo, hi);
 #pragma omp barrier
     share(sdn.blocks, lo, hi);
     linear_range(sdn, sactp, &s.saq, M, syp, lo, hi);
@@ -1272,15 +1276,10 @@ void moe_solo(const MoeExperts& p, MoeScratch& s, const float* x, const tpserve:
       clamped_swiglu_row(g, g + I, act, I, p.alpha, p.limit);
     else
       silu_mul_row(g, g + I, act, I);
-    tpserve::Int8Rows& aq = s.aq[a];
-    if (takes_rows(dn)) {  // (no allocation after the first step: the sizes stay)
-      tpserve::resize_rows(aq, 1, I);
-      tpserve::quantize_rows(act, aq, 0, 1, 0, I / 32);
-    }
-    if (takes_bf16(dn)) {
-      tpserve::resize_bf16_rows(aq, 1, I);
-      tpserve::round_rows_bf16(act, aq, 0, 1);
-    }
+    tpserve::Int8Rows& aq = s.aq[a];  // (sized once: no allocation after the first step)
+    if (takes_rows(dn)) tpserve::resize_rows(aq, 1, I);
+    if (takes_bf16(dn)) tpserve::resize_bf16_rows(aq, 1, I);
+    copy_input(dn, act, aq, 0, 1);
     linear_range(dn, act, &aq, 1, yp + a * H, 0, dn.blocks);
   }
 #pragma omp barrier
@@ -1584,12 +1583,8 @@ at::Tensor decode_layers(const c10::intrusive_ptr<DecodeLayers>& plan, at::Tenso
         lora_expand(l.lora[which], groups, lora_parts.data(), T, B, lstride, lora_u[t].data(), y, lin.n, c0, c1);
       }
     };
-    const auto quantize = [&](const PlanLinear& l, const float* src, tpserve::Int8Rows& rows, int64_t r0, int64_t r1) {
-      if (takes_rows(l)) tpserve::quantize_rows(src, rows, r0, r1, 0, l.k / 32);
-      if (takes_bf16(l)) tpserve::round_rows_bf16(src, rows, r0, r1);
-    };
     // h += delta (first normed in place by `pre`, where the layer has that norm) and out = rms_norm(h), over this
-    // thread's rows (which stay a, b for the quantize after it)
+    // thread's rows (which stay a, b for the input copy after it)
     const auto residual_norm = [&](float* delta, const std::optional<at::Tensor>& pre, double pre_eps,
                                    const at::Tensor& w, double eps) {
       share(B, a, b);
@@ -1617,10 +1612,10 @@ at::Tensor decode_layers(const c10::intrusive_ptr<DecodeLayers>& plan, at::Tenso
     };
     if (solo) {
       std::copy(hp, hp + hidden, hs);
-      quantize(layers[0].qkv, xin, xq_in, 0, 1);
+      copy_input(layers[0].qkv, xin, xq_in, 0, 1);
     } else {
       share(B, a, b);
-      quantize(layers[0].qkv, xin, xq_x, a, b);
+      copy_input(layers[0].qkv, xin, xq_x, a, b);
 #pragma omp barrier
     }
     for (size_t li = 0; li < layers.size(); ++li) {
@@ -1714,7 +1709,7 @@ at::Tensor decode_layers(const c10::intrusive_ptr<DecodeLayers>& plan, at::Tenso
 #pragma omp barrier
       if (!o_quantized && (takes_rows(l.o) || takes_bf16(l.o))) {
         share(B, a, b);
-        quantize(l.o, attp, xq_att, a, b);
+        copy_input(l.o, attp, xq_att, a, b);
 #pragma omp barrier
       }
       share(l.o.blocks, a, b);
@@ -1745,9 +1740,9 @@ at::Tensor decode_layers(const c10::intrusive_ptr<DecodeLayers>& plan, at::Tenso
         }
       } else {
         if (solo) {
-          quantize(l.gate_up, xs, xq_in, 0, 1);
+          copy_input(l.gate_up, xs, xq_in, 0, 1);
         } else {
-          quantize(l.gate_up, outp, xq_x, a, b);
+          copy_input(l.gate_up, outp, xq_x, a, b);
 #pragma omp barrier
         }
         share(l.gate_up.blocks, a, b);
@@ -1756,7 +1751,7 @@ at::Tensor decode_layers(const c10::intrusive_ptr<DecodeLayers>& plan, at::Tenso
         const int64_t I = l.gate_up.n / 2;
         share(B, a, b);
         for (int64_t r = a; r < b; ++r) act_mul_row(l.act, gup + r * 2 * I, gup + r * 2 * I + I, actp + r * I, I);
-        quantize(l.down, actp, xq_act, a, b);
+        copy_input(l.down, actp, xq_act, a, b);
 #pragma omp barrier
         share(l.down.blocks, a, b);
         linear(l, 3, l.down, actp, &xq_act, ddp);
@@ -1764,12 +1759,12 @@ at::Tensor decode_layers(const c10::intrusive_ptr<DecodeLayers>& plan, at::Tenso
       }
       if (solo) {
         residual_norm_solo(ffn_out, l.ffn_out_w, l.ffn_out_eps, l.next_w, l.next_eps);
-        if (li + 1 < layers.size()) quantize(layers[li + 1].qkv, xs, xq_in, 0, 1);
+        if (li + 1 < layers.size()) copy_input(layers[li + 1].qkv, xs, xq_in, 0, 1);
         xin = xs;
         continue;
       }
       residual_norm(ddp, l.ffn_out_w, l.ffn_out_eps, l.next_w, l.next_eps);  // the next layer's input norm (or the final)
-      if (li + 1 < layers.size()) quantize(layers[li + 1].qkv, outp, xq_x, a, b);
+      if (li + 1 < layers.size()) copy_input(layers[li + 1].qkv, outp, xq_x, a, b);
       xin = outp;
 #pragma omp barrier
     }
