@@ -47,7 +47,7 @@ SOURCES = CORE_SOURCES + ("paged_attention.cpp", "quant_linear.cpp", "rms_norm.c
                           "f32_linear.cpp", "step_meta.cpp", "build_info.cpp")
 # included by the sources (the arch/ ones by core/ for the build's ISA): part of a build's hash, and of the wheel
 # (pyproject.toml's package-data); tests/sharding/test_kernel_harness.py checks that this lists every header
-HEADERS = ("tpserve_kernels.h", "core/kernels.h", "core/portable_quant.h", "core/portable_f32.h",
+HEADERS = ("tpserve_kernels.h", "team_split.h", "core/kernels.h", "core/portable_quant.h", "core/portable_f32.h",
            "arch/x86/quant_avx512.h", "arch/x86/quant_avx2.h", "arch/x86/kquant_avx512.h", "arch/x86/kquant_avx2.h",
            "arch/x86/avx2_rows16.h", "arch/x86/vnni_bcst.h", "arch/x86/prefetch.h",
            "arch/x86/f32.h", "arch/x86/argmax.h", "arch/x86/amx_tiles.h",

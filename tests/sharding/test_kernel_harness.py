@@ -74,7 +74,8 @@ def _how(name: str) -> tuple[list[str], list[str], str | None]:
 
 def build_harness(name: str, out: Path) -> Path:
     """Compile core/*.cpp as the variant's build does (variants.py's flags, less torch and -fPIC) and the harness
-    (no -ffast-math, no contraction: its reference is plain arithmetic), then link them."""
+    (no -ffast-math, no contraction: its reference is plain arithmetic; OpenMP for its team of `shares` cases), then
+    link them."""
     cmd, _, why = _how(name)
     assert why is None, why
     cxx, link_extra = cmd[0], cmd[1:]
@@ -82,8 +83,8 @@ def build_harness(name: str, out: Path) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     jobs = [([cxx, "-std=c++20", *cv.COMMON_CFLAGS, *v.march, "-c", str(CSRC / s), "-o",
               str(out / (Path(s).stem + ".o"))]) for s in cv.CORE_SOURCES]
-    jobs.append([cxx, "-std=c++20", "-O2", "-ffp-contract=off", *v.march, "-c", str(CSRC / cv.HARNESS), "-o",
-                 str(out / "harness.o")])
+    jobs.append([cxx, "-std=c++20", "-O2", "-ffp-contract=off", "-fopenmp", *v.march, "-c", str(CSRC / cv.HARNESS),
+                 "-o", str(out / "harness.o")])
 
     def run(c):
         return subprocess.run(c, capture_output=True, text=True, timeout=COMPILE_TIMEOUT)
@@ -150,7 +151,10 @@ def test_every_kernel_of_the_build_matches_the_reference(name, tmp_root):
     assert re.search(r": (\d+) cases, 0 failed$", summary) and len(cases) == int(summary.split()[-4]) > 400
     kernels = collections.Counter(c.split()[0] for c in cases)
     assert set(kernels) == {"quantize_rows", "int8", "int4", "bf16", "f32", "rms_norm", "rotary", "attention",
-                            "attention_rows", "argmax", "kq"}
+                            "attention_rows", "argmax", "kq", "shares"}
+    # a late thread's share is taken by the others, and every output block is claimed once, on a team of 2-4
+    assert all(c.startswith(("shares T=2", "shares T=3", "shares T=4")) and "smaller" not in c and cases[c][0]
+               for c in cases if c.startswith("shares")) and kernels["shares"] == 36
     # the int8 / int4 linears over int8 activations, and the float32 one on builds with FMAs, are exact; so are the
     # GGUF block types' (int8 activations on every build), all eight of them (MXFP4 and Q4_Z included)
     exact = {c.split()[0] for c, (_, scheme, ex, _) in cases.items() if ex}

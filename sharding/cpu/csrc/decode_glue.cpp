@@ -21,6 +21,7 @@
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
+#include "team_split.h"
 #include "tpserve_kernels.h"
 
 #include <algorithm>
@@ -403,6 +404,15 @@ PlanLinear make_mixed_linear(const std::vector<int64_t>& kinds, const std::vecto
     TORCH_CHECK(l.bias->scalar_type() == at::kFloat && l.bias->numel() == l.n && l.bias->is_contiguous(),
                 "add_mixed_linear: float32 bias [n]");
   return l;
+}
+
+// the bytes of weights (and scales) in one output block of a linear
+int64_t block_bytes(const PlanLinear& l) {
+  if (l.blocks == 0) return 1;
+  int64_t bytes = 0;
+  for (const PlanLinear& p : l.parts) bytes += p.w.nbytes() + (p.scale.defined() ? p.scale.nbytes() : 0);
+  if (l.w.defined()) bytes += l.w.nbytes() + (l.scale.defined() ? l.scale.nbytes() : 0);
+  return std::max<int64_t>(1, bytes / l.blocks);
 }
 
 // ---- the grouped experts of an MoE layer (sharding/layers/moe.py) ---------------------------------------------------
@@ -1244,10 +1254,12 @@ void moe_run(const MoeExperts& p, MoeScratch& s, const float* x, float* out, int
 // A one-row step's MoE feed-forward inside decode_layers' team (its `solo` form), where every expert is this plan's
 // (decode_layers runs at TP 1) and the row's k experts split evenly over the team (moe_solo_fits): the router over this
 // thread's share of its blocks, a barrier, then every thread routes the row itself (route_row: the same bits in each)
-// and runs whole experts of its own through gate/up -> activation -> down, with no barrier between; a barrier, and
-// every thread sums the k outputs, in expert order as moe_run does, into its own `out`. Against moe_route + moe_run at
-// one row, five barriers fewer and no phase on one thread while the others wait (routing, the sum). x: the row; xq:
-// its int8 / bfloat16 copy, as the experts' gate/up take it (every expert's, the same row).
+// and runs whole experts through gate/up -> activation -> down, with no barrier between (its own k / T first, then
+// those the others have not reached, by `experts`: team_split.h's Shares over the k, in claims of at least 128 KB of
+// weights); a barrier, and every thread sums the k outputs, in expert order as moe_run does, into its own `out`.
+// Against moe_route + moe_run at one row, five barriers fewer and no phase on one thread while the others wait
+// (routing, the sum). x: the row; xq: its int8 / bfloat16 copy, as the experts' gate/up take it (every expert's, the
+// same row).
 constexpr int64_t SOLO_MAX_K = 32;
 bool moe_solo_fits(const MoeExperts& p, int T) {
   return p.router.has_value() && !p.shared_gate_up.has_value() && p.size() == p.router->n && p.index.front() == 0 &&
@@ -1255,7 +1267,7 @@ bool moe_solo_fits(const MoeExperts& p, int T) {
 }
 
 void moe_solo(const MoeExperts& p, MoeScratch& s, const float* x, const tpserve::Int8Rows& xq, float* out, int t,
-              int T, int64_t* counts) {
+              int T, int64_t* counts, const tpserve::Shares& experts) {
   const PlanLinear& r = *p.router;
   const int64_t H = p.hidden(), I = p.inter(), k = p.top_k;
   linear_range(r, x, nullptr, 1, s.logits.data(), r.blocks * t / T, r.blocks * (t + 1) / T);
@@ -1268,20 +1280,22 @@ void moe_solo(const MoeExperts& p, MoeScratch& s, const float* x, const tpserve:
   for (int64_t j = 0; j < k; ++j) order[j] = j;
   std::sort(order, order + k, [&](int64_t i, int64_t j) { return ids[i] < ids[j]; });  // (k distinct experts)
   float *gup = s.gu.data_ptr<float>(), *actp = s.act.data_ptr<float>(), *yp = s.y.data_ptr<float>();
-  for (int64_t a = k * t / T; a < k * (t + 1) / T; ++a) {  // (every expert local: its id is its index)
-    const PlanLinear &gu = p.gate_up[ids[order[a]]], &dn = p.down[ids[order[a]]];
-    float *g = gup + a * 2 * I, *act = actp + a * I;
-    linear_range(gu, x, &xq, 1, g, 0, gu.blocks);
-    if (p.act == 1)
-      clamped_swiglu_row(g, g + I, act, I, p.alpha, p.limit);
-    else
-      silu_mul_row(g, g + I, act, I);
-    tpserve::Int8Rows& aq = s.aq[a];  // (sized once: no allocation after the first step)
-    if (takes_rows(dn)) tpserve::resize_rows(aq, 1, I);
-    if (takes_bf16(dn)) tpserve::resize_bf16_rows(aq, 1, I);
-    copy_input(dn, act, aq, 0, 1);
-    linear_range(dn, act, &aq, 1, yp + a * H, 0, dn.blocks);
-  }
+  experts.run(t, [&](int64_t a0, int64_t a1) {
+    for (int64_t a = a0; a < a1; ++a) {  // (every expert local: its id is its index)
+      const PlanLinear &gu = p.gate_up[ids[order[a]]], &dn = p.down[ids[order[a]]];
+      float *g = gup + a * 2 * I, *act = actp + a * I;
+      linear_range(gu, x, &xq, 1, g, 0, gu.blocks);
+      if (p.act == 1)
+        clamped_swiglu_row(g, g + I, act, I, p.alpha, p.limit);
+      else
+        silu_mul_row(g, g + I, act, I);
+      tpserve::Int8Rows& aq = s.aq[a];  // (sized once: no allocation after the first step)
+      if (takes_rows(dn)) tpserve::resize_rows(aq, 1, I);
+      if (takes_bf16(dn)) tpserve::resize_bf16_rows(aq, 1, I);
+      copy_input(dn, act, aq, 0, 1);
+      linear_range(dn, act, &aq, 1, yp + a * H, 0, dn.blocks);
+    }
+  });
 #pragma omp barrier
   std::fill(out, out + H, 0.f);
   for (int64_t a = 0; a < k; ++a) {
@@ -1559,6 +1573,21 @@ at::Tensor decode_layers(const c10::intrusive_ptr<DecodeLayers>& plan, at::Tenso
     tpserve::resize_bf16_rows(solo_q[i], 1, hidden);
   }
 
+  // every dense linear's output blocks: each thread its own share first, then what the others have not reached
+  // (team_split.h); one Shares per layer and linear (q/k/v, o, gate/up, down), set before the team starts
+  std::unique_ptr<tpserve::ShareSlot[]> share_slots(new tpserve::ShareSlot[layers.size() * 4 * nt]);
+  std::vector<tpserve::Shares> shares(layers.size() * 4);
+  for (size_t li = 0; li < layers.size(); ++li) {
+    const PlanLinear* lins[4] = {&layers[li].qkv, &layers[li].o, &layers[li].gate_up, &layers[li].down};
+    for (int w = 0; w < 4; ++w)
+      shares[li * 4 + w].reset(share_slots.get() + (li * 4 + w) * nt, lins[w]->blocks, nt,
+                               tpserve::Shares::chunk_for(block_bytes(*lins[w])));
+    if (solo_moe[li]) {  // (an MoE layer has no gate/up of its own: that Shares holds moe_solo's k experts)
+      const MoeExperts& m = *layers[li].moe;
+      const int64_t expert = block_bytes(m.gate_up[0]) * m.gate_up[0].blocks + block_bytes(m.down[0]) * m.down[0].blocks;
+      shares[li * 4 + 2].reset(share_slots.get() + (li * 4 + 2) * nt, m.top_k, nt, tpserve::Shares::chunk_for(expert));
+    }
+  }
 #pragma omp parallel num_threads(nt)
   {
     const float* xin = x0;  // this layer's input: x, then the previous layer's output
@@ -1568,20 +1597,22 @@ at::Tensor decode_layers(const c10::intrusive_ptr<DecodeLayers>& plan, at::Tenso
       b = n * (t + 1) / T;
     };
     int64_t a, b, c0, c1;
-    // linear `which` of layer l over this thread's output blocks [a, b): the base product, then the adapters' deltas
-    // (their shrink first, over this thread's share of the inputs, and a barrier: the expand needs every share)
+    // linear `which` of layer l: without adapters, the output blocks this thread claims (its own share [a, b) first,
+    // then what the others have not reached: team_split.h); with them, its share [a, b): the base product, then the
+    // adapters' deltas over those blocks' columns (their shrink first, over this thread's share of the inputs, and a
+    // barrier: the expand needs every share)
     const auto linear = [&](const PlanLayer& l, int which, const PlanLinear& lin, const float* in,
                             const tpserve::Int8Rows* inq, float* y) {
-      const bool adapted = groups.size() > 0 && !l.lora[which].empty();
-      if (adapted) {
-        lora_shrink(l.lora[which], groups, in, lin.k, t, T, lora_parts.data() + t * B * lstride, lstride);
+      if (groups.size() == 0 || l.lora[which].empty()) {
+        shares[(&l - layers.data()) * 4 + which].run(
+            t, [&](int64_t b0, int64_t b1) { linear_range(lin, in, inq, B, y, b0, b1); });
+        return;
+      }
+      lora_shrink(l.lora[which], groups, in, lin.k, t, T, lora_parts.data() + t * B * lstride, lstride);
 #pragma omp barrier
-      }
       linear_range(lin, in, inq, B, y, a, b);
-      if (adapted) {
-        block_columns(lin, a, b, c0, c1);
-        lora_expand(l.lora[which], groups, lora_parts.data(), T, B, lstride, lora_u[t].data(), y, lin.n, c0, c1);
-      }
+      block_columns(lin, a, b, c0, c1);
+      lora_expand(l.lora[which], groups, lora_parts.data(), T, B, lstride, lora_u[t].data(), y, lin.n, c0, c1);
     };
     // h += delta (first normed in place by `pre`, where the layer has that norm) and out = rms_norm(h), over this
     // thread's rows (which stay a, b for the input copy after it)
@@ -1725,7 +1756,7 @@ at::Tensor decode_layers(const c10::intrusive_ptr<DecodeLayers>& plan, at::Tenso
       if (solo_moe[li]) {
         if (moe_rows[li]) tpserve::quantize_rows(xs, xq_in, 0, 1, 0, hidden / 32);
         if (moe_bf16[li]) tpserve::round_rows_bf16(xs, xq_in, 0, 1);
-        moe_solo(*l.moe, moe, xs, xq_in, ds, t, T, counts);
+        moe_solo(*l.moe, moe, xs, xq_in, ds, t, T, counts, shares[li * 4 + 2]);
         ffn_out = ds;
       } else if (l.moe) {  // an MoE feed-forward: router, routing, the grouped experts (moe_forward's phases)
         if (solo && t == 0) std::copy(xs, xs + hidden, outp);  // (the phases read the row from outp)

@@ -11,6 +11,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "team_split.h"
 #include "tpserve_kernels.h"
 
 #include <cstdint>
@@ -40,7 +41,8 @@ at::Tensor f32_linear(const at::Tensor& x, const at::Tensor& w, const std::optio
   const float* wp = w.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   // one block is K * 128 bytes of weights: a split per block keeps 2 threads even on the smallest linears
-  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) { f32_range(xp, M, K, wp, bp, N, yp, b0, b1); });
+  shared_for(blocks, 1, Shares::chunk_for(K * BW * 4), at::get_num_threads(),
+             [&](int64_t b0, int64_t b1) { f32_range(xp, M, K, wp, bp, N, yp, b0, b1); });
   return y;
 }
 

@@ -5,12 +5,14 @@
 //   bf16_linear(x, w, N)                                         W[n,k] = w[n,k], a bfloat16
 //
 // The kernels, their two layouts of w and the activations they multiply: core/quant_linear.cpp (torch-free). Here:
-// checks, the activations quantized once per call, and the output blocks split over torch's intra-op threads.
+// checks, the activations quantized once per call, and the output blocks split over torch's intra-op threads (each
+// its own share first, then what the others have not reached: team_split.h).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "team_split.h"
 #include "tpserve_kernels.h"
 
 #include <algorithm>
@@ -27,8 +29,7 @@ void quantize_all(const float* x, Int8Rows& xq, int64_t M, int64_t K) {
   });
 }
 
-// The ops: output blocks split over torch's intra-op threads, ~64 output rows per task at least (an even split on few
-// cores without fine-grained scheduling).
+// The ops: output blocks shared over torch's intra-op threads, ~64 output rows per thread at least (team_split.h).
 constexpr int64_t GRAIN = 16;  // blocks of 4 rows
 const int64_t INT_GRAIN = 64 / int_rows();  // blocks of the int8 / int4 layout
 
@@ -51,7 +52,8 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
   float* yp = y.data_ptr<float>();
   Int8Rows xq;
   quantize_all(xp, xq, M, K);
-  at::parallel_for(0, blocks, INT_GRAIN, [&](int64_t b0, int64_t b1) {
+  shared_for(blocks, INT_GRAIN, Shares::chunk_for(w.size(1) + scale.size(1) * RB * 2), at::get_num_threads(),
+             [&](int64_t b0, int64_t b1) {
     int8_range(xp, &xq, M, K, wp, sp, nullptr, N, yp, b0, b1);
   });
   return y;
@@ -76,7 +78,8 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
   float* yp = y.data_ptr<float>();
   Int8Rows xq;
   quantize_all(xp, xq, M, K);
-  at::parallel_for(0, blocks, INT_GRAIN, [&](int64_t b0, int64_t b1) {
+  shared_for(blocks, INT_GRAIN, Shares::chunk_for(w.size(1) + scale.size(1) * RB * 2), at::get_num_threads(),
+             [&](int64_t b0, int64_t b1) {
     int4_range(xp, &xq, M, K, wp, sp, G, nullptr, N, yp, b0, b1);
   });
   return y;
@@ -102,7 +105,7 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& w, int64_t N) {
       round_rows_bf16(xp, xq, m0, m1);
     });
   }
-  at::parallel_for(0, blocks, 64 / RB, [&](int64_t b0, int64_t b1) {
+  shared_for(blocks, 64 / RB, Shares::chunk_for(w.size(1)), at::get_num_threads(), [&](int64_t b0, int64_t b1) {
     bf16_range(xp, &xq, M, K, wp, nullptr, N, yp, b0, b1);
   });
   return y;
@@ -130,7 +133,7 @@ at::Tensor kq_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
   });
   const uint8_t* wp = w.data_ptr<uint8_t>();
   const uint8_t* sp = s.data_ptr<uint8_t>();
-  at::parallel_for(0, blocks, 4, [&](int64_t b0, int64_t b1) {
+  shared_for(blocks, 4, Shares::chunk_for(w.size(1) + s.size(1)), at::get_num_threads(), [&](int64_t b0, int64_t b1) {
     kq_range(type, &xq, M, K, wp, sp, nullptr, N, yp, b0, b1);
   });
   return y;

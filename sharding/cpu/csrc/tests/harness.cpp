@@ -11,14 +11,17 @@
 // activations on every build); the float32 linear on builds with FMA; rotary); the others are held to a tolerance (the
 // kernels sum in another order, with -ffast-math). `hash` is an FNV-1a hash of the output's bits: the same exact case
 // must hash the same on every build of the same scheme, x86 or ARM (the Python driver compares them).
+// `shares` cases check how the linears' output blocks are claimed by a team (team_split.h), not a kernel.
 //
 // The inputs come from a fixed-seed generator of integers (splitmix64), turned into floats by exact operations, so
 // every build, on every architecture, sees the same inputs. This file is compiled without -ffast-math and with
 // -ffp-contract=off: the reference means what it says.
 
 #include "../core/kernels.h"
+#include "../team_split.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cinttypes>
 #include <cmath>
 #include <cstdint>
@@ -718,6 +721,41 @@ void check_argmax(Rng& g, int64_t V, int where, bool nan) {
 
 }  // namespace
 
+// ---- Shares (team_split.h): how the linears' output blocks are shared over a team -----------------------------------
+// A team of T threads claims n items. The last thread starts only once every other thread has returned, so the others
+// must have taken its whole share. Every item must be claimed exactly once. The result per item is its claim count,
+// plus 10 where the late thread claimed it.
+void check_shares(int T, int64_t n, int64_t chunk) {
+  std::vector<std::atomic<int>> hits(n);
+  std::vector<int> late_hit(n, 0);
+  std::vector<tpserve::ShareSlot> slots(T);
+  tpserve::Shares shares;
+  shares.reset(slots.data(), n, T, chunk);
+  std::atomic<int> returned{0};
+  int team = 0;
+#pragma omp parallel num_threads(T)
+  {
+    const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+    const bool late = nt > 1 && t == nt - 1;
+    if (t == 0) team = nt;
+    while (late && returned.load() < nt - 1) {
+    }
+    shares.run(t, [&](int64_t b0, int64_t b1) {
+      for (int64_t i = b0; i < b1; ++i) {
+        hits[i].fetch_add(1);
+        if (late) late_hit[i] = 1;
+      }
+    });
+    returned.fetch_add(1);
+  }
+  std::vector<float> got(n);
+  for (int64_t i = 0; i < n; ++i) got[i] = static_cast<float>(hits[i].load() + 10 * late_hit[i]);
+  char name[96];
+  std::snprintf(name, sizeof name, "shares T=%d n=%" PRId64 " chunk=%" PRId64 "%s", T, n, chunk,
+                team == T ? "" : " (a smaller team)");
+  report(name, "claims", true, got, std::vector<double>(n, 1.0), std::vector<double>(n, 1.0), 0.);
+}
+
 int main(int argc, char** argv) {
   Rng g{argc > 1 ? std::strtoull(argv[1], nullptr, 10) : 20240601ull};
   const int64_t Ms[] = {1, 2, 3, 5, 9, 17};
@@ -772,6 +810,9 @@ int main(int argc, char** argv) {
   for (int64_t V : {1, 2, 7, 16, 17, 1000, 1001})
     for (int where : {0, 1, 2})
       for (bool nan : {false, true}) check_argmax(g, V, where, nan);
+  for (int T : {2, 3, 4})
+    for (int64_t n : {1, 7, 100, 1000})
+      for (int64_t chunk : {1, 3, 64}) check_shares(T, n, chunk);
   // GGUF block types (last: the cases above keep their inputs): K of 1 and 3 blocks of 256, and 3 blocks of 32 for
   // the types of 32
   for (const KqType& t : KQ_TYPES)
