@@ -1573,8 +1573,8 @@ at::Tensor decode_layers(const c10::intrusive_ptr<DecodeLayers>& plan, at::Tenso
     tpserve::resize_bf16_rows(solo_q[i], 1, hidden);
   }
 
-  // every dense linear's output blocks: each thread its own share first, then what the others have not reached
-  // (team_split.h); one Shares per layer and linear (q/k/v, o, gate/up, down), set before the team starts
+  // every linear's output blocks (and moe_solo's experts): each thread its own share first, then what the others have
+  // not reached (team_split.h); one Shares per layer and linear (q/k/v, o, gate/up, down), set before the team starts
   std::unique_ptr<tpserve::ShareSlot[]> share_slots(new tpserve::ShareSlot[layers.size() * 4 * nt]);
   std::vector<tpserve::Shares> shares(layers.size() * 4);
   for (size_t li = 0; li < layers.size(); ++li) {
