@@ -468,7 +468,7 @@ def test_load_trim_gives_back_what_a_load_leaves_in_the_heap():
     assert held - base > 400 << 20, "the freed temporaries stay resident (the premise)"
     trim(trim.CHECK_EVERY)
     assert rss() - base < 100 << 20
-    assert len(kept) == 100
+    del kept  # (the small tensors stay allocated between the temporaries' holes until here, as a load's weights do)
 
 
 @pytest.mark.parametrize("quantization", [None, "int8"])
