@@ -4,7 +4,8 @@ layer's linears with a few compiled ops between them (sharding/cpu/csrc/decode_g
 the module calls around them: the same arithmetic, without the per-op dispatch that dominated everything but the linears
 at batch 1. At TP=1 the layers run as one compiled call instead (decode_layers: one OpenMP team through every phase of
 every layer; see `compile_layers`), bitwise the same (LoRA adapter rows: within float32 rounding, their deltas summed in
-another order).
+another order). Where the model declares its embedding and LM head plain (`add_ends`), that call runs the whole step,
+from token ids to logits (`DecodePlan.step`).
 
 Which layers qualify, and what each adds to Llama's layer, is declared by the model's classes (sharding/models/),
 never detected from its forward: `PlanLayer.on_decode_plan`; per-head q/k RMSNorms (Qwen 3,
@@ -29,7 +30,7 @@ import torch
 
 from sharding.cpu import hugepages, kernels
 from sharding.layers.attention import AttentionMetadata, GroupedHeads, PagedKVCache
-from sharding.layers.linear import ColumnParallelLinear, RMSNorm, RowParallelLinear
+from sharding.layers.linear import ColumnParallelLinear, ParallelLMHead, RMSNorm, RowParallelLinear
 from sharding.layers.moe import SparseMoe
 
 logger = logging.getLogger(__name__)
@@ -150,8 +151,13 @@ class DecodePlan:
     layers: list[FastLayer]
     head_dim: int
     world_size: int  # of the TP group: the one compiled call only at 1
+    # the model's embedding table and LM head, where it declares them plain (sharding/models/llama.py
+    # LlamaForCausalLM.plan_ends): the compiled call
+    # then runs the whole step, from token ids to logits (`step`)
+    ends: tuple[torch.Tensor, ParallelLMHead] | None = None
     compiled: torch.ScriptObject | None = None  # a torch.classes.tpserve.DecodeLayers: every layer in one call
     run: kernels.Op | None = None  # torch.ops.tpserve.decode_layers
+    run_step: kernels.Op | None = None  # torch.ops.tpserve.decode_step, where `compiled` holds the ends
     pool: torch.Tensor | None = None  # the first layer's cache pool when `compiled` was made
 
     def takes(self, meta: AttentionMetadata) -> bool:
@@ -170,16 +176,37 @@ class DecodePlan:
         """The compiled step holds what changed (the adapters' tensors): rebuilt at its next use."""
         self.pool = None
 
+    def _compile(self) -> None:
+        """The compiled call, made at first use and again for a new cache or changed adapters (`invalidate`)."""
+        if self.pool is not self.layers[0].attn.cache.pool:
+            self.compiled = compile_layers(self)
+            ops = kernels.decode_layers_ops() if self.compiled is not None else None
+            self.run = ops[1] if ops is not None else None
+            self.run_step = ops[2] if ops is not None and self.compiled.has_ends() else None
+            self.pool = self.layers[0].attn.cache.pool
+
+    def step(self, ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor | None:
+        """The whole step in one compiled call, where the plan holds the model's ends: the token ids looked up, every
+        layer, the final norm and the LM head over the rows that return logits. Returns those logits (float32
+        [rows, vocab]: what `forward` between the embedding module and the head returns, bit for bit), or None where
+        this step is not one it takes (no compiled ends, or a step returning pooled rows): the caller then embeds,
+        calls `forward` and applies the head."""
+        self._compile()
+        if self.run_step is None or self.compiled is None or meta.pool is not None:
+            return None
+        table, lens = (meta.decode_table, meta.decode_lens) if meta.all_decode else (meta.token_table, meta.token_lens)
+        every = meta.all_decode and meta.logits_indices.numel() == ids.shape[0]  # (then the rows are 0..n-1)
+        return self.run_step(self.compiled, ids, meta.cos, meta.sin, meta.slots, table, lens, meta.window or 0,
+                             meta.lora.token_slots if meta.lora is not None else None,
+                             None if every else meta.logits_indices)
+
     def forward(self, h: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Every layer over the embedded decode tokens `h` (a fresh tensor: the residual stream, updated in place);
         returns the final norm of every token's hidden state."""
         x = self.first_norm.forward(h)
         n = h.shape[0]
         table, lens = (meta.decode_table, meta.decode_lens) if meta.all_decode else (meta.token_table, meta.token_lens)
-        if self.pool is not self.layers[0].attn.cache.pool:  # first use, or a new cache
-            self.compiled = compile_layers(self)
-            self.run = kernels.decode_layers_ops()[1] if self.compiled is not None else None
-            self.pool = self.layers[0].attn.cache.pool
+        self._compile()
         if self.compiled is not None:  # (with the adapters of every slot: invalidate rebuilds it)
             return self.run(self.compiled, h, x, meta.cos, meta.sin, meta.slots, table, lens,
                             meta.window or 0, meta.lora.token_slots if meta.lora is not None else None)
@@ -227,9 +254,12 @@ def qk_norms(attn: PlanAttention) -> tuple[RMSNorm, RMSNorm] | None | Literal[Fa
     return norms if ok else False
 
 
-def build(layers: Sequence[PlanLayer], final_norm: RMSNorm | None, whole: bool, world_size: int) -> DecodePlan | None:
+def build(layers: Sequence[PlanLayer], final_norm: RMSNorm | None, whole: bool, world_size: int,
+          ends: tuple[torch.Tensor, ParallelLMHead] | None = None) -> DecodePlan | None:
     """The plan of a whole model (`whole`: one pipeline stage holding every layer) on CPU in float32 whose layers all
-    declare the plan's shape, with float32 RMSNorms and one head size; None where it does not apply."""
+    declare the plan's shape, with float32 RMSNorms and one head size; None where it does not apply. `ends`: the
+    model's embedding table and LM head, which the compiled call may run too
+    (LlamaForCausalLM.plan_ends)."""
     ops = kernels.decode_glue_ops()
     if (ops is None or kernels.rms_norm_op() is None or not whole or not layers
             or final_norm.weight.device.type != "cpu" or Norm.of(final_norm) is None):
@@ -258,7 +288,7 @@ def build(layers: Sequence[PlanLayer], final_norm: RMSNorm | None, whole: bool, 
                               attn.groups.out_index, around[1], Norm.of(nxt), norms, sinks, attn.window,
                               attn.softcap or 0.0, mlp.plan_activation() if dense else 0, around[2], around[3],
                               whole_qk))
-    return DecodePlan(ops, layers[0].input_layernorm, fast, layers[0].self_attn.head_dim, world_size)
+    return DecodePlan(ops, layers[0].input_layernorm, fast, layers[0].self_attn.head_dim, world_size, ends)
 
 
 def plan_moe(ffn: torch.nn.Module) -> tuple[torch.ScriptObject, torch.Tensor | None] | None:
@@ -312,4 +342,26 @@ def compile_layers(plan: DecodePlan) -> torch.ScriptObject | None:
     except RuntimeError as e:  # a layout the compiled step does not take: the Python loop serves it
         logger.warning("decode layers not compiled (%s); the per-op decode path runs", str(e).splitlines()[0][:200])
         return None
+    add_ends(compiled, plan)
     return compiled
+
+
+def add_ends(compiled: torch.ScriptObject, plan: DecodePlan) -> None:
+    """The model's embedding and LM head into the compiled call, where the model declares them (plan.ends), the head
+    has a compiled kernel and the first norm is a plain one; else the call runs the layers only (the model embeds
+    and applies its head around it)."""
+    first = Norm.of(plan.first_norm)
+    if plan.ends is None or first is None:
+        return
+    table, head = plan.ends
+    spec = kernels.plan_linear(head)
+    if spec is None or head.lora is not None or table.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return
+    try:
+        if spec[0] == 5:
+            compiled.add_mixed_linear(*spec[1:])
+        else:
+            compiled.add_linear(*spec)
+        compiled.set_ends(table, first.weight, first.eps)
+    except RuntimeError as e:  # (the layers stay compiled: the model's own embedding and head run around them)
+        logger.warning("the LM head is not in the compiled decode step (%s)", str(e).splitlines()[0][:200])

@@ -152,7 +152,8 @@ def build_kernels(verbose: bool = False) -> bool:
                               ("f32", envs.F32_KERNEL, ops.f32_linear.default),
                               ("argmax", envs.GLUE_KERNEL, ops.argmax_rows.default),
                               ("layers", envs.LAYERS_KERNEL,
-                               (torch.classes.tpserve.DecodeLayers, ops.decode_layers.default)),
+                               (torch.classes.tpserve.DecodeLayers, ops.decode_layers.default,
+                                ops.decode_step.default)),
                               ("moe", envs.MOE_KERNEL,
                                (torch.classes.tpserve.MoeExperts, ops.moe_experts.default,
                                 ops.moe_forward.default))):
@@ -220,7 +221,8 @@ def argmax_op():
 
 
 def decode_layers_ops():
-    """(DecodeLayers, decode_layers): a model's decode layers in one call (decode_glue.cpp), or None."""
+    """(DecodeLayers, decode_layers, decode_step): a model's decode layers in one call, or its whole step with the
+    embedding and the LM head (decode_glue.cpp), or None."""
     return _OPS.get("layers") if _OPS.get("glue") is not None else None
 
 

@@ -52,3 +52,8 @@ class GemmaForCausalLM(LlamaForCausalLM):
     def embed(self, ids: torch.Tensor, scatter: bool = False) -> torch.Tensor:
         h = self.embed_tokens(ids, scatter=scatter)
         return h * torch.tensor(self.embed_scale, dtype=h.dtype)
+
+    def plan_ends(self) -> None:
+        """None: its embedding's rows are scaled (embed), and Gemma 2's logits soft-capped; the compiled decode step
+        runs its layers only."""
+        return None

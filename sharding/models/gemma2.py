@@ -63,7 +63,7 @@ class Gemma2ForCausalLM(GemmaForCausalLM):
             self.lora.rows = meta.lora
         plan = self.plan_for(meta)  # a decode step on the CPU decode plan (each sliding layer with its window)
         if plan is not None:
-            return stage_output(plan.forward(self.embed(ids), meta), meta, self._head)
+            return self.on_plan(plan, ids, meta, self._head)
         windows = {layer.self_attn.window for layer in self.layers} - {None}
         metas = {None: meta, **{w: window_meta(meta, w) for w in windows}}
         h = self.embed(ids) if self.first_stage else hidden

@@ -171,7 +171,7 @@ class GptOssForCausalLM(LlamaForCausalLM):
             self.lora.rows = meta.lora
         plan = self.plan_for(meta)  # the CPU decode plan (each layer's window and sinks its own)
         if plan is not None:
-            return stage_output(plan.forward(self.embed(ids), meta), meta, self.lm_head)
+            return self.on_plan(plan, ids, meta, self.lm_head)
         windows = {layer.self_attn.window for layer in self.layers} - {None}
         metas = {None: meta, **{w: window_meta(meta, w) for w in windows}}
         h = self.embed(ids, scatter=meta.seq_parallel) if self.first_stage else hidden

@@ -248,7 +248,17 @@ class LlamaForCausalLM(CausalLM):
     _plan: decode_plan.DecodePlan | Literal[False] | None = False
 
     def _decode_plan(self) -> decode_plan.DecodePlan | None:
-        return decode_plan.build(self.layers, self.norm, self.first_stage and self.last_stage, self.dist.world_size)
+        return decode_plan.build(self.layers, self.norm, self.first_stage and self.last_stage, self.dist.world_size,
+                                 self.plan_ends())
+
+    def plan_ends(self) -> tuple[torch.Tensor, ParallelLMHead] | None:
+        """The embedding table and the LM head that the compiled decode step may run itself (DecodePlan.step), where
+        `embed` is the plain lookup of a whole table on this rank and the head's output is the logits; None
+        otherwise (a table in GGUF blocks, split over ranks; Gemma scales its rows and overrides this)."""
+        e, head = self.embed_tokens, self.lm_head
+        if self.dist.world_size != 1 or e is None or head is None or e.blocks is not None or e.weight is None:
+            return None
+        return e.weight, head
 
     def lora_changed(self) -> None:
         """An adapter was loaded or unloaded (sharding/layers/lora.py): the compiled decode step, which holds the adapters'
@@ -267,12 +277,18 @@ class LlamaForCausalLM(CausalLM):
                 return plan
         return None
 
+    def on_plan(self, plan: decode_plan.DecodePlan, ids: torch.Tensor, meta: AttentionMetadata, head) -> torch.Tensor:
+        """A step on the CPU decode plan: in one compiled call from ids to logits where the plan holds this model's
+        ends (DecodePlan.step), else the plan's layers between `embed` and `head` (stage_output)."""
+        logits = plan.step(ids, meta)
+        return logits if logits is not None else stage_output(plan.forward(self.embed(ids), meta), meta, head)
+
     def forward(self, ids: torch.Tensor, meta: AttentionMetadata, hidden: torch.Tensor | None = None):
         if self.lora is not None:
             self.lora.rows = meta.lora
         plan = self.plan_for(meta)
         if plan is not None:  # (the stage's output: None on the TP ranks other than 0)
-            return stage_output(plan.forward(self.embed(ids), meta), meta, self.lm_head)
+            return self.on_plan(plan, ids, meta, self.lm_head)
         h = self.embed(ids, scatter=meta.seq_parallel) if self.first_stage else hidden
         for layer in self.layers:
             h = layer(h, meta)

@@ -271,9 +271,17 @@ def plan_steps(monkeypatch) -> list[tuple[int, bool]]:
     from sharding.cpu.decode_plan import DecodePlan
 
     steps: list[tuple[int, bool]] = []
-    forward = DecodePlan.forward
+    forward, step = DecodePlan.forward, DecodePlan.step
+
+    def whole(plan, ids, meta):  # (the whole step in one call; None: the caller calls forward)
+        logits = step(plan, ids, meta)
+        if logits is not None:
+            steps.append((ids.shape[0], meta.all_decode))
+        return logits
+
     monkeypatch.setattr(DecodePlan, "forward",
                         lambda plan, h, meta: steps.append((h.shape[0], meta.all_decode)) or forward(plan, h, meta))
+    monkeypatch.setattr(DecodePlan, "step", whole)
     return steps
 
 
@@ -305,6 +313,46 @@ def test_prompts_run_as_rows_of_the_decode_step(checkpoints, tmp_path_factory, a
     one, chunked = results
     assert one.token_ids == chunked.token_ids
     assert one.prompt_logprobs[1:] == chunked.prompt_logprobs[1:] and one.logprobs == chunked.logprobs
+
+
+@pytest.mark.parametrize("arch, dtype, quantization", [("llama", torch.bfloat16, None), ("llama", torch.float16, "int4"),
+                                                        ("llama_tied", torch.float32, None), ("qwen3", torch.float32,
+                                                                                              "int8")])
+def test_the_whole_step_in_one_call_equals_the_layers_between_embedding_and_head(tmp_path_factory, arch, dtype,
+                                                                                 quantization):
+    """DecodePlan.step (decode_glue.cpp decode_step: the ids looked up in the table as stored and widened to float32,
+    the first norm, the layers, the LM head over the rows that return logits, in one call) against the same compiled
+    layers between the embedding module and the head's op: the same tokens, logprobs and prompt logprobs, bit for bit.
+    Three prompts together (prompt rows, then decode rows), then one alone (one-row steps); with prompt logprobs,
+    every prompt row returns logits, without them one row of each. A 16-bit table (bfloat16, float16: kept as
+    stored), a tied float32 head, int8 and int4 layers under an int8 head."""
+    import tiny
+    from server.llm import LLM
+    from server.engine.sampler import SamplingParams
+
+    folder = tiny.make_checkpoint(tmp_path_factory.mktemp(f"ends_{arch}"), arch, dtype=dtype)
+    llm = LLM(str(folder), max_num_seqs=4, kv_cache_memory=8 << 20, quantization=quantization,
+              enable_prefix_caching=False)
+    try:
+        model = llm.executor.model
+        assert model.embed_tokens.weight.dtype == dtype
+        prompts = [[5, 6, 7, 8, 9, 10], list(range(30, 50)), [3, 4]]
+        runs = []
+        for asked in (SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=3, prompt_logprobs=2),
+                      SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=1)):
+            whole = llm.generate(prompts, asked) + llm.generate(prompts[:1], asked)
+            plan = model._plan
+            assert plan.compiled is not None and plan.run_step is not None  # (it ran them in one call)
+            plan.run_step = None  # the layers' call between the embedding and the head from here on
+            split = llm.generate(prompts, asked) + llm.generate(prompts[:1], asked)
+            plan.invalidate()  # (compiled again at the next step, ends and all)
+            runs.append((whole, split))
+    finally:
+        llm.close()
+    for whole, split in runs:
+        for a, b in zip(whole, split):
+            assert a.token_ids == b.token_ids and a.logprobs == b.logprobs and a.top_logprobs == b.top_logprobs
+            assert a.prompt_logprobs == b.prompt_logprobs and a.prompt_top_logprobs == b.prompt_top_logprobs
 
 
 def test_a_step_past_the_partials_bound_runs_the_modules(checkpoints, monkeypatch):

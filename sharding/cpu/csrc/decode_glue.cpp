@@ -619,6 +619,35 @@ struct DecodeLayers : torch::CustomClassHolder {
     l.softcap = softcap;
   }
 
+  // The step's two ends, for decode_step: the token embedding table ([vocab, hidden] float32, bfloat16 or float16;
+  // its rows widened to float32, exactly, as the embedding module's lookup and cast do), the first layer's input
+  // RMSNorm (float32 [hidden]), and the LM head: the one linear added after the last layer (add_linear or
+  // add_mixed_linear), over the hidden size
+  at::Tensor embedding, first_w;
+  double first_eps = 0.0;
+  std::optional<PlanLinear> head;
+
+  void set_ends(at::Tensor table, at::Tensor first_norm_w, double first_norm_eps) {
+    TORCH_CHECK(!layers.empty() && pending.size() == 1,
+                "DecodeLayers.set_ends: add the layers, then the LM head's linear");
+    const int64_t hidden = layers[0].qkv.k;
+    const auto dt = table.scalar_type();
+    TORCH_CHECK(table.dim() == 2 && table.size(0) > 0 && table.size(1) == hidden && table.is_contiguous() &&
+                    (dt == at::kFloat || dt == at::kBFloat16 || dt == at::kHalf),
+                "DecodeLayers.set_ends: an embedding table [vocab, hidden] of float32, bfloat16 or float16");
+    TORCH_CHECK(first_norm_w.dim() == 1 && first_norm_w.size(0) == hidden &&
+                    first_norm_w.scalar_type() == at::kFloat && first_norm_w.is_contiguous(),
+                "DecodeLayers.set_ends: a float32 norm weight [hidden]");
+    TORCH_CHECK(pending[0].k == hidden, "DecodeLayers.set_ends: an LM head over the hidden size");
+    head = std::move(pending[0]);
+    pending.clear();
+    embedding = std::move(table);
+    first_w = std::move(first_norm_w);
+    first_eps = first_norm_eps;
+  }
+
+  bool has_ends() const { return head.has_value(); }
+
   // the last added layer's RMSNorms over its whole query and key projections (float32 [heads * head_dim] and
   // [kv_heads * head_dim]) and the clamp of q, k, v after them (clip > 0; 0: none)
   void set_whole_qk_norm(at::Tensor q_w, at::Tensor k_w, double eps, double clip) {
@@ -1431,10 +1460,30 @@ AttentionUnits attention_units(const std::vector<std::pair<int64_t, int64_t>>& p
   return a;
 }
 
-at::Tensor decode_layers(const c10::intrusive_ptr<DecodeLayers>& plan, at::Tensor h, const at::Tensor& x,
-                         const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& slots,
-                         const at::Tensor& table, const at::Tensor& lens, int64_t window,
-                         const std::optional<at::Tensor>& lora_slots) {
+// row `id` of an embedding table (float32, bfloat16 or float16) as float32: the exact widening torch's cast does
+void embed_row(const at::Tensor& table, int64_t id, float* out) {
+  const int64_t H = table.size(1);
+  if (table.scalar_type() == at::kFloat) {
+    const float* p = table.data_ptr<float>() + id * H;
+    std::copy(p, p + H, out);
+  } else if (table.scalar_type() == at::kBFloat16) {
+    const uint16_t* p = reinterpret_cast<const uint16_t*>(table.data_ptr()) + id * H;
+    for (int64_t j = 0; j < H; ++j) out[j] = std::bit_cast<float>(static_cast<uint32_t>(p[j]) << 16);
+  } else {
+    const at::Half* p = table.data_ptr<at::Half>() + id * H;
+    for (int64_t j = 0; j < H; ++j) out[j] = static_cast<float>(p[j]);
+  }
+}
+
+// The layers of decode_layers and decode_step. `ids` (decode_step): the step's token ids, looked up in the plan's
+// embedding and normed by its first norm into h and x inside the team (else h and x come filled); `head_rows`
+// (decode_step, HR of them): the rows of the final norm's output that the plan's LM head turns into the returned
+// logits [HR, vocab] (nullptr with HR == B: every row). Without ids, the final norm's output is returned.
+at::Tensor run_layers(const DecodeLayers& plan_ref, at::Tensor h, const at::Tensor& x, const at::Tensor& cos,
+                      const at::Tensor& sin, const at::Tensor& slots, const at::Tensor& table, const at::Tensor& lens,
+                      int64_t window, const std::optional<at::Tensor>& lora_slots, const int64_t* ids,
+                      const int64_t* head_rows, int64_t HR) {
+  const DecodeLayers* plan = &plan_ref;
   // every check before the team starts: an exception inside an OpenMP region cannot be caught
   const auto& layers = plan->layers;
   TORCH_CHECK(!layers.empty(), "decode_layers: an empty plan");
@@ -1484,7 +1533,9 @@ at::Tensor decode_layers(const c10::intrusive_ptr<DecodeLayers>& plan, at::Tenso
   }
   const int nt = std::max(1, at::get_num_threads());
   const std::vector<std::pair<int64_t, int64_t>> pieces = attention_pieces(tp, lp, B, MAXB, BS, layers[0].kv_heads, nt);
-  bool int8_rows = false, bf16_rows = false;  // whether any linear takes its input as int8 (VNNI) or bfloat16
+  const PlanLinear* head = ids != nullptr ? &*plan->head : nullptr;  // the LM head, in decode_step
+  bool int8_rows = head != nullptr && takes_rows(*head);  // whether any linear takes its input as int8 (VNNI)
+  bool bf16_rows = head != nullptr && takes_bf16(*head);  // or as bfloat16
   for (const PlanLayer& l : layers) {
     TORCH_CHECK(l.pool.size(2) == NB && l.pool.size(3) == BS && l.pool.size(4) == D,
                 "decode_layers: every layer's cache of one geometry");
@@ -1543,6 +1594,7 @@ at::Tensor decode_layers(const c10::intrusive_ptr<DecodeLayers>& plan, at::Tenso
   if (groups.size() > 0)
     for (auto& u : lora_u) u.assign(B * lstride, 0.0f);
   const float* x0 = x.data_ptr<float>();
+  float* xw = x.data_ptr<float>();  // (decode_step: filled by the team)
   MoeScratch moe;  // the MoE layers' (one at a time)
   if (moe_k > 0) moe_reserve(moe, B, moe_k, moe_h, moe_i, moe_e, moe_local, moe_si, opts);
   // One row (batch 1, the commonest decode step): every thread keeps its own copy of the row's residual stream h, of
@@ -1575,8 +1627,17 @@ at::Tensor decode_layers(const c10::intrusive_ptr<DecodeLayers>& plan, at::Tenso
 
   // every linear's output blocks (and moe_solo's experts): each thread its own share first, then what the others have
   // not reached (team_split.h); one Shares per layer and linear (q/k/v, o, gate/up, down), set before the team starts
-  std::unique_ptr<tpserve::ShareSlot[]> share_slots(new tpserve::ShareSlot[layers.size() * 4 * nt]);
-  std::vector<tpserve::Shares> shares(layers.size() * 4);
+  // (and, last, the LM head's)
+  std::unique_ptr<tpserve::ShareSlot[]> share_slots(new tpserve::ShareSlot[(layers.size() * 4 + 1) * nt]);
+  std::vector<tpserve::Shares> shares(layers.size() * 4 + 1);
+  tpserve::Shares& head_shares = shares.back();
+  at::Tensor logits, head_in;  // decode_step's result, and the head's input rows where it takes some of them
+  if (head != nullptr) {
+    head_shares.reset(share_slots.get() + layers.size() * 4 * nt, HR > 0 ? head->blocks : 0, nt,
+                      tpserve::Shares::chunk_for(block_bytes(*head)));
+    logits = at::empty({HR, head->n}, opts);
+    if (head_rows != nullptr && !solo) head_in = at::empty({HR, hidden}, opts);
+  }
   for (size_t li = 0; li < layers.size(); ++li) {
     const PlanLinear* lins[4] = {&layers[li].qkv, &layers[li].o, &layers[li].gate_up, &layers[li].down};
     for (int w = 0; w < 4; ++w)
@@ -1641,11 +1702,22 @@ at::Tensor decode_layers(const c10::intrusive_ptr<DecodeLayers>& plan, at::Tenso
       add_row(hs, delta, hidden);
       tpserve::rms_norm_rows(hs, w.data_ptr<float>(), static_cast<float>(eps), xs, hidden, 0, 1);
     };
-    if (solo) {
+    if (solo && ids != nullptr) {  // (every thread its own copy: the same bits)
+      embed_row(plan->embedding, ids[0], hs);
+      tpserve::rms_norm_rows(hs, plan->first_w.data_ptr<float>(), static_cast<float>(plan->first_eps), xs, hidden, 0,
+                             1);
+      xin = xs;
+      copy_input(layers[0].qkv, xs, xq_in, 0, 1);
+    } else if (solo) {
       std::copy(hp, hp + hidden, hs);
       copy_input(layers[0].qkv, xin, xq_in, 0, 1);
     } else {
       share(B, a, b);
+      for (int64_t r = a; r < (ids != nullptr ? b : a); ++r) {
+        embed_row(plan->embedding, ids[r], hp + r * hidden);
+        tpserve::rms_norm_rows(hp, plan->first_w.data_ptr<float>(), static_cast<float>(plan->first_eps), xw, hidden,
+                               r, r + 1);
+      }
       copy_input(layers[0].qkv, xin, xq_x, a, b);
 #pragma omp barrier
     }
@@ -1799,12 +1871,67 @@ at::Tensor decode_layers(const c10::intrusive_ptr<DecodeLayers>& plan, at::Tenso
       xin = outp;
 #pragma omp barrier
     }
+    if (head != nullptr && HR > 0) {  // the LM head over the final norm's rows (all, or head_rows), into the logits
+      const float* in = solo ? xs : outp;
+      tpserve::Int8Rows& inq = solo ? solo_q[t] : xq_x;  // (the last layer made no copy of its output)
+      if (solo) {
+        copy_input(*head, xs, inq, 0, 1);  // (this thread's own: no barrier)
+      } else {
+        share(HR, a, b);
+        if (head_rows != nullptr) {
+          float* rows = head_in.data_ptr<float>();
+          for (int64_t r = a; r < b; ++r) std::copy(outp + head_rows[r] * hidden, outp + (head_rows[r] + 1) * hidden,
+                                                    rows + r * hidden);
+          in = rows;
+        }
+        copy_input(*head, in, inq, a, b);
+#pragma omp barrier
+      }
+      float* y = logits.data_ptr<float>();
+      head_shares.run(t, [&](int64_t b0, int64_t b1) { linear_range(*head, in, &inq, HR, y, b0, b1); });
+    }
     if (solo && t == 0) {  // (every thread's copies are the same)
       std::copy(hs, hs + hidden, hp);
       std::copy(xs, xs + hidden, outp);
     }
   }
-  return out;
+  return head != nullptr ? logits : out;
+}
+
+at::Tensor decode_layers(const c10::intrusive_ptr<DecodeLayers>& plan, at::Tensor h, const at::Tensor& x,
+                         const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& slots,
+                         const at::Tensor& table, const at::Tensor& lens, int64_t window,
+                         const std::optional<at::Tensor>& lora_slots) {
+  return run_layers(*plan, std::move(h), x, cos, sin, slots, table, lens, window, lora_slots, nullptr, nullptr, 0);
+}
+
+// A whole step of decode rows (or prompt tokens as rows) in one call: the token ids looked up in the plan's embedding
+// table, its first norm, every layer, the final norm and the LM head over `rows` (the tokens whose logits the step
+// returns; None: every token), on one team (set_ends). Returns the float32 logits [rows, vocab]: the same bits as
+// decode_layers between the embedding module's lookup and the head's linear op.
+at::Tensor decode_step(const c10::intrusive_ptr<DecodeLayers>& plan, const at::Tensor& ids, const at::Tensor& cos,
+                       const at::Tensor& sin, const at::Tensor& slots, const at::Tensor& table, const at::Tensor& lens,
+                       int64_t window, const std::optional<at::Tensor>& lora_slots,
+                       const std::optional<at::Tensor>& rows) {
+  TORCH_CHECK(plan->has_ends(), "decode_step: a plan without its embedding and LM head (set_ends)");
+  TORCH_CHECK(ids.dim() == 1 && ids.size(0) > 0 && ids.scalar_type() == at::kLong && ids.is_contiguous(),
+              "decode_step: ids [B] int64");
+  const int64_t B = ids.size(0), vocab = plan->embedding.size(0), hidden = plan->layers[0].qkv.k;
+  const int64_t* ip = ids.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b) TORCH_CHECK(ip[b] >= 0 && ip[b] < vocab, "decode_step: a token id out of range");
+  const int64_t* rp = nullptr;
+  int64_t R = B;
+  if (rows.has_value()) {
+    TORCH_CHECK(rows->dim() == 1 && rows->scalar_type() == at::kLong && rows->is_contiguous(),
+                "decode_step: rows [R] int64");
+    rp = rows->data_ptr<int64_t>();
+    R = rows->size(0);
+    for (int64_t r = 0; r < R; ++r) TORCH_CHECK(rp[r] >= 0 && rp[r] < B, "decode_step: a row out of range");
+  }
+  TORCH_CHECK(B > 1 || rp == nullptr || (R == 1 && rp[0] == 0) || R == 0, "decode_step: rows of a one-row step");
+  const auto opts = at::TensorOptions().dtype(at::kFloat);
+  at::Tensor h = at::empty({B, hidden}, opts), x = at::empty({B, hidden}, opts);
+  return run_layers(*plan, h, x, cos, sin, slots, table, lens, window, lora_slots, ip, B == 1 ? nullptr : rp, R);
 }
 
 
@@ -1838,9 +1965,13 @@ TORCH_LIBRARY_FRAGMENT(tpserve, m) {
       .def("set_attention", &DecodeLayers::set_attention)
       .def("set_ffn", &DecodeLayers::set_ffn)
       .def("set_whole_qk_norm", &DecodeLayers::set_whole_qk_norm)
+      .def("set_ends", &DecodeLayers::set_ends)
+      .def("has_ends", &DecodeLayers::has_ends)
       .def("size", &DecodeLayers::size);
   m.def("decode_layers(__torch__.torch.classes.tpserve.DecodeLayers plan, Tensor(a!) h, Tensor x, Tensor cos, "
         "Tensor sin, Tensor slots, Tensor table, Tensor lens, int window, Tensor? lora_slots=None) -> Tensor");
+  m.def("decode_step(__torch__.torch.classes.tpserve.DecodeLayers plan, Tensor ids, Tensor cos, Tensor sin, "
+        "Tensor slots, Tensor table, Tensor lens, int window, Tensor? lora_slots=None, Tensor? rows=None) -> Tensor");
   m.def("moe_experts(__torch__.torch.classes.tpserve.MoeExperts plan, Tensor x, Tensor ids, Tensor weights) -> "
         "Tensor");
   m.def("moe_forward(__torch__.torch.classes.tpserve.MoeExperts plan, Tensor x, Tensor(a!)? counts=None, "
@@ -1854,6 +1985,7 @@ TORCH_LIBRARY_IMPL(tpserve, CPU, m) {
   m.impl("silu_mul", &silu_mul);
   m.impl("argmax_rows", &argmax_rows);
   m.impl("decode_layers", &decode_layers);
+  m.impl("decode_step", &decode_step);
   m.impl("moe_experts", &moe_experts);
   m.impl("moe_forward", &moe_forward);
 }
