@@ -411,6 +411,7 @@ def three_decode_paths(folder, quantization, moe: bool = False, prompts=None, kv
         compiled = generate()
         assert isinstance(model._plan, DecodePlan) and model._plan.compiled is not None
         assert model._plan.compiled.size() == len(model.layers)
+        assert model._plan.run_step is not None  # (its ends inside too: DecodePlan.step ran each step whole)
         model._plan.compiled = None  # the Python loop over the same ops from here on (the pool is unchanged)
         loop = generate()
         assert model._plan.compiled is None
