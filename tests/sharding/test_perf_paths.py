@@ -323,32 +323,34 @@ def test_the_whole_step_in_one_call_equals_the_layers_between_embedding_and_head
     """DecodePlan.step (decode_glue.cpp decode_step: the ids looked up in the table as stored and widened to float32,
     the first norm, the layers, the LM head over the rows that return logits, in one call) against the same compiled
     layers between the embedding module and the head's op: the same tokens, logprobs and prompt logprobs, bit for bit.
-    Three prompts together (prompt rows, then decode rows), then one alone (one-row steps); with prompt logprobs,
-    every prompt row returns logits, without them one row of each. A 16-bit table (bfloat16, float16: kept as
+    Three prompts together (prompt rows, then decode rows), then one alone (one-row steps), each prompt in one step
+    or in chunks of 7 tokens; with prompt logprobs every prompt row returns logits, without them the last of each
+    prompt (a chunk before it: none). A 16-bit table (bfloat16, float16: kept as
     stored), a tied float32 head, int8 and int4 layers under an int8 head."""
     import tiny
     from server.llm import LLM
     from server.engine.sampler import SamplingParams
 
     folder = tiny.make_checkpoint(tmp_path_factory.mktemp(f"ends_{arch}"), arch, dtype=dtype)
-    llm = LLM(str(folder), max_num_seqs=4, kv_cache_memory=8 << 20, quantization=quantization,
-              enable_prefix_caching=False)
-    try:
-        model = llm.executor.model
-        assert model.embed_tokens.weight.dtype == dtype
-        prompts = [[5, 6, 7, 8, 9, 10], list(range(30, 50)), [3, 4]]
-        runs = []
-        for asked in (SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=3, prompt_logprobs=2),
-                      SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=1)):
-            whole = llm.generate(prompts, asked) + llm.generate(prompts[:1], asked)
-            plan = model._plan
-            assert plan.compiled is not None and plan.run_step is not None  # (it ran them in one call)
-            plan.run_step = None  # the layers' call between the embedding and the head from here on
-            split = llm.generate(prompts, asked) + llm.generate(prompts[:1], asked)
-            plan.invalidate()  # (compiled again at the next step, ends and all)
-            runs.append((whole, split))
-    finally:
-        llm.close()
+    prompts = [[5, 6, 7, 8, 9, 10], list(range(30, 50)), [3, 4]]
+    runs = []
+    for chunk in (None, 7):  # each prompt in one step; in chunks of 7 tokens, where most chunks return no logits
+        llm = LLM(str(folder), max_num_seqs=4, kv_cache_memory=8 << 20, quantization=quantization,
+                  enable_prefix_caching=False, max_num_batched_tokens=chunk)
+        try:
+            model = llm.executor.model
+            assert model.embed_tokens.weight.dtype == dtype
+            for asked in (SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=3, prompt_logprobs=2),
+                          SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=1)):
+                whole = llm.generate(prompts, asked) + llm.generate(prompts[:1], asked)
+                plan = model._plan
+                assert plan.compiled is not None and plan.run_step is not None  # (it ran them in one call)
+                plan.run_step = None  # the layers' call between the embedding and the head from here on
+                split = llm.generate(prompts, asked) + llm.generate(prompts[:1], asked)
+                plan.invalidate()  # (compiled again at the next step, ends and all)
+                runs.append((whole, split))
+        finally:
+            llm.close()
     for whole, split in runs:
         for a, b in zip(whole, split):
             assert a.token_ids == b.token_ids and a.logprobs == b.logprobs and a.top_logprobs == b.top_logprobs
