@@ -6,10 +6,11 @@
 
 Three measurements of 64 greedy tokens after a short chat prompt, in this order:
 1. plain: ms per token, nothing attached;
-2. split: the same with timers around the model's forward, around every linear's matmul and around decode_layers
-   (at TP=1 every layer of a decode step is that one call, its linears included; the linears timed apart are then
-   the LM head and prefill's), so step - forward = engine work (scheduling, metadata, sampling, detokenizing) and
-   forward - decode_layers - linears = everything else in the model (embedding, norms, Python);
+2. split: the same with timers around the model's forward, around every linear's matmul and around the compiled
+   call (at TP=1 every layer of a decode step is that one call, its linears included, and with decode_step its
+   embedding and LM head too; the linears timed apart are then those the call does not hold), so step - forward =
+   engine work (scheduling, metadata, sampling, detokenizing) and forward - compiled call - linears = everything
+   else in the model (embedding, norms, Python);
 3. torch.profiler: self CPU time per op, per token (the profiler adds its own overhead to every op; read the ranking,
    not the absolute numbers).
 Writes results/profile_decode_<precision>.json.
@@ -79,24 +80,28 @@ def main(argv: list[str] | None = None) -> int:
         return out
 
     plan = getattr(model, "_plan", None)
-    run = getattr(plan, "run", None) if plan else None
+    # decode_layers (TP=1): every layer in one call, its linears included; decode_step: the same with the embedding
+    # and the LM head (sharding/cpu/decode_plan.py DecodePlan.step)
+    calls = {name: getattr(plan, name) for name in ("run", "run_step") if plan and getattr(plan, name, None)}
 
-    def timed_run(*a):  # decode_layers (TP=1): every layer in one call, its linears included
-        t = time.perf_counter()
-        out = run(*a)
-        spent["layers"] += time.perf_counter() - t
-        return out
+    def timed(call):
+        def run(*a):
+            t = time.perf_counter()
+            out = call(*a)
+            spent["layers"] += time.perf_counter() - t
+            return out
+        return run
 
-    if run is not None:
-        plan.run = timed_run
+    for name, call in calls.items():
+        setattr(plan, name, timed(call))
     model.forward, layers._Linear.matmul = timed_forward, timed_matmul
     llm.engine.step_listeners.append(lambda dt, n: steps.append(dt))
     t0 = time.perf_counter()
     llm.generate(prompts, params)
     total = (time.perf_counter() - t0) / TOKENS * 1e3
     model.forward, layers._Linear.matmul = forward, matmul
-    if run is not None:
-        plan.run = run
+    for name, call in calls.items():
+        setattr(plan, name, call)
     llm.engine.step_listeners.pop()
     split = dict(total_ms=total, step_ms=sum(steps) / TOKENS * 1e3, forward_ms=spent["forward"] / TOKENS * 1e3,
                  linears_ms=spent["linears"] / TOKENS * 1e3, layers_ms=spent["layers"] / TOKENS * 1e3)
@@ -115,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     rest = split['forward_ms'] - split['linears_ms'] - split['layers_ms']
     print(f"split: {split['total_ms']:.2f} ms/{unit} = engine {split['total_ms'] - split['forward_ms']:.2f} + "
           f"model forward {split['forward_ms']:.2f} ("
-          + (f"decode_layers {split['layers_ms']:.2f}, " if split['layers_ms'] else "")
+          + (f"the compiled call {split['layers_ms']:.2f}, " if split['layers_ms'] else "")
           + f"linears {split['linears_ms']:.2f}, everything else {rest:.2f})")
     print(f"{'op (torch.profiler, self CPU)':<40} {'us/' + unit[:4]:>9} {'calls/' + unit[:4]:>12}")
     for row in top:
