@@ -114,3 +114,37 @@ def check_greedy(name: str, result: dict, ref: dict) -> None:
         assert out["token_ids"] == tokens, name
         worst = max(abs(float(logprobs[i, t]) - v) for i, step in enumerate(out["top_logprobs"]) for t, v in step)
         assert worst < 1e-4, (name, worst)
+
+
+def check_whole_steps(folder, quantization=None, check_model=lambda model: True) -> None:
+    """The CPU decode plan's whole step in one call (DecodePlan.step: the embedding, the layers and the LM head) gives
+    the same tokens, logprobs and prompt logprobs, bit for bit, as the same compiled layers between the model's own
+    embedding and head: three prompts together, then one alone (one-row steps), each prompt in one step or in chunks
+    of 7 tokens, with prompt logprobs (every prompt row returns logits) and without (the last of each prompt; the
+    chunks before it none). `check_model(model)` must hold of the served model once its plan is built."""
+    from server.engine.sampler import SamplingParams
+    from server.llm import LLM
+
+    prompts = [[5, 6, 7, 8, 9, 10], list(range(30, 50)), [3, 4]]
+    runs = []
+    for chunk in (None, 7):
+        llm = LLM(str(folder), max_num_seqs=4, kv_cache_memory=8 << 20, quantization=quantization,
+                  enable_prefix_caching=False, max_num_batched_tokens=chunk)
+        try:
+            model = llm.executor.model
+            for asked in (SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=3, prompt_logprobs=2),
+                          SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=1)):
+                whole = llm.generate(prompts, asked) + llm.generate(prompts[:1], asked)
+                plan = model._plan
+                assert plan.compiled is not None and plan.run_step is not None  # (it ran them in one call)
+                assert check_model(model)
+                plan.run_step = None  # the layers' call between the embedding and the head from here on
+                split = llm.generate(prompts, asked) + llm.generate(prompts[:1], asked)
+                plan.invalidate()  # (compiled again at the next step, ends and all)
+                runs.append((whole, split))
+        finally:
+            llm.close()
+    for whole, split in runs:
+        for a, b in zip(whole, split, strict=True):
+            assert a.token_ids == b.token_ids and a.logprobs == b.logprobs and a.top_logprobs == b.top_logprobs
+            assert a.prompt_logprobs == b.prompt_logprobs and a.prompt_top_logprobs == b.prompt_top_logprobs

@@ -5,7 +5,7 @@ the module calls around them: the same arithmetic, without the per-op dispatch t
 at batch 1. At TP=1 the layers run as one compiled call instead (decode_layers: one OpenMP team through every phase of
 every layer; see `compile_layers`), bitwise the same (LoRA adapter rows: within float32 rounding, their deltas summed in
 another order). Where the model declares its embedding and LM head plain (`add_ends`), that call runs the whole step,
-from token ids to logits (`DecodePlan.step`).
+from token ids (or the rows the model looked up in a GGUF table's blocks) to logits (`DecodePlan.step`).
 
 Which layers qualify, and what each adds to Llama's layer, is declared by the model's classes (sharding/models/),
 never detected from its forward: `PlanLayer.on_decode_plan`; per-head q/k RMSNorms (Qwen 3,
@@ -22,7 +22,7 @@ experts and a shared expert in C++, decode_glue.cpp's MoeExperts).
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
@@ -151,10 +151,10 @@ class DecodePlan:
     layers: list[FastLayer]
     head_dim: int
     world_size: int  # of the TP group: the one compiled call only at 1
-    # the model's embedding table and LM head, where it declares them plain (sharding/models/llama.py
-    # LlamaForCausalLM.plan_ends): the compiled call
-    # then runs the whole step, from token ids to logits (`step`)
-    ends: tuple[torch.Tensor, ParallelLMHead] | None = None
+    # the model's embedding table (None: a table the call does not read, e.g. in GGUF blocks) and LM head, where it
+    # declares them plain (sharding/models/llama.py LlamaForCausalLM.plan_ends): the compiled call then runs the whole
+    # step, from token ids (or the model's looked-up rows) to logits (`step`)
+    ends: tuple[torch.Tensor | None, ParallelLMHead] | None = None
     compiled: torch.ScriptObject | None = None  # a torch.classes.tpserve.DecodeLayers: every layer in one call
     run: kernels.Op | None = None  # torch.ops.tpserve.decode_layers
     run_step: kernels.Op | None = None  # torch.ops.tpserve.decode_step, where `compiled` holds the ends
@@ -185,12 +185,14 @@ class DecodePlan:
             self.run_step = ops[2] if ops is not None and self.compiled.has_ends() else None
             self.pool = self.layers[0].attn.cache.pool
 
-    def step(self, ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor | None:
-        """The whole step in one compiled call, where the plan holds the model's ends: the token ids looked up, every
-        layer, the final norm and the LM head over the rows that return logits. Returns those logits (float32
-        [rows, vocab]: what `forward` between the embedding module and the head returns, bit for bit), or None where
-        this step is not one it takes (no compiled ends, or a step returning pooled rows): the caller then embeds,
-        calls `forward` and applies the head."""
+    def step(self, ids: torch.Tensor, meta: AttentionMetadata,
+             embed: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor | None:
+        """The whole step in one compiled call, where the plan holds the model's ends: the token ids looked up (by
+        `embed`, the model's lookup, where the plan holds no table), every layer, the final norm and the LM head over
+        the rows that return logits. Returns those logits (float32 [rows, vocab]: what `forward` between the
+        embedding module and the head returns, bit for bit), or None where this step is not one it takes (no
+        compiled ends, or a step returning pooled rows): the caller then embeds, calls `forward` and applies the
+        head."""
         self._compile()
         if self.run_step is None or self.compiled is None or meta.pool is not None:
             return None
@@ -198,7 +200,8 @@ class DecodePlan:
         every = meta.all_decode and meta.logits_indices.numel() == ids.shape[0]  # (then the rows are 0..n-1)
         return self.run_step(self.compiled, ids, meta.cos, meta.sin, meta.slots, table, lens, meta.window or 0,
                              meta.lora.token_slots if meta.lora is not None else None,
-                             None if every else meta.logits_indices)
+                             None if every else meta.logits_indices,
+                             embed(ids).contiguous() if self.ends[0] is None else None)
 
     def forward(self, h: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Every layer over the embedded decode tokens `h` (a fresh tensor: the residual stream, updated in place);
@@ -255,7 +258,7 @@ def qk_norms(attn: PlanAttention) -> tuple[RMSNorm, RMSNorm] | None | Literal[Fa
 
 
 def build(layers: Sequence[PlanLayer], final_norm: RMSNorm | None, whole: bool, world_size: int,
-          ends: tuple[torch.Tensor, ParallelLMHead] | None = None) -> DecodePlan | None:
+          ends: tuple[torch.Tensor | None, ParallelLMHead] | None = None) -> DecodePlan | None:
     """The plan of a whole model (`whole`: one pipeline stage holding every layer) on CPU in float32 whose layers all
     declare the plan's shape, with float32 RMSNorms and one head size; None where it does not apply. `ends`: the
     model's embedding table and LM head, which the compiled call may run too
@@ -349,13 +352,14 @@ def compile_layers(plan: DecodePlan) -> torch.ScriptObject | None:
 def add_ends(compiled: torch.ScriptObject, plan: DecodePlan) -> None:
     """The model's embedding and LM head into the compiled call, where the model declares them (plan.ends), the head
     has a compiled kernel and the first norm is a plain one; else the call runs the layers only (the model embeds
-    and applies its head around it)."""
+    and applies its head around it). A table the call does not read (None) leaves the lookup to the model."""
     first = Norm.of(plan.first_norm)
     if plan.ends is None or first is None:
         return
     table, head = plan.ends
     spec = kernels.plan_linear(head)
-    if spec is None or head.lora is not None or table.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+    widened = (torch.float32, torch.bfloat16, torch.float16)  # (the tables the call reads itself)
+    if spec is None or head.lora is not None or (table is not None and table.dtype not in widened):
         return
     try:
         if spec[0] == 5:

@@ -251,14 +251,15 @@ class LlamaForCausalLM(CausalLM):
         return decode_plan.build(self.layers, self.norm, self.first_stage and self.last_stage, self.dist.world_size,
                                  self.plan_ends())
 
-    def plan_ends(self) -> tuple[torch.Tensor, ParallelLMHead] | None:
+    def plan_ends(self) -> tuple[torch.Tensor | None, ParallelLMHead] | None:
         """The embedding table and the LM head that the compiled decode step may run itself (DecodePlan.step), where
-        `embed` is the plain lookup of a whole table on this rank and the head's output is the logits; None
-        otherwise (a table in GGUF blocks, split over ranks; Gemma scales its rows and overrides this)."""
+        `embed` is the plain lookup of a whole table on this rank and the head's output is the logits. The table is
+        None where it is kept in GGUF blocks: `embed` looks the rows up and the call takes them from there. None
+        where the step keeps its ends (split over ranks; Gemma scales its rows and overrides this)."""
         e, head = self.embed_tokens, self.lm_head
-        if self.dist.world_size != 1 or e is None or head is None or e.blocks is not None or e.weight is None:
+        if self.dist.world_size != 1 or e is None or head is None or (e.blocks is None and e.weight is None):
             return None
-        return e.weight, head
+        return (e.weight if e.blocks is None else None), head
 
     def lora_changed(self) -> None:
         """An adapter was loaded or unloaded (sharding/layers/lora.py): the compiled decode step, which holds the adapters'
@@ -280,7 +281,7 @@ class LlamaForCausalLM(CausalLM):
     def on_plan(self, plan: decode_plan.DecodePlan, ids: torch.Tensor, meta: AttentionMetadata, head) -> torch.Tensor:
         """A step on the CPU decode plan: in one compiled call from ids to logits where the plan holds this model's
         ends (DecodePlan.step), else the plan's layers between `embed` and `head` (stage_output)."""
-        logits = plan.step(ids, meta)
+        logits = plan.step(ids, meta, self.embed)
         return logits if logits is not None else stage_output(plan.forward(self.embed(ids), meta), meta, head)
 
     def forward(self, ids: torch.Tensor, meta: AttentionMetadata, hidden: torch.Tensor | None = None):

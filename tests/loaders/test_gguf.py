@@ -318,6 +318,20 @@ def test_greedy_tokens_equal_transformers_on_the_same_gguf(files, tp):
     print("TP 3 near-tie flips:", flips)
 
 
+@pytest.mark.parametrize("arch, kind", [("llama", "q8"), ("llama_tied", "q8"), ("llama", "f16"),
+                                        ("llama_k", "q4_k_m")])
+def test_a_gguf_file_runs_whole_steps_as_its_separate_ends(files, arch, kind):
+    """A GGUF file on the CPU decode plan's whole step (DecodePlan.step): a table kept in its blocks (Q8_0, Q4_K) is
+    looked up by the model and handed to the call, a float16 one is read by the call itself; the LM head (a Q8_0
+    head tied to those blocks, Q6_K) in the call. The same bits as the separate embedding and head (tests/tiny.py
+    check_whole_steps)."""
+    import tiny
+
+    blocks = kind != "f16"
+    tiny.check_whole_steps(files[2][arch, kind], None, lambda model: (model.embed_tokens.blocks is not None) == blocks
+                           and (model._plan.ends[0] is None) == blocks)
+
+
 def test_repacked_blocks_dequantize_bit_equal_to_gguf(files):
     from loaders.gguf_file import open_checkpoint as Checkpoint
     from sharding.layers import quant

@@ -273,8 +273,8 @@ def plan_steps(monkeypatch) -> list[tuple[int, bool]]:
     steps: list[tuple[int, bool]] = []
     forward, step = DecodePlan.forward, DecodePlan.step
 
-    def whole(plan, ids, meta):  # (the whole step in one call; None: the caller calls forward)
-        logits = step(plan, ids, meta)
+    def whole(plan, ids, meta, embed):  # (the whole step in one call; None: the caller calls forward)
+        logits = step(plan, ids, meta, embed)
         if logits is not None:
             steps.append((ids.shape[0], meta.all_decode))
         return logits
@@ -328,33 +328,9 @@ def test_the_whole_step_in_one_call_equals_the_layers_between_embedding_and_head
     prompt (a chunk before it: none). A 16-bit table (bfloat16, float16: kept as stored), a tied float32 head, int8
     and int4 layers under an int8 head."""
     import tiny
-    from server.llm import LLM
-    from server.engine.sampler import SamplingParams
 
     folder = tiny.make_checkpoint(tmp_path_factory.mktemp(f"ends_{arch}"), arch, dtype=dtype)
-    prompts = [[5, 6, 7, 8, 9, 10], list(range(30, 50)), [3, 4]]
-    runs = []
-    for chunk in (None, 7):  # each prompt in one step; in chunks of 7 tokens, where most chunks return no logits
-        llm = LLM(str(folder), max_num_seqs=4, kv_cache_memory=8 << 20, quantization=quantization,
-                  enable_prefix_caching=False, max_num_batched_tokens=chunk)
-        try:
-            model = llm.executor.model
-            assert model.embed_tokens.weight.dtype == dtype
-            for asked in (SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=3, prompt_logprobs=2),
-                          SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=1)):
-                whole = llm.generate(prompts, asked) + llm.generate(prompts[:1], asked)
-                plan = model._plan
-                assert plan.compiled is not None and plan.run_step is not None  # (it ran them in one call)
-                plan.run_step = None  # the layers' call between the embedding and the head from here on
-                split = llm.generate(prompts, asked) + llm.generate(prompts[:1], asked)
-                plan.invalidate()  # (compiled again at the next step, ends and all)
-                runs.append((whole, split))
-        finally:
-            llm.close()
-    for whole, split in runs:
-        for a, b in zip(whole, split):
-            assert a.token_ids == b.token_ids and a.logprobs == b.logprobs and a.top_logprobs == b.top_logprobs
-            assert a.prompt_logprobs == b.prompt_logprobs and a.prompt_top_logprobs == b.prompt_top_logprobs
+    tiny.check_whole_steps(folder, quantization, lambda model: model.embed_tokens.weight.dtype == dtype)
 
 
 def test_a_step_past_the_partials_bound_runs_the_modules(checkpoints, monkeypatch):

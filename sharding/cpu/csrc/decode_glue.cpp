@@ -620,28 +620,29 @@ struct DecodeLayers : torch::CustomClassHolder {
   }
 
   // The step's two ends, for decode_step: the token embedding table ([vocab, hidden] float32, bfloat16 or float16;
-  // its rows widened to float32, exactly, as the embedding module's lookup and cast do), the first layer's input
-  // RMSNorm (float32 [hidden]), and the LM head: the one linear added after the last layer (add_linear or
-  // add_mixed_linear), over the hidden size
+  // its rows widened to float32, exactly, as the embedding module's lookup and cast do; none: the step is given the
+  // looked-up rows), the first layer's input RMSNorm (float32 [hidden]), and the LM head: the one linear added after
+  // the last layer (add_linear or add_mixed_linear), over the hidden size
   at::Tensor embedding, first_w;
   double first_eps = 0.0;
   std::optional<PlanLinear> head;
 
-  void set_ends(at::Tensor table, at::Tensor first_norm_w, double first_norm_eps) {
+  void set_ends(std::optional<at::Tensor> table, at::Tensor first_norm_w, double first_norm_eps) {
     TORCH_CHECK(!layers.empty() && pending.size() == 1,
                 "DecodeLayers.set_ends: add the layers, then the LM head's linear");
     const int64_t hidden = layers[0].qkv.k;
-    const auto dt = table.scalar_type();
-    TORCH_CHECK(table.dim() == 2 && table.size(0) > 0 && table.size(1) == hidden && table.is_contiguous() &&
-                    (dt == at::kFloat || dt == at::kBFloat16 || dt == at::kHalf),
-                "DecodeLayers.set_ends: an embedding table [vocab, hidden] of float32, bfloat16 or float16");
+    const auto dt = table.has_value() ? table->scalar_type() : at::kFloat;
+    TORCH_CHECK(!table.has_value() ||
+                    (table->dim() == 2 && table->size(0) > 0 && table->size(1) == hidden && table->is_contiguous() &&
+                     (dt == at::kFloat || dt == at::kBFloat16 || dt == at::kHalf)),
+                "DecodeLayers.set_ends: an embedding table [vocab, hidden] of float32, bfloat16 or float16, or None");
     TORCH_CHECK(first_norm_w.dim() == 1 && first_norm_w.size(0) == hidden &&
                     first_norm_w.scalar_type() == at::kFloat && first_norm_w.is_contiguous(),
                 "DecodeLayers.set_ends: a float32 norm weight [hidden]");
     TORCH_CHECK(pending[0].k == hidden, "DecodeLayers.set_ends: an LM head over the hidden size");
     head = std::move(pending[0]);
     pending.clear();
-    embedding = std::move(table);
+    embedding = table.has_value() ? std::move(*table) : at::Tensor();
     first_w = std::move(first_norm_w);
     first_eps = first_norm_eps;
   }
@@ -1475,14 +1476,14 @@ void embed_row(const at::Tensor& table, int64_t id, float* out) {
   }
 }
 
-// The layers of decode_layers and decode_step. `ids` (decode_step): the step's token ids, looked up in the plan's
-// embedding and normed by its first norm into h and x inside the team (else h and x come filled); `head_rows`
-// (decode_step, HR of them): the rows of the final norm's output that the plan's LM head turns into the returned
-// logits [HR, vocab] (nullptr with HR == B: every row). Without ids, the final norm's output is returned.
+// The layers of decode_layers and decode_step. `ids` (decode_step, with the plan's table): the step's token ids,
+// looked up in the table and normed by its first norm into h and x inside the team (else h and x come filled);
+// `with_head` (decode_step): the plan's LM head turns HR rows of the final norm's output, `head_rows` (nullptr with
+// HR == B: every row), into the returned logits [HR, vocab]. Without it, the final norm's output is returned.
 at::Tensor run_layers(const DecodeLayers& plan_ref, at::Tensor h, const at::Tensor& x, const at::Tensor& cos,
                       const at::Tensor& sin, const at::Tensor& slots, const at::Tensor& table, const at::Tensor& lens,
                       int64_t window, const std::optional<at::Tensor>& lora_slots, const int64_t* ids,
-                      const int64_t* head_rows, int64_t HR) {
+                      bool with_head, const int64_t* head_rows, int64_t HR) {
   const DecodeLayers* plan = &plan_ref;
   // every check before the team starts: an exception inside an OpenMP region cannot be caught
   const auto& layers = plan->layers;
@@ -1533,7 +1534,7 @@ at::Tensor run_layers(const DecodeLayers& plan_ref, at::Tensor h, const at::Tens
   }
   const int nt = std::max(1, at::get_num_threads());
   const std::vector<std::pair<int64_t, int64_t>> pieces = attention_pieces(tp, lp, B, MAXB, BS, layers[0].kv_heads, nt);
-  const PlanLinear* head = ids != nullptr ? &*plan->head : nullptr;  // the LM head, in decode_step
+  const PlanLinear* head = with_head ? &*plan->head : nullptr;  // the LM head, in decode_step
   bool int8_rows = head != nullptr && takes_rows(*head);  // whether any linear takes its input as int8 (VNNI)
   bool bf16_rows = head != nullptr && takes_bf16(*head);  // or as bfloat16
   for (const PlanLayer& l : layers) {
@@ -1902,23 +1903,34 @@ at::Tensor decode_layers(const c10::intrusive_ptr<DecodeLayers>& plan, at::Tenso
                          const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& slots,
                          const at::Tensor& table, const at::Tensor& lens, int64_t window,
                          const std::optional<at::Tensor>& lora_slots) {
-  return run_layers(*plan, std::move(h), x, cos, sin, slots, table, lens, window, lora_slots, nullptr, nullptr, 0);
+  return run_layers(*plan, std::move(h), x, cos, sin, slots, table, lens, window, lora_slots, nullptr, false, nullptr,
+                    0);
 }
 
 // A whole step of decode rows (or prompt tokens as rows) in one call: the token ids looked up in the plan's embedding
-// table, its first norm, every layer, the final norm and the LM head over `rows` (the tokens whose logits the step
-// returns; None: every token), on one team (set_ends). Returns the float32 logits [rows, vocab]: the same bits as
-// decode_layers between the embedding module's lookup and the head's linear op.
+// table (or, where the plan has none, the rows `h` the model looked up: [B, hidden] float32, updated in place as the
+// residual stream), its first norm, every layer, the final norm and the LM head over `rows` (the tokens whose logits
+// the step returns; None: every token), on one team (set_ends). Returns the float32 logits [rows, vocab]: the same
+// bits as decode_layers between the embedding module's lookup and the head's linear op.
 at::Tensor decode_step(const c10::intrusive_ptr<DecodeLayers>& plan, const at::Tensor& ids, const at::Tensor& cos,
                        const at::Tensor& sin, const at::Tensor& slots, const at::Tensor& table, const at::Tensor& lens,
                        int64_t window, const std::optional<at::Tensor>& lora_slots,
-                       const std::optional<at::Tensor>& rows) {
-  TORCH_CHECK(plan->has_ends(), "decode_step: a plan without its embedding and LM head (set_ends)");
+                       const std::optional<at::Tensor>& rows, const std::optional<at::Tensor>& h) {
+  TORCH_CHECK(plan->has_ends(), "decode_step: a plan without its LM head (set_ends)");
   TORCH_CHECK(ids.dim() == 1 && ids.size(0) > 0 && ids.scalar_type() == at::kLong && ids.is_contiguous(),
               "decode_step: ids [B] int64");
-  const int64_t B = ids.size(0), vocab = plan->embedding.size(0), hidden = plan->layers[0].qkv.k;
+  const int64_t B = ids.size(0), hidden = plan->layers[0].qkv.k;
+  const bool looked_up = !plan->embedding.defined();  // the caller's rows, not the plan's table
+  TORCH_CHECK(looked_up == h.has_value(), "decode_step: the looked-up rows h exactly where the plan has no table");
   const int64_t* ip = ids.data_ptr<int64_t>();
-  for (int64_t b = 0; b < B; ++b) TORCH_CHECK(ip[b] >= 0 && ip[b] < vocab, "decode_step: a token id out of range");
+  if (looked_up) {
+    TORCH_CHECK(h->dim() == 2 && h->size(0) == B && h->size(1) == hidden && h->scalar_type() == at::kFloat &&
+                    h->is_contiguous(),
+                "decode_step: h [B, hidden] float32, contiguous");
+  } else {
+    for (int64_t b = 0; b < B; ++b)
+      TORCH_CHECK(ip[b] >= 0 && ip[b] < plan->embedding.size(0), "decode_step: a token id out of range");
+  }
   const int64_t* rp = nullptr;
   int64_t R = B;
   if (rows.has_value()) {
@@ -1930,8 +1942,15 @@ at::Tensor decode_step(const c10::intrusive_ptr<DecodeLayers>& plan, const at::T
   }
   TORCH_CHECK(B > 1 || rp == nullptr || (R == 1 && rp[0] == 0) || R == 0, "decode_step: rows of a one-row step");
   const auto opts = at::TensorOptions().dtype(at::kFloat);
-  at::Tensor h = at::empty({B, hidden}, opts), x = at::empty({B, hidden}, opts);
-  return run_layers(*plan, h, x, cos, sin, slots, table, lens, window, lora_slots, ip, B == 1 ? nullptr : rp, R);
+  at::Tensor x = at::empty({B, hidden}, opts);
+  if (looked_up) {  // (the first norm here: the rows are the caller's)
+    tpserve::rms_norm_rows(h->data_ptr<float>(), plan->first_w.data_ptr<float>(), static_cast<float>(plan->first_eps),
+                           x.data_ptr<float>(), hidden, 0, B);
+    return run_layers(*plan, *h, x, cos, sin, slots, table, lens, window, lora_slots, nullptr, true,
+                      B == 1 ? nullptr : rp, R);
+  }
+  return run_layers(*plan, at::empty({B, hidden}, opts), x, cos, sin, slots, table, lens, window, lora_slots, ip, true,
+                    B == 1 ? nullptr : rp, R);
 }
 
 
@@ -1971,7 +1990,8 @@ TORCH_LIBRARY_FRAGMENT(tpserve, m) {
   m.def("decode_layers(__torch__.torch.classes.tpserve.DecodeLayers plan, Tensor(a!) h, Tensor x, Tensor cos, "
         "Tensor sin, Tensor slots, Tensor table, Tensor lens, int window, Tensor? lora_slots=None) -> Tensor");
   m.def("decode_step(__torch__.torch.classes.tpserve.DecodeLayers plan, Tensor ids, Tensor cos, Tensor sin, "
-        "Tensor slots, Tensor table, Tensor lens, int window, Tensor? lora_slots=None, Tensor? rows=None) -> Tensor");
+        "Tensor slots, Tensor table, Tensor lens, int window, Tensor? lora_slots=None, Tensor? rows=None, "
+        "Tensor(a!)? h=None) -> Tensor");
   m.def("moe_experts(__torch__.torch.classes.tpserve.MoeExperts plan, Tensor x, Tensor ids, Tensor weights) -> "
         "Tensor");
   m.def("moe_forward(__torch__.torch.classes.tpserve.MoeExperts plan, Tensor x, Tensor(a!)? counts=None, "
