@@ -1476,15 +1476,14 @@ void embed_row(const at::Tensor& table, int64_t id, float* out) {
   }
 }
 
-// The layers of decode_layers and decode_step. `ids` (decode_step, with the plan's table): the step's token ids,
-// looked up in the table and normed by its first norm into h and x inside the team (else h and x come filled);
-// `with_head` (decode_step): the plan's LM head turns HR rows of the final norm's output, `head_rows` (nullptr with
-// HR == B: every row), into the returned logits [HR, vocab]. Without it, the final norm's output is returned.
-at::Tensor run_layers(const DecodeLayers& plan_ref, at::Tensor h, const at::Tensor& x, const at::Tensor& cos,
+// The layers of decode_layers and decode_step. Without `ends` (decode_layers) h and x come filled and the final
+// norm's output is returned. With them (decode_step) the team fills h, from `ids` looked up in the plan's table or
+// (ids nullptr) as given, and norms it into x by the plan's first norm; at the end the plan's LM head turns HR rows of
+// the final norm's output, `head_rows` (nullptr with HR == B: every row), into the returned logits [HR, vocab].
+at::Tensor run_layers(const DecodeLayers* plan, at::Tensor h, const at::Tensor& x, const at::Tensor& cos,
                       const at::Tensor& sin, const at::Tensor& slots, const at::Tensor& table, const at::Tensor& lens,
-                      int64_t window, const std::optional<at::Tensor>& lora_slots, const int64_t* ids,
-                      bool with_head, const int64_t* head_rows, int64_t HR) {
-  const DecodeLayers* plan = &plan_ref;
+                      int64_t window, const std::optional<at::Tensor>& lora_slots, bool ends, const int64_t* ids,
+                      const int64_t* head_rows, int64_t HR) {
   // every check before the team starts: an exception inside an OpenMP region cannot be caught
   const auto& layers = plan->layers;
   TORCH_CHECK(!layers.empty(), "decode_layers: an empty plan");
@@ -1534,7 +1533,7 @@ at::Tensor run_layers(const DecodeLayers& plan_ref, at::Tensor h, const at::Tens
   }
   const int nt = std::max(1, at::get_num_threads());
   const std::vector<std::pair<int64_t, int64_t>> pieces = attention_pieces(tp, lp, B, MAXB, BS, layers[0].kv_heads, nt);
-  const PlanLinear* head = with_head ? &*plan->head : nullptr;  // the LM head, in decode_step
+  const PlanLinear* head = ends ? &*plan->head : nullptr;  // the LM head, in decode_step
   bool int8_rows = head != nullptr && takes_rows(*head);  // whether any linear takes its input as int8 (VNNI)
   bool bf16_rows = head != nullptr && takes_bf16(*head);  // or as bfloat16
   for (const PlanLayer& l : layers) {
@@ -1594,8 +1593,7 @@ at::Tensor run_layers(const DecodeLayers& plan_ref, at::Tensor h, const at::Tens
   std::vector<float> lora_parts(groups.size() > 0 ? nt * B * lstride : 0);
   if (groups.size() > 0)
     for (auto& u : lora_u) u.assign(B * lstride, 0.0f);
-  const float* x0 = x.data_ptr<float>();
-  float* xw = x.data_ptr<float>();  // (decode_step: filled by the team)
+  float* x0 = x.data_ptr<float>();  // (decode_step: filled by the team)
   MoeScratch moe;  // the MoE layers' (one at a time)
   if (moe_k > 0) moe_reserve(moe, B, moe_k, moe_h, moe_i, moe_e, moe_local, moe_si, opts);
   // One row (batch 1, the commonest decode step): every thread keeps its own copy of the row's residual stream h, of
@@ -1703,22 +1701,24 @@ at::Tensor run_layers(const DecodeLayers& plan_ref, at::Tensor h, const at::Tens
       add_row(hs, delta, hidden);
       tpserve::rms_norm_rows(hs, w.data_ptr<float>(), static_cast<float>(eps), xs, hidden, 0, 1);
     };
-    if (solo && ids != nullptr) {  // (every thread its own copy: the same bits)
-      embed_row(plan->embedding, ids[0], hs);
-      tpserve::rms_norm_rows(hs, plan->first_w.data_ptr<float>(), static_cast<float>(plan->first_eps), xs, hidden, 0,
-                             1);
-      xin = xs;
-      copy_input(layers[0].qkv, xs, xq_in, 0, 1);
-    } else if (solo) {
-      std::copy(hp, hp + hidden, hs);
+    // decode_step's start: row r of h looked up (or given) and normed into x, by whoever owns the row
+    const auto first_rows = [&](float* hrows, float* xrows, int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r) {
+        if (ids != nullptr) embed_row(plan->embedding, ids[r], hrows + (r - r0) * hidden);
+        tpserve::rms_norm_rows(hrows, plan->first_w.data_ptr<float>(), static_cast<float>(plan->first_eps), xrows,
+                               hidden, r - r0, r - r0 + 1);
+      }
+    };
+    if (solo) {  // (every thread its own copy: the same bits)
+      if (ids == nullptr) std::copy(hp, hp + hidden, hs);
+      if (ends) {
+        first_rows(hs, xs, 0, 1);
+        xin = xs;
+      }
       copy_input(layers[0].qkv, xin, xq_in, 0, 1);
     } else {
       share(B, a, b);
-      for (int64_t r = a; r < (ids != nullptr ? b : a); ++r) {
-        embed_row(plan->embedding, ids[r], hp + r * hidden);
-        tpserve::rms_norm_rows(hp, plan->first_w.data_ptr<float>(), static_cast<float>(plan->first_eps), xw, hidden,
-                               r, r + 1);
-      }
+      if (ends) first_rows(hp + a * hidden, x0 + a * hidden, a, b);
       copy_input(layers[0].qkv, xin, xq_x, a, b);
 #pragma omp barrier
     }
@@ -1903,8 +1903,8 @@ at::Tensor decode_layers(const c10::intrusive_ptr<DecodeLayers>& plan, at::Tenso
                          const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& slots,
                          const at::Tensor& table, const at::Tensor& lens, int64_t window,
                          const std::optional<at::Tensor>& lora_slots) {
-  return run_layers(*plan, std::move(h), x, cos, sin, slots, table, lens, window, lora_slots, nullptr, false, nullptr,
-                    0);
+  return run_layers(plan.get(), std::move(h), x, cos, sin, slots, table, lens, window, lora_slots, false, nullptr,
+                    nullptr, 0);
 }
 
 // A whole step of decode rows (or prompt tokens as rows) in one call: the token ids looked up in the plan's embedding
@@ -1942,15 +1942,8 @@ at::Tensor decode_step(const c10::intrusive_ptr<DecodeLayers>& plan, const at::T
   }
   TORCH_CHECK(B > 1 || rp == nullptr || (R == 1 && rp[0] == 0) || R == 0, "decode_step: rows of a one-row step");
   const auto opts = at::TensorOptions().dtype(at::kFloat);
-  at::Tensor x = at::empty({B, hidden}, opts);
-  if (looked_up) {  // (the first norm here: the rows are the caller's)
-    tpserve::rms_norm_rows(h->data_ptr<float>(), plan->first_w.data_ptr<float>(), static_cast<float>(plan->first_eps),
-                           x.data_ptr<float>(), hidden, 0, B);
-    return run_layers(*plan, *h, x, cos, sin, slots, table, lens, window, lora_slots, nullptr, true,
-                      B == 1 ? nullptr : rp, R);
-  }
-  return run_layers(*plan, at::empty({B, hidden}, opts), x, cos, sin, slots, table, lens, window, lora_slots, ip, true,
-                    B == 1 ? nullptr : rp, R);
+  return run_layers(plan.get(), looked_up ? *h : at::empty({B, hidden}, opts), at::empty({B, hidden}, opts), cos, sin,
+                    slots, table, lens, window, lora_slots, true, looked_up ? nullptr : ip, B == 1 ? nullptr : rp, R);
 }
 
 
